@@ -1,0 +1,51 @@
+"""Benchmarks: `python scripts/bench.py NAME [NAME ...] [--json OUT]`.
+
+Every benchmark reports ratios measured side by side in one run (never absolute targets inside
+tests). Each area owns its benchmark next to its code; this file only dispatches:
+
+  kda      chunked vs recurrent KDA reference (and the Pallas kernel on GPU/TPU)
+  dsa      token-sparse vs dense causal attention by length, crossover
+  mxfp4    MXFP4 vs bf16 bytes and matmul time (decode M=8, prefill M=2048)
+  sandbox  isolated runs/s and latency vs a plain subprocess, and through the HTTP server
+  rl       sampler with cache vs recompute, train step time, RL iteration split
+  moe      expert-parallel dispatch vs local dispatch on 8 host devices
+"""
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+BENCHMARKS = {
+    "kda": "pallas_kernels.kda.bench",
+    "dsa": "pallas_kernels.dsa.bench",
+    "mxfp4": "pallas_kernels.mxfp4.bench",
+    "sandbox": "sandbox.bench",
+    "rl": "rl.bench",
+    "moe": "model.bench_moe",
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("names", nargs="+", choices=sorted(BENCHMARKS) + ["all"])
+    p.add_argument("--json", help="write all results to this JSON file")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    args = p.parse_args(argv)
+    names = sorted(BENCHMARKS) if "all" in args.names else args.names
+    results = {}
+    for name in names:
+        mod = importlib.import_module(BENCHMARKS[name])
+        print(f"== {name} ==", flush=True)
+        results[name] = mod.run(quick=args.quick)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

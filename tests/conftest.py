@@ -1,0 +1,26 @@
+"""Shared test setup: a persistent JAX compilation cache under .cache/ (git-ignored), f32 matmuls.
+
+Tests stay tiny (2 layers, d_model <= 128, T <= 64) so the whole suite fits in 15 minutes on
+2 CPU cores.
+"""
+
+import os
+import pathlib
+
+os.environ.setdefault("XLA_FLAGS", "")
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "jax"
+CACHE.mkdir(parents=True, exist_ok=True)
+jax.config.update("jax_compilation_cache_dir", str(CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def interpret() -> bool:
+    """Pallas kernels run in interpret mode unless a GPU/TPU backend is present."""
+    return jax.default_backend() == "cpu"
