@@ -1,0 +1,146 @@
+"""DeepSeek Sparse Attention layer: MLA (absorbed, MQA over a latent KV) + lightning indexer.
+
+  q_a   = RMSNorm(W_qa x)                                  # [B,T,q_lora]
+  q     = W_qb q_a -> q_nope [B,T,H,n], q_pe [B,T,H,r]      (RoPE on q_pe)
+  c_kv  = W_kva x -> latent c [B,T,L] (RMSNorm) | k_pe [B,T,r] shared by heads (RoPE)
+  MLA absorbed: q_lat = q_nope W_uk  (per head, [n] -> [L]);  kv = [c ; k_pe]  [B,S,L+r]
+  indexer: q_I = W_Iq q_a [B,T,HI,DI], k_I = LayerNorm(W_Ik x) [B,S,DI] (partial RoPE on the first
+           index_rope_dim channels), w = W_Iw x [B,T,HI] * HI^-1/2 * DI^-1/2
+           I[t,s] = sum_j w[t,j] relu(q_I[t,j] . k_I[s]) ; top-k keys per query (causal)
+  o_lat = sparse_attention(q=[q_lat; q_pe], kv, top-k indices)   # [B,T,H,L]
+  out   = W_o (o_lat W_uv)                                 # W_uv: per head [L] -> [v_head_dim]
+
+The decode cache holds only the latent row kv [B,S,L+r] and the indexer key [B,S,DI] per token.
+
+Indexer training (DeepSeek-V3.2): `indexer_stage="dense_warmup"` attends densely and trains the
+indexer with KL(p || softmax(I)) over all causal keys, p = head-averaged main attention; the
+"sparse" stage attends through the top-k selection and takes the KL over the selected keys only.
+In both, p is a stop-gradient target and the indexer's inputs are detached, so the KL trains only
+the indexer (freezing the rest during warm-up is the optimizer's job: mask the other params).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.config import DSAConfig
+from model.layers.linear import dense
+from model.layers.norms import LayerNorm, RMSNorm
+from model.layers.rope import apply_rope
+from pallas_kernels.dsa import ops as dsa_ops
+
+
+def write_rows(buf: jax.Array, new: jax.Array, offset: jax.Array) -> jax.Array:
+    """buf [B,S,...] <- new [B,T,...] at rows offset[b] .. offset[b]+T (per batch row)."""
+    return jax.vmap(lambda b, n, o: jax.lax.dynamic_update_slice_in_dim(b, n, o, axis=0))(
+        buf, new.astype(buf.dtype), offset)
+
+
+def causal_mask(T: int, S: int, q_offset: jax.Array) -> jax.Array:
+    """[B,T,S] bool: key s visible to query t of row b iff s <= t + q_offset[b]."""
+    t = jnp.arange(T)[None, :, None] + q_offset[:, None, None]
+    return jnp.arange(S)[None, None, :] <= t
+
+
+def indexer_kl(q, kv, scores, key_mask, valid_q, scale) -> jax.Array:
+    """Mean over valid queries of KL(p || softmax(I)) over the keys in key_mask.
+
+    q [B,T,H,D], kv [B,S,D], scores [B,T,S] (indexer logits), key_mask [B,T,S] bool.
+    p = head-averaged main attention restricted to key_mask, a stop-gradient target.
+    """
+    logits = jnp.einsum("bthd,bsd->bhts", q.astype(jnp.float32), kv.astype(jnp.float32)) * scale
+    logits = jnp.where(key_mask[:, None], logits, -jnp.inf)
+    p = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=1)  # [B,T,S]
+    p = jax.lax.stop_gradient(jnp.where(key_mask, p, 0.0))
+    log_q = jax.nn.log_softmax(jnp.where(key_mask, scores, -jnp.inf), axis=-1)
+    log_p = jnp.log(jnp.where(p > 0, p, 1.0))
+    kl = jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1)  # [B,T]
+    n = jnp.maximum(jnp.sum(valid_q), 1)
+    return jnp.sum(jnp.where(valid_q, kl, 0.0)) / n
+
+
+class DSALayer(nn.Module):
+    cfg: DSAConfig
+    d_model: int
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, *, valid, positions, cache=None, offset=None):
+        """x [B,T,D], valid [B,T], positions [B,T]; with a cache, offset [B] = tokens already in it.
+
+        Returns (out [B,T,D], new cache or None, aux {"indexer_kl": scalar} when trained).
+        """
+        c = self.cfg
+        B, T, _ = x.shape
+        H, L, R, N = c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim
+        HI, DI = c.index_n_heads, c.index_head_dim
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        pkw = dict(eps=self.eps, param_dtype=self.param_dtype)
+
+        q_a = RMSNorm(name="q_a_norm", **pkw)(dense(c.q_lora_rank, ("embed", "q_lora"), "q_a", **kw)(x))
+        q = dense(H * (N + R), ("q_lora", "heads"), "q_b", **kw)(q_a).reshape(B, T, H, N + R)
+        q_nope, q_pe = q[..., :N], apply_rope(q[..., N:], positions, c.rope_theta)
+        ckv = dense(L + R, ("embed", "kv_lora"), "kv_a", **kw)(x)  # [B,T,L+R]
+        latent = RMSNorm(name="kv_a_norm", **pkw)(ckv[..., :L])
+        k_pe = apply_rope(ckv[..., L:], positions, c.rope_theta)
+        kv_new = jnp.concatenate([latent, k_pe], axis=-1)  # [B,T,L+R]
+        w_uk = self.param("w_uk", nn.with_logical_partitioning(
+            nn.initializers.normal(N ** -0.5), ("heads", "head_dim", "kv_lora")), (H, N, L),
+            self.param_dtype)
+        w_uv = self.param("w_uv", nn.with_logical_partitioning(
+            nn.initializers.normal(L ** -0.5), ("heads", "kv_lora", "head_dim")),
+            (H, L, c.v_head_dim), self.param_dtype)
+        q_lat = jnp.einsum("bthn,hnl->bthl", q_nope, w_uk.astype(q_nope.dtype))
+        q_full = jnp.concatenate([q_lat, q_pe], axis=-1)  # [B,T,H,L+R]
+
+        # Lightning indexer (inputs detached: its KL loss trains only the indexer).
+        xi, q_ai = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_a)
+        q_idx = dense(HI * DI, ("q_lora", "heads"), "idx_q", **kw)(q_ai).reshape(B, T, HI, DI)
+        q_idx = apply_rope(q_idx, positions, c.rope_theta, c.index_rope_dim)
+        k_idx_new = LayerNorm(name="idx_k_norm", **pkw)(dense(DI, ("embed", "head_dim"), "idx_k", **kw)(xi))
+        k_idx_new = apply_rope(k_idx_new, positions, c.rope_theta, c.index_rope_dim)  # [B,T,DI]
+        w_idx = dense(HI, ("embed", "heads"), "idx_w", **kw)(xi).astype(jnp.float32)
+        w_idx = w_idx * (HI ** -0.5) * (DI ** -0.5)  # [B,T,HI]
+
+        if cache is None:
+            kv, k_idx, q_offset = kv_new, k_idx_new, jnp.zeros((B,), jnp.int32)
+            new_cache = None
+        else:
+            kv = write_rows(cache["kv"], kv_new, offset)  # [B,S,L+R]
+            k_idx = write_rows(cache["k_idx"], k_idx_new, offset)  # [B,S,DI]
+            q_offset = offset.astype(jnp.int32)
+            new_cache = {"kv": kv, "k_idx": k_idx}
+
+        scale = c.qk_head_dim ** -0.5
+        scores = dsa_ops.indexer_scores(q_idx, k_idx.astype(q_idx.dtype), w_idx, impl=c.impl)
+        S = kv.shape[1]
+        dense_stage = c.indexer_stage == "dense_warmup"
+        if dense_stage:
+            o_lat = dsa_ops.dense_causal_attention(q_full, kv.astype(q_full.dtype), scale=scale,
+                                                   v_dim=L, q_offset=q_offset)
+        else:
+            idx = dsa_ops.select_topk(scores, c.index_topk, q_offset=q_offset)  # [B,T,k]
+            o_lat = dsa_ops.sparse_attention(q_full, kv.astype(q_full.dtype), idx, scale=scale,
+                                             v_dim=L, impl=c.impl)
+        o = jnp.einsum("bthl,hlv->bthv", o_lat, w_uv.astype(o_lat.dtype))  # [B,T,H,v]
+        out = dense(self.d_model, ("heads", "embed"), "out", **kw)(o.reshape(B, T, -1))
+
+        aux = {}
+        if cache is None and c.indexer_loss_weight > 0:
+            key_mask = causal_mask(T, S, q_offset)
+            if not dense_stage:
+                bi = jnp.arange(B)[:, None, None]
+                ti = jnp.arange(T)[None, :, None]
+                sel = jnp.zeros((B, T, S + 1), bool).at[bi, ti, jnp.where(idx >= 0, idx, S)].set(True)
+                key_mask = key_mask & sel[..., :S]
+            aux["indexer_kl"] = indexer_kl(jax.lax.stop_gradient(q_full),
+                                           jax.lax.stop_gradient(kv), scores, key_mask, valid,
+                                           scale)
+        return out, new_cache, aux
+
+    @staticmethod
+    def init_cache(cfg: DSAConfig, batch: int, max_len: int, dtype) -> dict:
+        return {"kv": jnp.zeros((batch, max_len, cfg.latent_dim), dtype),
+                "k_idx": jnp.zeros((batch, max_len, cfg.index_head_dim), dtype)}

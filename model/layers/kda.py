@@ -1,0 +1,126 @@
+"""Kimi Delta Attention (KDA) layer: gated delta-rule linear attention with channel-wise decay.
+
+  q, k, v = SiLU(causal depthwise conv_4(W x))          # short conv over time, per channel
+  q, k    = L2-normalised per head
+  g       = -exp(A_log[h]) * softplus(W_up W_down x + dt_bias)   # [B,T,H,K], log-decay <= 0
+            (or lower_bound * sigmoid(exp(A_log[h]) * (W_up W_down x + dt_bias)) when configured)
+  beta    = sigmoid(W_b x)                               # [B,T,H]
+  o       = KDA(q, k, v, g, beta)                        # pallas_kernels.kda.ops
+  out     = W_o (RMSNorm_head(o) * sigmoid(W_gu W_gd x))
+
+Padding: tokens with valid=False get g=0, beta=0, so they leave the recurrent state untouched
+(rows of different lengths share one call). The decode cache holds the last conv_size-1 conv
+inputs of every row and the [B,H,K,V] f32 state.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.config import KDAConfig
+from model.layers.linear import dense
+from model.layers.norms import l2_normalize, rms_norm
+from pallas_kernels.kda import ops as kda_ops
+
+
+def causal_depthwise_conv(x: jax.Array, w: jax.Array, window: jax.Array,
+                          lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise conv with a carried window.
+
+    x: [B,T,C] new inputs; w: [W,C]; window: [B,W-1,C] the previous W-1 inputs (zeros at start);
+    lengths: [B] number of valid new inputs per row. Returns (y [B,T,C], new window [B,W-1,C]
+    = the last W-1 inputs up to each row's length).
+    """
+    W = w.shape[0]
+    T = x.shape[1]
+    xp = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B,W-1+T,C]
+    y = sum(xp[:, j:j + T, :] * w[j] for j in range(W))  # y[t] = sum_j w[j] x[t+j-(W-1)]
+    new_window = jax.vmap(
+        lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, W - 1, axis=0))(xp, lengths)
+    return y, new_window
+
+
+class KDALayer(nn.Module):
+    cfg: KDAConfig
+    d_model: int
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, *, valid, positions=None, cache=None, offset=None):
+        """x: [B,T,D]; valid: [B,T] bool. Returns (out [B,T,D], new cache or None, aux {}).
+
+        positions and offset are unused (KDA carries position in its state); they keep the
+        attention-layer signature uniform.
+        """
+        del positions, offset
+        c = self.cfg
+        B, T, _ = x.shape
+        H, K, V, W = c.num_heads, c.k_dim, c.v_dim, c.conv_size
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        C = H * (2 * K + V)
+
+        qkv = dense(C, ("embed", "heads"), "qkv", **kw)(x)  # [B,T,C]
+        conv_w = self.param("conv", nn.with_logical_partitioning(
+            nn.initializers.normal(W ** -0.5), ("conv", "heads")), (W, C), self.param_dtype)
+        lengths = jnp.sum(valid, axis=1).astype(jnp.int32)  # [B]
+        window = cache["conv"] if cache is not None else jnp.zeros((B, W - 1, C), qkv.dtype)
+        qkv, new_window = causal_depthwise_conv(qkv, conv_w.astype(qkv.dtype), window, lengths)
+        qkv = nn.silu(qkv)
+        q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
+        q = l2_normalize(q.reshape(B, T, H, K))  # [B,T,H,K]
+        k = l2_normalize(k.reshape(B, T, H, K))  # [B,T,H,K]
+        v = v.reshape(B, T, H, V)  # [B,T,H,V]
+
+        # Low-rank channel-wise decay gate.
+        f = dense(c.rank, ("embed", "rank"), "gate_down", **kw)(x)
+        f = dense(H * K, ("rank", "heads"), "gate_up", **kw)(f).reshape(B, T, H, K)
+        a_log = self.param("A_log", nn.with_logical_partitioning(
+            lambda key, s, d: jnp.log(jax.random.uniform(key, s, d, 1.0, 16.0)), ("heads",)),
+            (H,), jnp.float32)
+        dt_bias = self.param("dt_bias", nn.with_logical_partitioning(
+            _dt_bias_init, ("heads",)), (H * K,), jnp.float32)
+        f = f.astype(jnp.float32) + dt_bias.reshape(H, K)
+        a = jnp.exp(a_log)[:, None]  # [H,1]
+        if c.gate_lower_bound is None:
+            g = -a * jax.nn.softplus(f)  # [B,T,H,K]
+        else:
+            g = c.gate_lower_bound * jax.nn.sigmoid(a * f)
+        beta = jax.nn.sigmoid(
+            dense(H, ("embed", "heads"), "beta", **kw)(x).astype(jnp.float32))  # [B,T,H]
+        g = jnp.where(valid[:, :, None, None], g, 0.0)
+        beta = jnp.where(valid[:, :, None], beta, 0.0)
+
+        state = cache["state"] if cache is not None else None
+        if cache is not None and T == 1:
+            o, new_state = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+            o = o[:, None]
+        else:
+            o, new_state = kda_ops.kda(q, k, v, g, beta, initial_state=state,
+                                       output_final_state=cache is not None,
+                                       chunk_size=c.chunk_size, impl=c.impl)
+        # o: [B,T,H,V]
+
+        norm_w = self.param("o_norm", nn.with_logical_partitioning(
+            nn.initializers.ones, ("norm",)), (V,), self.param_dtype)
+        o = rms_norm(o.astype(jnp.float32), norm_w, self.eps)
+        gate = dense(c.rank, ("embed", "rank"), "ogate_down", **kw)(x)
+        gate = dense(H * V, ("rank", "heads"), "ogate_up", **kw)(gate).reshape(B, T, H, V)
+        o = (o * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
+        out = dense(self.d_model, ("heads", "embed"), "out", **kw)(o.reshape(B, T, H * V))
+        new_cache = None if cache is None else {"conv": new_window.astype(cache["conv"].dtype),
+                                                "state": new_state}
+        return out, new_cache, {}
+
+    @staticmethod
+    def init_cache(cfg: KDAConfig, batch: int, max_len: int, dtype) -> dict:
+        del max_len  # O(1) state: independent of context length
+        C = cfg.num_heads * (2 * cfg.k_dim + cfg.v_dim)
+        return {"conv": jnp.zeros((batch, cfg.conv_size - 1, C), dtype),
+                "state": jnp.zeros((batch, cfg.num_heads, cfg.k_dim, cfg.v_dim), jnp.float32)}
+
+
+def _dt_bias_init(key, shape, dtype):
+    dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, jnp.log(1e-3), jnp.log(1e-1)))
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # inverse softplus

@@ -1,0 +1,95 @@
+"""Tokenizers: a byte-level default (no files needed) and optional `tokenizers`/sentencepiece files.
+
+ByteTokenizer ids: 0 PAD, 1 BOS, 2 EOS, 3..258 the bytes 0..255 (vocab_size 259). Text is UTF-8;
+decoding replaces invalid byte sequences (a sampled id stream need not be valid UTF-8).
+
+Chat template (plain text, so a byte model can learn it):
+    "<|user|>\n{prompt}\n<|assistant|>\n"   then the completion, then EOS.
+`load_tokenizer(path)` wraps a HuggingFace `tokenizer.json` or a sentencepiece `.model` file in the
+same interface (pip install .[tokenizers]).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+USER, ASSISTANT = "<|user|>\n", "\n<|assistant|>\n"
+
+
+class ByteTokenizer:
+    pad_id, bos_id, eos_id = 0, 1, 2
+    offset = 3
+    vocab_size = 259
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = [b + self.offset for b in text.encode("utf-8")]
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: Sequence[int], *, stop_at_eos: bool = True) -> str:
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id and stop_at_eos:
+                break
+            if i >= self.offset:
+                out.append(i - self.offset)
+        return out.decode("utf-8", errors="replace")
+
+    def chat_prompt(self, prompt: str) -> str:
+        return f"{USER}{prompt}{ASSISTANT}"
+
+
+class _Wrapped:
+    """Same interface over a `tokenizers.Tokenizer` or a sentencepiece processor."""
+
+    def __init__(self, enc, dec, vocab_size, pad_id, bos_id, eos_id):
+        self._enc, self._dec = enc, dec
+        self.vocab_size, self.pad_id, self.bos_id, self.eos_id = vocab_size, pad_id, bos_id, eos_id
+
+    def encode(self, text, *, bos=False, eos=False):
+        ids = list(self._enc(text))
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids, *, stop_at_eos=True):
+        ids = [int(i) for i in ids]
+        if stop_at_eos and self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self._dec(ids)
+
+    chat_prompt = ByteTokenizer.chat_prompt
+
+
+def load_tokenizer(path: str | None = None):
+    """None -> ByteTokenizer; *.json -> HuggingFace tokenizers; *.model -> sentencepiece."""
+    if path is None or path == "byte":
+        return ByteTokenizer()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
+    if path.endswith(".json"):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise ImportError("loading a tokenizer.json needs `pip install tokenizers`") from e
+        tok = Tokenizer.from_file(path)
+
+        def special(*names):
+            for n in names:
+                i = tok.token_to_id(n)
+                if i is not None:
+                    return i
+            raise ValueError(f"{path}: none of the special tokens {names} is in the vocabulary")
+        return _Wrapped(lambda t: tok.encode(t, add_special_tokens=False).ids,
+                        lambda ids: tok.decode(ids), tok.get_vocab_size(),
+                        special("<pad>", "[PAD]", "<|endoftext|>", "</s>"),
+                        special("<s>", "<bos>", "[CLS]", "<|begin_of_text|>", "<|endoftext|>"),
+                        special("</s>", "<eos>", "[SEP]", "<|end_of_text|>", "<|endoftext|>"))
+    if path.endswith(".model"):
+        try:
+            import sentencepiece as spm
+        except ImportError as e:
+            raise ImportError("loading a .model file needs `pip install sentencepiece`") from e
+        sp = spm.SentencePieceProcessor(model_file=path)
+        pad = sp.pad_id() if sp.pad_id() >= 0 else sp.unk_id()
+        return _Wrapped(sp.encode, sp.decode, sp.get_piece_size(), pad, sp.bos_id(), sp.eos_id())
+    raise ValueError(f"unknown tokenizer file type {path!r}: expected a .json or .model file")

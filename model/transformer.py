@@ -1,0 +1,195 @@
+"""The hybrid stack: KDA / DSA attention layers (from the pattern string), MoE or dense FFNs, MTP.
+
+Public entry points live on `Model`, a thin stateless facade over the Linen module:
+
+    model = Model(ModelConfig.from_dict(configs.models.get_config("test")))
+    variables = model.init(jax.random.key(0))             # {"params": ..., "router_state": ...}
+    out = model.apply(variables, tokens)                   # training: ModelOutput
+    cache = model.init_cache(batch=B, max_len=S)
+    logits, cache = model.prefill(variables, tokens, lengths, cache)   # right-padded prompts
+    logits, cache = model.decode_step(variables, next_tokens, cache)   # [B] -> [B,V]
+
+Layer kinds come from `ModelConfig.layer_kinds()` and the `ATTENTION` table (letter -> layer class
+and the name of its sub-config); nothing below branches on the model type.
+
+The cache is a plain pytree: {"lengths": [B] int32 tokens held per row, "layers": (per-layer
+cache, ...)}; KDA layers hold a conv window and a [B,H,K,V] f32 state, DSA layers the latent KV
+and indexer keys for every position < max_len.
+
+Not covered here: MTP speculative decoding (drafting with the MTP head during decode) lives in
+rl/sampler.py; the MTP block itself is only run in training/scoring forwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.layers.dsa import DSALayer
+from model.layers.embeddings import Embedder
+from model.layers.kda import KDALayer
+from model.layers.linear import MLP
+from model.layers.moe import MoE
+from model.layers.mtp import MTPCombine
+from model.layers.norms import RMSNorm
+
+# layer letter -> (attention module, ModelConfig field holding its sub-config)
+ATTENTION = {"K": (KDALayer, "kda"), "D": (DSALayer, "dsa")}
+
+PAD_ID = 0
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    logits: jax.Array  # [B,T,V] f32, predicts token t+1
+    hidden: jax.Array  # [B,T,D] trunk output before the final norm
+    mtp_logits: jax.Array | None  # [depth,B,T,V], depth k predicts token t+k+1
+    balance_loss: jax.Array  # scalar, sum over MoE layers (without the coefficient)
+    indexer_kl: jax.Array  # scalar, sum over DSA layers
+    expert_counts: jax.Array | None  # [n_moe_layers, E] assignments per expert
+    router: dict[str, jax.Array] | None  # stats stacked over MoE layers
+
+
+def _dtype(name: str):
+    return jnp.dtype(name)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)); x + ffn(norm(x))."""
+
+    cfg: ModelConfig
+    kind: str
+    moe: bool
+
+    @nn.compact
+    def __call__(self, x, *, valid, positions, cache=None, offset=None):
+        c = self.cfg
+        dt, pdt = _dtype(c.dtype), _dtype(c.param_dtype)
+        layer_cls, sub = ATTENTION[self.kind]
+        attn = layer_cls(getattr(c, sub), c.d_model, c.norm_eps, dt, pdt, name="attn")
+        h = RMSNorm(c.norm_eps, pdt, name="attn_norm")(x)
+        a, new_cache, aux = attn(h, valid=valid, positions=positions, cache=cache, offset=offset)
+        x = x + a
+        h = RMSNorm(c.norm_eps, pdt, name="ffn_norm")(x)
+        if self.moe:
+            f, moe_aux = MoE(c.moe, c.d_model, dt, pdt, name="ffn")(h, valid=valid)
+            aux = {**aux, **moe_aux}
+        else:
+            f = MLP(c.moe.dense_dim, dt, pdt, name="ffn")(h)
+        return x + f, new_cache, aux
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        dt, pdt = _dtype(c.dtype), _dtype(c.param_dtype)
+        self.embed = Embedder(c.vocab_size, c.d_model, c.tie_embeddings, dt, pdt)
+        self.blocks = [Block(c, kind, c.is_moe_layer(i), name=f"layer_{i}")
+                       for i, kind in enumerate(c.layer_kinds())]
+        self.final_norm = RMSNorm(c.norm_eps, pdt)
+        self.mtp_combine = [MTPCombine(c.d_model, c.norm_eps, dt, pdt, name=f"mtp_{k}_combine")
+                            for k in range(c.mtp.depth)]
+        self.mtp_blocks = [Block(c, c.mtp.layer_kind, c.moe.num_experts > 0, name=f"mtp_{k}_block")
+                           for k in range(c.mtp.depth)]
+        self.mtp_norms = [RMSNorm(c.norm_eps, pdt, name=f"mtp_{k}_norm")
+                          for k in range(c.mtp.depth)]
+
+    def __call__(self, tokens, valid=None, cache=None, with_mtp=True):
+        """tokens [B,T] int32; valid [B,T] bool (default all). With a cache: chunked prefill /
+        decode, rows start at cache["lengths"]. Returns (ModelOutput, new cache or None)."""
+        B, T = tokens.shape
+        if valid is None:
+            valid = jnp.ones((B, T), bool)
+        offset = None if cache is None else cache["lengths"]
+        base = jnp.zeros((B,), jnp.int32) if offset is None else offset
+        positions = base[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B,T]
+        x = self.embed.encode(tokens)  # [B,T,D]
+        new_layers, auxes = [], []
+        for i, blk in enumerate(self.blocks):
+            lc = None if cache is None else cache["layers"][i]
+            x, nc, aux = blk(x, valid=valid, positions=positions, cache=lc, offset=offset)
+            new_layers.append(nc)
+            auxes.append(aux)
+        hidden = x
+        logits = self.embed.decode(self.final_norm(x))
+
+        mtp_logits = None
+        if self.cfg.mtp.depth and cache is None and with_mtp:
+            outs, h = [], hidden
+            for k in range(self.cfg.mtp.depth):
+                shift = k + 1
+                nxt = jnp.pad(tokens[:, shift:], ((0, 0), (0, shift)), constant_values=PAD_ID)
+                vk = valid & jnp.pad(valid[:, shift:], ((0, 0), (0, shift)))
+                h = self.mtp_combine[k](h, self.embed.encode(nxt))
+                h, _, aux = self.mtp_blocks[k](h, valid=vk, positions=positions)
+                auxes.append(aux)
+                outs.append(self.embed.decode(self.mtp_norms[k](h)))
+            mtp_logits = jnp.stack(outs)
+
+        moe_aux = [a for a in auxes if "expert_counts" in a]
+        zero = jnp.zeros((), jnp.float32)
+        out = ModelOutput(
+            logits=logits,
+            hidden=hidden,
+            mtp_logits=mtp_logits,
+            balance_loss=sum((a["balance_loss"] for a in moe_aux), zero),
+            indexer_kl=sum((a["indexer_kl"] for a in auxes if "indexer_kl" in a), zero),
+            expert_counts=jnp.stack([a["expert_counts"] for a in moe_aux]) if moe_aux else None,
+            router=(jax.tree.map(lambda *xs: jnp.stack(xs), *[a["router"] for a in moe_aux])
+                    if moe_aux else None),
+        )
+        new_cache = None
+        if cache is not None:
+            new_cache = {"lengths": cache["lengths"] + jnp.sum(valid, axis=1).astype(jnp.int32),
+                         "layers": tuple(new_layers)}
+        return out, new_cache
+
+
+class Model:
+    """Stateless facade: every method is a pure function of (variables, inputs[, cache])."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.net = Transformer(cfg)
+
+    def init(self, rng: jax.Array, *, seq_len: int = 8) -> dict[str, Any]:
+        tokens = jnp.zeros((1, seq_len), jnp.int32)
+        variables = self.net.init({"params": rng}, tokens)
+        return nn.meta.unbox(variables)
+
+    def abstract_init(self, *, seq_len: int = 8):
+        """Shapes/dtypes of the variables without allocating (jax.eval_shape); boxed with their
+        logical axis names (nn.Partitioned) for sharding."""
+        tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+        return jax.eval_shape(lambda t: self.net.init({"params": jax.random.key(0)}, t), tokens)
+
+    def apply(self, variables, tokens, valid=None, *, with_mtp: bool = True) -> ModelOutput:
+        out, _ = self.net.apply(variables, tokens, valid, None, with_mtp)
+        return out
+
+    def init_cache(self, batch: int, max_len: int) -> dict[str, Any]:
+        c = self.cfg
+        dt = _dtype(c.dtype)
+        layers = tuple(ATTENTION[k][0].init_cache(getattr(c, ATTENTION[k][1]), batch, max_len, dt)
+                       for k in c.layer_kinds())
+        return {"lengths": jnp.zeros((batch,), jnp.int32), "layers": layers}
+
+    def prefill(self, variables, tokens, lengths, cache):
+        """tokens [B,T] right-padded, lengths [B]. Returns (logits [B,T,V], cache, hidden)."""
+        valid = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
+        out, cache = self.net.apply(variables, tokens, valid, cache)
+        return out.logits, cache, out.hidden
+
+    def decode_step(self, variables, tokens, cache, active=None):
+        """tokens [B] (the last sampled token per row); active [B] bool rows to advance
+        (default all). Returns (logits [B,V], cache, hidden [B,D])."""
+        valid = jnp.ones((tokens.shape[0], 1), bool) if active is None else active[:, None]
+        out, cache = self.net.apply(variables, tokens[:, None], valid, cache)
+        return out.logits[:, 0], cache, out.hidden[:, 0]

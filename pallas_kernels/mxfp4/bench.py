@@ -1,0 +1,102 @@
+"""MXFP4 vs bf16 benchmark: `python scripts/bench.py mxfp4 [--quick]`.
+
+Side by side in one run, per problem (decode-shaped M = 8, prefill-shaped M = 2048; shapes from
+`arg_specs.BENCH_SPECS`):
+  * weight bytes: MXFP4 (4.25 bits / element) vs bf16 -> ratio, expected 17/64 = 0.2656;
+  * time of y = x @ W.T for bf16 W vs MXFP4 W through `mxfp4_matmul` (impl "auto": the XLA
+    reference on CPU, which dequantizes every call, and the Pallas kernel on GPU/TPU), and on an
+    accelerator also the XLA reference next to the kernel;
+  * on GPU/TPU: achieved HBM bandwidth of the kernel = bytes it must read and write / time, as a
+    fraction of the peak (H200: 4.8 TB/s; override with MXFP4_BENCH_PEAK_BW in bytes/s).
+Timings are medians over repeats after a warm-up; nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mxfp4 import arg_specs
+from pallas_kernels.mxfp4.ops import dequantize, mxfp4_matmul
+
+PEAK_BW = {"gpu": 4.8e12, "tpu": 8.19e11}  # bytes/s: H200 HBM3e; TPU v5e (override by env)
+
+
+def _time(fn, *args, min_reps: int = 3, budget_s: float = 1.0) -> float:
+    """Median wall seconds of fn(*args) after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    times: list[float] = []
+    t_end = time.perf_counter() + budget_s
+    while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < 50):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@jax.jit
+def _bf16_matmul(x, w):
+    return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def run(quick: bool = False) -> dict:
+    platform = jax.default_backend()
+    on_device = platform in ("gpu", "tpu")
+    specs = arg_specs.BENCH_SPECS["quick" if quick else ("device" if on_device else "full")]
+    peak = float(os.environ.get("MXFP4_BENCH_PEAK_BW", PEAK_BW.get(platform, 0.0)))
+    budget = 0.3 if quick else 1.0
+    results: dict = {"platform": platform, "device": str(jax.devices()[0]), "problems": {}}
+    rows = []
+    for spec in specs:
+        x, w = arg_specs.make_matmul_args(spec)
+        w_bf16 = dequantize(w, jnp.bfloat16)
+        bytes_bf16 = spec.n * spec.k * 2
+        r = {
+            "m": spec.m,
+            "n": spec.n,
+            "k": spec.k,
+            "bytes_mxfp4": w.nbytes,
+            "bytes_bf16": bytes_bf16,
+            "bytes_ratio": w.nbytes / bytes_bf16,
+        }
+        r["t_bf16_s"] = _time(_bf16_matmul, x, w_bf16, budget_s=budget)
+        r["t_mxfp4_s"] = _time(lambda a, b: mxfp4_matmul(a, b), x, w, budget_s=budget)
+        r["time_ratio"] = r["t_mxfp4_s"] / r["t_bf16_s"]
+        if on_device:
+            r["t_mxfp4_xla_s"] = _time(
+                lambda a, b: mxfp4_matmul(a, b, impl="xla"), x, w, budget_s=budget
+            )
+            moved = w.nbytes + x.size * x.dtype.itemsize + spec.m * spec.n * x.dtype.itemsize
+            r["kernel_bw_bytes_per_s"] = moved / r["t_mxfp4_s"]
+            r["bf16_bw_bytes_per_s"] = (bytes_bf16 + 2 * x.size * 2) / r["t_bf16_s"]
+            if peak:
+                r["kernel_bw_fraction"] = r["kernel_bw_bytes_per_s"] / peak
+                r["bf16_bw_fraction"] = r["bf16_bw_bytes_per_s"] / peak
+        results["problems"][spec.name] = r
+        rows.append((spec.name, r))
+
+    impl = "pallas" if on_device else "xla (dequantize + dot)"
+    print(f"MXFP4 vs bf16 on {results['device']} (mxfp4 path: {impl})")
+    hdr = f"{'problem':<8} {'M':>5} {'N':>5} {'K':>5} {'bytes ratio':>11} {'bf16 ms':>9} "
+    hdr += f"{'mxfp4 ms':>9} {'time ratio':>10}"
+    if on_device:
+        hdr += f" {'xla ms':>8} {'HBM frac':>8} {'bf16 frac':>9}"
+    print(hdr)
+    for name, r in rows:
+        line = (
+            f"{name:<8} {r['m']:>5} {r['n']:>5} {r['k']:>5} {r['bytes_ratio']:>11.4f} "
+            f"{r['t_bf16_s'] * 1e3:>9.3f} {r['t_mxfp4_s'] * 1e3:>9.3f} {r['time_ratio']:>10.2f}"
+        )
+        if on_device:
+            line += f" {r['t_mxfp4_xla_s'] * 1e3:>8.3f} {r.get('kernel_bw_fraction', 0):>8.1%}"
+            line += f" {r.get('bf16_bw_fraction', 0):>9.1%}"
+        print(line)
+    return results
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,265 @@
+"""Model tests: configs and validation, MoE routing/dispatch, DSA sparse == dense, decode parity,
+training signal, and the full-size presets under jax.eval_shape."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import models
+from model.config import ConfigError, ModelConfig
+from model.layers import moe as moe_lib
+from model.objectives import lm_loss
+from model.tokenizer import ByteTokenizer
+from model.transformer import Model
+
+
+def _cfg(name="test", **over):
+    c = models.get_config(name)
+    for k, v in over.items():
+        node = c
+        *path, leaf = k.split(".")
+        for p in path:
+            node = node[p]
+        node[leaf] = v
+    return ModelConfig.from_dict(c)
+
+
+@pytest.fixture(scope="module")
+def test_model():
+    cfg = _cfg()
+    model = Model(cfg)
+    return model, model.init(jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------- config
+@pytest.mark.parametrize("name", sorted(models.PRESETS))
+def test_presets_build(name):
+    cfg = _cfg(name)
+    assert len(cfg.layer_kinds()) == cfg.num_layers
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("layer_pattern", "KXD", "model.layer_pattern"),
+    ("moe.num_experts_per_tok", 9, "moe.num_experts_per_tok"),
+    ("dsa.qk_rope_head_dim", 7, "dsa.qk_rope_head_dim"),
+    ("moe.router", "argmax", "moe.router"),
+    ("kda.chunk_size", 48, "kda.chunk_size"),
+    ("dsa.index_rope_dim", 64, "dsa.index_rope_dim"),
+])
+def test_invalid_config_names_field(field, value, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        _cfg(**{field: value})
+
+
+def test_unknown_field_is_rejected():
+    c = models.get_config("test")
+    c.moe.num_expert = 3  # typo
+    with pytest.raises(ConfigError, match=r"moe\.num_expert"):
+        ModelConfig.from_dict(c)
+
+
+def test_mxfp4_needs_multiple_of_32():
+    with pytest.raises(ConfigError, match="multiples of 32"):
+        _cfg(**{"moe.expert_format": "mxfp4", "moe.expert_dim": 48})
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def test_byte_tokenizer_roundtrip():
+    tok = ByteTokenizer()
+    text = "héllo\nwörld ✓"
+    ids = tok.encode(tok.chat_prompt(text), bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert max(ids) < tok.vocab_size
+    assert tok.decode(ids[1:]) == tok.chat_prompt(text)
+    assert tok.decode(tok.encode("ab") + [tok.eos_id] + tok.encode("cd")) == "ab"
+
+
+# ----------------------------------------------------------------------------- MoE
+def _moe_setup(dispatch="dropless", router="softmax", capacity_factor=1.25, E=4, k=2):
+    cfg = _cfg(**{"moe.dispatch": dispatch, "moe.router": router,
+                  "moe.capacity_factor": capacity_factor, "moe.num_experts": E,
+                  "moe.num_experts_per_tok": k})
+    mod = moe_lib.MoE(cfg.moe, cfg.d_model)
+    x = jax.random.normal(jax.random.key(1), (2, 7, cfg.d_model))
+    valid = jnp.ones((2, 7), bool).at[1, 5:].set(False)
+    variables = nn.meta.unbox(mod.init(jax.random.key(2), x, valid=valid))
+    return cfg, mod, variables, x, valid
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_moe_dropless_equals_token_loop(router):
+    cfg, mod, variables, x, valid = _moe_setup(router=router)
+    variables["router_state"]["bias"] = jnp.linspace(-0.3, 0.3, cfg.moe.num_experts)
+    y, aux = mod.apply(variables, x, valid=valid)
+    p = variables["params"]
+    m = cfg.moe
+    xf = np.asarray(x.reshape(-1, cfg.d_model), np.float64)
+    logits = xf @ np.asarray(p["router"], np.float64)
+    out = np.zeros_like(xf)
+    vf = np.asarray(valid).reshape(-1)
+    for n in range(xf.shape[0]):
+        if router == "softmax":
+            s = np.exp(logits[n] - logits[n].max())
+            s /= s.sum()
+            sel = np.argsort(-s)[: m.num_experts_per_tok]
+        else:
+            s = 1 / (1 + np.exp(-logits[n]))
+            sel = np.argsort(-(s + np.asarray(variables["router_state"]["bias"])))[: m.num_experts_per_tok]
+        w = s[sel] / s[sel].sum() * m.routed_scaling_factor
+        for wi, e in zip(w, sel):
+            g = xf[n] @ np.asarray(p["w_gate"][e])
+            u = xf[n] @ np.asarray(p["w_up"][e])
+            h = g / (1 + np.exp(-g)) * u
+            out[n] += vf[n] * wi * (h @ np.asarray(p["w_down"][e]))
+        sh = p["shared"]
+        g = xf[n] @ np.asarray(sh["gate"]["kernel"])
+        u = xf[n] @ np.asarray(sh["up"]["kernel"])
+        out[n] += (g / (1 + np.exp(-g)) * u) @ np.asarray(sh["down"]["kernel"])
+    np.testing.assert_allclose(np.asarray(y).reshape(out.shape), out, rtol=2e-4, atol=2e-5)
+    assert float(aux["router"]["dropped_fraction"]) == 0.0
+    np.testing.assert_allclose(float(jnp.sum(aux["expert_counts"])), vf.sum() * m.num_experts_per_tok)
+
+
+def test_moe_capacity_counts_exactly_the_dropped():
+    cfg, mod, variables, x, valid = _moe_setup(dispatch="capacity", capacity_factor=0.5)
+    y, aux = mod.apply(variables, x, valid=valid)
+    m = cfg.moe
+    xf = x.reshape(-1, cfg.d_model).astype(jnp.float32)
+    _, idx, _ = moe_lib.route(xf @ variables["params"]["router"], jnp.zeros(m.num_experts),
+                              router=m.router, top_k=m.num_experts_per_tok,
+                              norm_topk_prob=True, scaling=1.0)
+    cap = math.ceil(m.capacity_factor * x.shape[0] * x.shape[1] * m.num_experts_per_tok
+                    / m.num_experts)
+    seen, dropped = np.zeros(m.num_experts, int), 0
+    for n, row in enumerate(np.asarray(idx)):
+        if not np.asarray(valid).reshape(-1)[n]:
+            continue
+        for e in row:
+            dropped += seen[e] >= cap
+            seen[e] += 1
+    total = float(jnp.sum(aux["expert_counts"]))
+    assert dropped > 0
+    assert round(float(aux["router"]["dropped_fraction"]) * total) == dropped
+    # with ample capacity, the capacity path equals the dropless path
+    _, mod2, _, _, _ = _moe_setup(dispatch="capacity", capacity_factor=8.0)
+    _, mod3, _, _, _ = _moe_setup(dispatch="dropless")
+    np.testing.assert_allclose(mod2.apply(variables, x, valid=valid)[0],
+                               mod3.apply(variables, x, valid=valid)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_balance_loss_uniform_closed_form():
+    E, k, B, T = 4, 2, 2, 8
+    probs = jnp.full((B, T, E), 1.0 / E)
+    idx = jnp.stack([jnp.arange(T) % E, (jnp.arange(T) + 1) % E], -1)  # every expert k*T/E times
+    idx = jnp.broadcast_to(idx, (B, T, k))
+    loss = moe_lib.seq_balance_loss(probs, idx, jnp.ones((B, T), bool), E)
+    np.testing.assert_allclose(float(loss), 1.0, rtol=1e-6)
+    # all tokens on expert 0 with a peaked distribution: loss = E/k * p0
+    idx0 = jnp.zeros((B, T, k), jnp.int32).at[..., 1].set(1)
+    p0 = jnp.zeros((B, T, E)).at[..., 0].set(0.7).at[..., 1].set(0.3)
+    np.testing.assert_allclose(float(moe_lib.seq_balance_loss(p0, idx0, jnp.ones((B, T), bool), E)),
+                               E / k * (0.7 + 0.3), rtol=1e-6)
+
+
+def test_aux_free_bias_update_moves_against_load():
+    b = moe_lib.aux_free_bias_update(jnp.zeros(4), jnp.array([10.0, 2.0, 4.0, 4.0]), 0.1)
+    np.testing.assert_allclose(np.asarray(b), [-0.1, 0.1, 0.1, 0.1])
+
+
+# ----------------------------------------------------------------------------- DSA
+def test_dsa_sparse_equals_dense_when_keys_fit_topk():
+    base = _cfg(**{"dsa.index_topk": 32})
+    dense = base.replace(dsa=base.dsa.__class__(**{**base.dsa.__dict__, "indexer_stage": "dense_warmup"}))
+    tokens = jax.random.randint(jax.random.key(3), (2, 24), 3, 200)
+    m_s, m_d = Model(base), Model(dense)
+    v = m_s.init(jax.random.key(0))
+    np.testing.assert_allclose(m_s.apply(v, tokens).logits, m_d.apply(v, tokens).logits,
+                               rtol=1e-5, atol=1e-5)
+    # and with top-k smaller than the context the outputs differ (sparsity is real)
+    small = base.replace(dsa=base.dsa.__class__(**{**base.dsa.__dict__, "index_topk": 4}))
+    diff = jnp.max(jnp.abs(Model(small).apply(v, tokens).logits - m_d.apply(v, tokens).logits))
+    assert float(diff) > 1e-3
+
+
+# ----------------------------------------------------------------------------- decode parity
+def test_prefill_then_decode_matches_full_forward(test_model):
+    model, variables = test_model
+    B, T, P = 2, 24, 6  # prompts of lengths 6 and 3, then decode to 24 tokens
+    tokens = jax.random.randint(jax.random.key(4), (B, T), 3, 250)
+    full = model.apply(variables, tokens).logits  # [B,T,V]
+    lengths = jnp.array([P, 3])
+    prompt = jnp.where(jnp.arange(P)[None] < lengths[:, None], tokens[:, :P], 0)
+    cache = model.init_cache(B, 32)
+    logits, cache, _ = jax.jit(model.prefill)(variables, prompt, lengths, cache)
+    for b in range(B):
+        np.testing.assert_allclose(logits[b, : lengths[b]], full[b, : lengths[b]], rtol=1e-4, atol=1e-4)
+    step = jax.jit(model.decode_step)
+    pos = np.asarray(lengths)
+    for _ in range(T - P):
+        nxt = tokens[jnp.arange(B), jnp.asarray(pos)]
+        lg, cache, _ = step(variables, nxt, cache)
+        for b in range(B):
+            np.testing.assert_allclose(lg[b], full[b, pos[b]], rtol=1e-4, atol=1e-4)
+        pos = pos + 1
+    assert list(np.asarray(cache["lengths"])) == list(pos)
+
+
+def test_decode_inactive_rows_are_frozen(test_model):
+    model, variables = test_model
+    cache = model.init_cache(2, 16)
+    prompt = jnp.array([[5, 6, 7], [8, 9, 10]])
+    _, cache, _ = model.prefill(variables, prompt, jnp.array([3, 3]), cache)
+    _, c2, _ = model.decode_step(variables, jnp.array([11, 12]), cache, jnp.array([True, False]))
+    assert list(np.asarray(c2["lengths"])) == [4, 3]
+    for a, b in zip(cache["layers"], c2["layers"]):
+        if "state" in a:
+            np.testing.assert_array_equal(a["state"][1], b["state"][1])
+            np.testing.assert_array_equal(a["conv"][1], b["conv"][1])
+            assert not np.array_equal(a["state"][0], b["state"][0])
+
+
+# ----------------------------------------------------------------------------- training
+def test_tiny_model_learns_synthetic_task():
+    cfg = _cfg(**{"dsa.indexer_loss_weight": 0.1})
+    model = Model(cfg)
+    variables = model.init(jax.random.key(0))
+    # repeated pattern: each sequence counts upward from a random start (mod 50)
+    starts = jax.random.randint(jax.random.key(5), (16, 1), 0, 50)
+    tokens = (starts + jnp.arange(32)[None]) % 50 + 3
+    mask = jnp.ones_like(tokens, bool)
+    opt = optax.adamw(3e-3)
+    params = variables["params"]
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state):
+        def loss_fn(p):
+            out = model.apply({**variables, "params": p}, tokens)
+            return lm_loss(out, tokens, mask, cfg)
+        (loss, met), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        up, state = opt.update(g, state, params)
+        return optax.apply_updates(params, up), state, met
+
+    first = None
+    for _ in range(25):
+        params, state, met = step(params, state)
+        first = met if first is None else first
+    assert float(met["ce"]) < 0.5 * float(first["ce"])
+    assert float(met["mtp_ce"]) < float(first["mtp_ce"])
+    assert np.isfinite(float(met["indexer_kl"]))
+
+
+# ----------------------------------------------------------------------------- full size
+def test_reference_2p8t_eval_shape_and_plan():
+    from scripts.plan import plan
+    out = plan(_cfg("reference_2p8t"))
+    assert abs(out["total_params"] - 2.8e12) / 2.8e12 < 0.03, out["total_params"]
+    assert out["active_params"] < 0.05 * out["total_params"]
+    assert 0.25 < out["bytes_mxfp4"] / out["bytes_bf16"] < 0.30
+    st = out["decode_state_bytes"][str(1 << 20)]
+    assert st["hybrid"] < st["all_dsa"] < st["all_mha"]
