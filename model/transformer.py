@@ -152,6 +152,14 @@ class Transformer(nn.Module):
         return out, new_cache
 
 
+def moe_layer_names(cfg: ModelConfig) -> list[str]:
+    """Names of the MoE blocks in the order ModelOutput.expert_counts / .router stack them."""
+    names = [f"layer_{i}" for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    if cfg.moe.num_experts > 0:
+        names += [f"mtp_{k}_block" for k in range(cfg.mtp.depth)]
+    return names
+
+
 class Model:
     """Stateless facade: every method is a pure function of (variables, inputs[, cache])."""
 

@@ -1,0 +1,132 @@
+"""Public entry points for DeepSeek Sparse Attention (DSA). See DESIGN.md section 3.
+
+  indexer_scores(q_idx, k_idx, w)                      -> scores [B,T,S] f32
+  select_topk(scores, topk, *, q_offset=0, approx=False) -> indices [B,T,topk] int32 (-1 = none)
+  sparse_attention(q, kv, indices, *, scale, v_dim)    -> o [B,T,H,v_dim] (q's dtype)
+  dense_causal_attention(q, kv, *, scale, v_dim, q_offset=0) -> o [B,T,H,v_dim]
+
+Every op takes ``impl``:
+  "auto"   -> "xla" on CPU, "pallas" on GPU/TPU;
+  "xla"    -> the pure-jnp reference (``reference.py``), query-chunked to bound memory;
+  "pallas" -> the Pallas kernels (``pallas_indexer.py``, ``pallas_attention.py``);
+              ``interpret=None`` means interpret mode on CPU (tests), compiled elsewhere.
+``select_topk`` and ``dense_causal_attention`` have no Pallas kernel (XLA's top_k / a dense
+baseline); they accept ``impl`` for a uniform call signature and always run XLA.
+
+All paths are differentiable: sparse_attention's Pallas path has a custom_vjp (dq by a Pallas
+kernel, dkv by a JAX scatter-add of per-token contributions the kernel emits). indexer_scores'
+Pallas path has a custom_vjp whose backward is the XLA formula (the indexer is trained through
+its own KL loss in the dense warm-up; in the sparse stage its input is detached anyway).
+
+Semantics (all impls): f32 logits/softmax; a query row with no valid key outputs 0 with zero
+gradients; entries of ``indices`` < 0 are skipped; q_offset may be an int array [B].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.dsa import reference
+
+__all__ = [
+    "indexer_scores",
+    "select_topk",
+    "sparse_attention",
+    "sparse_attention_with_lse",
+    "dense_causal_attention",
+    "resolve_impl",
+]
+
+_IMPLS = ("auto", "xla", "pallas")
+
+# Query-chunk budgets for the XLA path: elements of the [B,t,K,D] gather / [B,t,H,S] logits.
+_XLA_GATHER_BUDGET = 1 << 24
+_XLA_LOGITS_BUDGET = 1 << 24
+
+
+def resolve_impl(impl: str) -> str:
+    """'auto' -> 'xla' on CPU, 'pallas' on GPU/TPU."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "xla" if jax.default_backend() == "cpu" else "pallas"
+    return impl
+
+
+def _interpret(interpret):
+    return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+def _chunk(t: int, per_token: int, budget: int):
+    """Largest query chunk (power of two) keeping t_chunk * per_token <= budget; None = no chunk."""
+    if t * per_token <= budget:
+        return None
+    c = 1
+    while c * 2 * per_token <= budget and c * 2 < t:
+        c *= 2
+    return c
+
+
+def indexer_scores(q_idx, k_idx, w, *, impl: str = "auto", interpret=None, config=None):
+    """Lightning-indexer scores: q_idx [B,T,HI,D], k_idx [B,S,D], w [B,T,HI] -> f32 [B,T,S].
+
+    scores[b,t,s] = sum_j w[b,t,j] * relu(q_idx[b,t,j] . k_idx[b,s]). Not causally masked
+    (select_topk applies the mask). config: a ``DSABlockConfig`` for the Pallas path.
+    """
+    if resolve_impl(impl) == "xla":
+        return reference.indexer_scores(q_idx, k_idx, w)
+    from pallas_kernels.dsa import pallas_indexer
+
+    return pallas_indexer.indexer_scores(q_idx, k_idx, w, interpret=_interpret(interpret), config=config)
+
+
+def select_topk(scores, topk: int, *, q_offset=0, approx: bool = False, impl: str = "auto"):
+    """Causal top-k -> int32 [B,T,topk]; -1 where fewer than topk keys are valid (or topk > S).
+
+    Key s is valid for query t iff s <= t + q_offset; q_offset is an int, a scalar array, or an
+    int array [B] (rows of different lengths in decode / chunked prefill). Slots are ordered by
+    descending score, -1 slots last. approx=True uses lax.approx_max_k (validity stays exact).
+    """
+    resolve_impl(impl)  # validate only: XLA top_k on every backend
+    return reference.select_topk(scores, topk, q_offset=q_offset, approx=approx)
+
+
+def sparse_attention(q, kv, indices, *, scale: float, v_dim: int, impl: str = "auto",
+                     interpret=None, config=None):
+    """Token-sparse MQA attention (absorbed MLA): every head of token t attends to kv[b, indices[b,t]].
+
+    q [B,T,H,D], kv [B,S,D] (shared across heads, values = kv[..., :v_dim]), indices [B,T,K]
+    int32 with -1 = skip -> o [B,T,H,v_dim] in q's dtype. f32 softmax. A row with no index >= 0
+    outputs 0 (and passes zero gradient). Indices must be < S (not checked on device).
+    """
+    return sparse_attention_with_lse(q, kv, indices, scale=scale, v_dim=v_dim, impl=impl,
+                                      interpret=interpret, config=config)[0]
+
+
+def sparse_attention_with_lse(q, kv, indices, *, scale: float, v_dim: int, impl: str = "auto",
+                              interpret=None, config=None):
+    """sparse_attention plus the per-head log-sum-exp lse [B,T,H] f32 (-inf for empty rows)."""
+    indices = indices.astype(jnp.int32)
+    if resolve_impl(impl) == "xla":
+        b, t, k = indices.shape
+        block_t = _chunk(t, b * k * kv.shape[-1], _XLA_GATHER_BUDGET)
+        return reference.sparse_attention_fwd_with_lse(
+            q, kv, indices, scale=scale, v_dim=v_dim, block_t=block_t)
+    from pallas_kernels.dsa import pallas_attention
+
+    return pallas_attention.sparse_attention(
+        q, kv, indices, scale=float(scale), v_dim=int(v_dim), interpret=_interpret(interpret),
+        config=config)
+
+
+def dense_causal_attention(q, kv, *, scale: float, v_dim: int, q_offset=0, impl: str = "auto"):
+    """Dense causal MQA attention, same layout/conventions as sparse_attention (baseline/tests).
+
+    Query t sees keys s <= t + q_offset (int or per-row int array [B]). XLA on every backend.
+    """
+    resolve_impl(impl)
+    b, t, h, _ = q.shape
+    block_t = _chunk(t, b * h * kv.shape[1], _XLA_LOGITS_BUDGET)
+    return reference.dense_causal_attention(q, kv, scale=scale, v_dim=v_dim, q_offset=q_offset,
+                                            block_t=block_t)

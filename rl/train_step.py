@@ -1,0 +1,192 @@
+"""The jit-compiled RL train step (policy loss + KL + entropy + MTP + MoE aux) on a plain pytree.
+
+    opt = make_optimizer(config.optim)
+    state = init_train_state(variables, opt)
+    step = make_train_step(model, algo, opt, micro_batches=2, mtp_loss_weight=0.1)
+    state, metrics = step(state, batch)       # state is donated: do not reuse the old one
+
+batch (all [N,L] unless noted; position t holds the value for target token t, see
+rl/sampler.pack): tokens int32, loss_mask bool (completion targets), advantages f32 ([N,L] or
+[N,1]), old_logp f32 (the policy that generated / the behaviour policy, usually = the trainer's
+log-probs before this update), optional ref_logp (frozen reference policy), optional
+rollout_logp (the sampler's own log-probs, for TIS when algo.tis_cap is set).
+
+Reductions: every loss term uses algo.agg with normalisers (token and sequence counts) taken over
+the whole batch, and gradients are summed over micro-batches, so the update equals the full-batch
+update whatever micro_batches is. The MoE balance loss is averaged over micro-batches; the MTP
+loss is a token mean over all completion targets of the batch.
+
+Guards and extras: updates whose gradients are not finite are skipped (params and optimizer state
+kept) and counted in state.skipped; the aux-free router bias moves by moe.bias_update_rate against
+each layer's load (sigmoid routers); metrics include grad norm, KL, entropy, clip fractions, router
+max-violation, and the sampler/trainer log-prob gap.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from model.layers.moe import aux_free_bias_update
+from model.objectives import token_logprobs, xent_sum
+from model.transformer import Model, moe_layer_names
+from rl import losses
+from rl.algorithms import AlgoConfig, rl_loss
+
+
+@flax.struct.dataclass
+class TrainState:
+    params: dict
+    router_state: dict
+    opt_state: optax.OptState
+    step: jax.Array  # int32 updates applied
+    skipped: jax.Array  # int32 updates skipped for non-finite gradients
+
+    @property
+    def variables(self) -> dict:
+        return {"params": self.params, "router_state": self.router_state}
+
+
+def make_optimizer(ocfg) -> optax.GradientTransformation:
+    """Global-norm clipping -> AdamW with linear warmup + cosine decay.
+
+    ocfg fields: lr, warmup_steps, total_steps, final_lr_frac, weight_decay, b1, b2, eps,
+    clip_norm (0 disables clipping).
+    """
+    warm = max(int(ocfg.warmup_steps), 1)
+    sched = optax.warmup_cosine_decay_schedule(  # the first update already uses lr / warmup
+        init_value=ocfg.lr / warm, peak_value=ocfg.lr, warmup_steps=max(int(ocfg.warmup_steps), 1),
+        decay_steps=max(int(ocfg.total_steps), int(ocfg.warmup_steps) + 1),
+        end_value=ocfg.lr * ocfg.final_lr_frac)
+    parts = [optax.clip_by_global_norm(ocfg.clip_norm)] if ocfg.clip_norm else []
+    parts.append(optax.adamw(sched, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
+                             weight_decay=ocfg.weight_decay))
+    return optax.chain(*parts)
+
+
+def init_train_state(variables: dict, optimizer: optax.GradientTransformation) -> TrainState:
+    params = variables["params"]
+    return TrainState(params=params, router_state=variables.get("router_state", {}),
+                      opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                      skipped=jnp.zeros((), jnp.int32))
+
+
+def _pad_left(x):  # [N,L-1] -> [N,L] (position t holds target t)
+    return jnp.pad(x, ((0, 0), (1, 0)))
+
+
+def _input_valid(mask):
+    """Positions up to the last target of each row (right padding excluded from the model)."""
+    L = mask.shape[1]
+    last = jnp.max(jnp.where(mask, jnp.arange(L)[None], 0), axis=1)
+    return jnp.arange(L)[None] <= last[:, None]
+
+
+def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTransformation, *,
+                    micro_batches: int = 1, mtp_loss_weight: float = 0.0, donate: bool = True):
+    cfg = model.cfg
+    with_mtp = cfg.mtp.depth > 0 and mtp_loss_weight > 0
+    names = moe_layer_names(cfg)
+    update_bias = cfg.moe.num_experts > 0 and cfg.moe.router == "sigmoid"
+
+    def micro_loss(params, router_state, mb, counts, n_targets):
+        tokens, mask = mb["tokens"], mb["loss_mask"]
+        out = model.apply({"params": params, "router_state": router_state}, tokens,
+                          _input_valid(mask), with_mtp=with_mtp)
+        logits = out.logits[:, :-1]
+        logp = _pad_left(token_logprobs(logits, tokens[:, 1:]))
+        entropy = _pad_left(losses.entropy_from_logits(logits, mask[:, 1:]))
+        loss, met = rl_loss(
+            logp, mb["old_logp"], mb["advantages"], mask, cfg=algo,
+            ref_logp=mb.get("ref_logp"), entropy=entropy,
+            rollout_logp=mb.get("rollout_logp") if algo.tis_cap is not None else None,
+            counts=counts)
+        if cfg.moe.num_experts and cfg.moe.aux_loss_coef:
+            loss = loss + cfg.moe.aux_loss_coef * out.balance_loss / micro_batches
+        if with_mtp:
+            mtp = 0.0
+            for k in range(cfg.mtp.depth):
+                sh = k + 2
+                s, _ = xent_sum(out.mtp_logits[k][:, :-sh], tokens[:, sh:], mask[:, sh:])
+                mtp = mtp + s / jnp.maximum(n_targets, 1.0)
+            mtp = mtp / cfg.mtp.depth
+            loss = loss + mtp_loss_weight * mtp
+            met["mtp_ce"] = mtp * micro_batches  # per-micro share -> batch mean after averaging
+        if "rollout_logp" in mb:
+            m = mask.astype(jnp.float32)
+            met["logp_gap_abs"] = jnp.sum(jnp.abs(logp - mb["rollout_logp"]) * m) / jnp.maximum(
+                jnp.sum(m), 1.0)
+        met["balance_loss"] = out.balance_loss
+        if out.router is not None:
+            met["router_max_vio"] = jnp.mean(out.router["max_vio"])
+            met["router_dead_experts"] = jnp.mean(out.router["dead_experts"])
+            met["router_entropy"] = jnp.mean(out.router["routing_entropy"])
+        counts_e = out.expert_counts if out.expert_counts is not None else jnp.zeros((0,))
+        return loss, (met, counts_e)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def step(state: TrainState, batch: dict):
+        mask = batch["loss_mask"]
+        N = mask.shape[0]
+        if N % micro_batches:
+            raise ValueError(f"batch of {N} rows does not split into {micro_batches} micro-batches")
+        counts = losses.agg_counts(mask)
+        n_targets = jnp.sum(mask.astype(jnp.float32))
+        mbs = jax.tree.map(lambda x: x.reshape(micro_batches, N // micro_batches, *x.shape[1:]),
+                           batch)
+
+        def body(acc, mb):
+            (loss, (met, ce)), g = grad_fn(state.params, state.router_state, mb, counts, n_targets)
+            g_acc, l_acc, m_acc, c_acc = acc
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
+                    jax.tree.map(jnp.add, m_acc, met), c_acc + ce), None
+
+        mb0 = jax.tree.map(lambda x: x[0], mbs)
+        (_, (met_shape, ce_shape)), _ = jax.eval_shape(
+            grad_fn, state.params, state.router_state, mb0, counts, n_targets)
+        zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+        init = (zeros(state.params), jnp.zeros((), jnp.float32), zeros(met_shape),
+                zeros(ce_shape))
+        (grads, loss, met, expert_counts), _ = jax.lax.scan(body, init, mbs)
+        met = jax.tree.map(lambda x: x / micro_batches, met)
+
+        gnorm = optax.tree.norm(grads)
+        finite = jnp.isfinite(gnorm) & jnp.isfinite(loss)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        router_state = state.router_state
+        if update_bias:
+            rs = dict(router_state)
+            for i, name in enumerate(names[: expert_counts.shape[0]]):
+                b = rs[name]["ffn"]["bias"]
+                nb = aux_free_bias_update(b, expert_counts[i], cfg.moe.bias_update_rate)
+                rs[name] = {**rs[name], "ffn": {**rs[name]["ffn"], "bias": nb}}
+            router_state = keep(rs, router_state)
+        new_state = TrainState(
+            params=keep(new_params, state.params), router_state=router_state,
+            opt_state=keep(new_opt, state.opt_state),
+            step=state.step + finite.astype(jnp.int32),
+            skipped=state.skipped + (~finite).astype(jnp.int32))
+        met = {**met, "loss": loss, "grad_norm": gnorm, "skipped": new_state.skipped,
+               "update_finite": finite.astype(jnp.float32),
+               "target_tokens": n_targets}
+        return new_state, met
+
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def make_logp_fn(model: Model):
+    """Jitted teacher-forced log-probs [N,L] (position t = log p(tok_t | tok_<t), 0 elsewhere)
+    for old_logp / ref_logp; no MTP, no gradients."""
+
+    @jax.jit
+    def logp_fn(variables, tokens, loss_mask):
+        out = model.apply(variables, tokens, _input_valid(loss_mask), with_mtp=False)
+        lp = _pad_left(token_logprobs(out.logits[:, :-1], tokens[:, 1:]))
+        return jnp.where(loss_mask, lp, 0.0)
+
+    return logp_fn
