@@ -73,6 +73,19 @@ def init_train_state(variables: dict, optimizer: optax.GradientTransformation) -
                       skipped=jnp.zeros((), jnp.int32))
 
 
+def update_router_bias(cfg, router_state: dict, expert_counts) -> dict:
+    """Aux-free bias step for every MoE layer (sigmoid routers); identity otherwise.
+    expert_counts [n_layers, E] in moe_layer_names order (MTP blocks last, maybe absent)."""
+    if not (cfg.moe.num_experts > 0 and cfg.moe.router == "sigmoid") or expert_counts is None:
+        return router_state
+    rs = dict(router_state)
+    for i, name in enumerate(moe_layer_names(cfg)[: expert_counts.shape[0]]):
+        nb = aux_free_bias_update(rs[name]["ffn"]["bias"], expert_counts[i],
+                                  cfg.moe.bias_update_rate)
+        rs[name] = {**rs[name], "ffn": {**rs[name]["ffn"], "bias": nb}}
+    return rs
+
+
 def _pad_left(x):  # [N,L-1] -> [N,L] (position t holds target t)
     return jnp.pad(x, ((0, 0), (1, 0)))
 
@@ -88,8 +101,6 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
                     micro_batches: int = 1, mtp_loss_weight: float = 0.0, donate: bool = True):
     cfg = model.cfg
     with_mtp = cfg.mtp.depth > 0 and mtp_loss_weight > 0
-    names = moe_layer_names(cfg)
-    update_bias = cfg.moe.num_experts > 0 and cfg.moe.router == "sigmoid"
 
     def micro_loss(params, router_state, mb, counts, n_targets):
         tokens, mask = mb["tokens"], mb["loss_mask"]
@@ -123,7 +134,7 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
             met["router_max_vio"] = jnp.mean(out.router["max_vio"])
             met["router_dead_experts"] = jnp.mean(out.router["dead_experts"])
             met["router_entropy"] = jnp.mean(out.router["routing_entropy"])
-        counts_e = out.expert_counts if out.expert_counts is not None else jnp.zeros((0,))
+        counts_e = out.expert_counts if out.expert_counts is not None else jnp.zeros((0, 0))
         return loss, (met, counts_e)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -158,14 +169,8 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        router_state = state.router_state
-        if update_bias:
-            rs = dict(router_state)
-            for i, name in enumerate(names[: expert_counts.shape[0]]):
-                b = rs[name]["ffn"]["bias"]
-                nb = aux_free_bias_update(b, expert_counts[i], cfg.moe.bias_update_rate)
-                rs[name] = {**rs[name], "ffn": {**rs[name]["ffn"], "bias": nb}}
-            router_state = keep(rs, router_state)
+        router_state = keep(update_router_bias(cfg, state.router_state, expert_counts),
+                            state.router_state)
         new_state = TrainState(
             params=keep(new_params, state.params), router_state=router_state,
             opt_state=keep(new_opt, state.opt_state),
@@ -190,3 +195,34 @@ def make_logp_fn(model: Model):
         return jnp.where(loss_mask, lp, 0.0)
 
     return logp_fn
+
+
+def make_sft_step(model: Model, optimizer: optax.GradientTransformation, *, donate: bool = True):
+    """Supervised step on packed rows: next-token + MTP (+ MoE aux, indexer KL) loss from
+    model.objectives.lm_loss over loss_mask (completion) targets; same state and guard as RL."""
+    from model.objectives import lm_loss
+
+    def step(state: TrainState, batch: dict):
+        tokens, mask = batch["tokens"], batch["loss_mask"]
+
+        def loss_fn(params):
+            out = model.apply({"params": params, "router_state": state.router_state}, tokens,
+                              _input_valid(mask))
+            loss, met = lm_loss(out, tokens, mask, model.cfg)
+            return loss, (met, out.expert_counts)
+
+        (loss, (met, ecounts)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        gnorm = optax.tree.norm(grads)
+        finite = jnp.isfinite(gnorm) & jnp.isfinite(loss)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        router_state = keep(update_router_bias(model.cfg, state.router_state, ecounts),
+                            state.router_state)
+        new_state = TrainState(
+            params=keep(optax.apply_updates(state.params, updates), state.params),
+            router_state=router_state, opt_state=keep(new_opt, state.opt_state),
+            step=state.step + finite.astype(jnp.int32),
+            skipped=state.skipped + (~finite).astype(jnp.int32))
+        return new_state, {**met, "grad_norm": gnorm, "skipped": new_state.skipped}
+
+    return jax.jit(step, donate_argnums=(0,) if donate else ())

@@ -18,6 +18,12 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
+# The sandbox runs bubblewrap unprivileged (as a per-slot uid): it needs user namespaces.
+if [ "$(id -u)" = 0 ]; then
+  [ "$(cat /proc/sys/kernel/unprivileged_userns_clone 2>/dev/null || echo 1)" != 0 ] || sysctl -qw kernel.unprivileged_userns_clone=1
+  [ "$(cat /proc/sys/user/max_user_namespaces 2>/dev/null || echo 1)" != 0 ] || sysctl -qw user.max_user_namespaces=15000
+  [ "$(cat /proc/sys/kernel/apparmor_restrict_unprivileged_userns 2>/dev/null || echo 0)" != 1 ] || sysctl -qw kernel.apparmor_restrict_unprivileged_userns=0
+fi
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import model, rl, sandbox, pallas_kernels, jax, flax, grain, orbax.checkpoint, pytest" >/dev/null 2>&1 \
    || [ setup.cfg -nt .cache/.installed ]; then

@@ -1,0 +1,317 @@
+"""Drivers: SFT on generated demonstrations, the RL loop, and held-out evaluation.
+
+    run_sft(config)    -> TrainState     workdir/sft/{checkpoints, metrics.jsonl, events}
+    run_rl(config)     -> TrainState     workdir/rl/{checkpoints, metrics.jsonl, events}
+    run_eval(config, variables, split)   per-domain pass@1 with 95% intervals
+
+All three read one ml_collections config (configs/rl.py). Every run is resumable: checkpoints hold
+the train state, rng, data-iterator position and (RL) the reference policy; `resume=True` picks
+up at the last good checkpoint and continues exactly (same data order, same rng stream).
+
+RL iteration (one batch of lookahead when rl.overlap_scoring): generate batch i+1 while the
+sandbox scores batch i; then old/ref log-probs, advantages, one jit train step on batch i.
+Timings per iteration are split into generate / score-wait / train, and the fraction of scoring
+time hidden behind generation is logged (score_hidden_frac).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import ModelConfig
+from model.tokenizer import load_tokenizer
+from model.transformer import Model
+from rl.algorithms import algo_from_config
+from rl.checkpoint import Checkpointer
+from rl.metrics import MetricsWriter
+from rl.pipeline import RolloutWorker, build_train_batch, evaluate, task_dataset
+from rl.sampler import SamplingConfig
+from rl.train_step import (
+    TrainState,
+    init_train_state,
+    make_logp_fn,
+    make_optimizer,
+    make_sft_step,
+    make_train_step,
+)
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- tasks
+def load_task_splits(config) -> dict:
+    """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generators (or
+    tasks.task_file for RL prompts, without demonstrations)."""
+    from sandbox.tasks import generators
+
+    t = config.tasks
+    fams = [f.strip() for f in t.families.split(",") if f.strip()]
+    unknown = [f for f in fams if f not in generators.FAMILIES]
+    if unknown:
+        raise ValueError(f"tasks.families: unknown family {unknown[0]!r}; valid: "
+                         f"{sorted(generators.FAMILIES)}")
+    diff = t.difficulty or None
+    n = {"train": t.train_per_family, "val": t.val_per_family, "test": t.test_per_family}
+    out = {s: [p for f in fams for p in generators.make_split(f, s, n[s], t.seed, difficulty=diff)]
+           for s in n}
+    if t.task_file:
+        from sandbox.tasks import load_tasks
+        out["train"] = [(task, None) for task in load_tasks(t.task_file)]
+    return out
+
+
+def _model(config) -> Model:
+    return Model(ModelConfig.from_dict(config.model))
+
+
+def _open_pool(config):
+    from sandbox import connect
+    from sandbox.verifiers import Verifier
+
+    s = config.sandbox
+    if s.remote:
+        pool = connect([u.strip() for u in s.remote.split(",") if u.strip()])
+    else:
+        pool = connect("local", workers=s.workers)
+    return pool, Verifier(executor=pool)
+
+
+def _progress(total, desc, initial=0):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, initial=initial, dynamic_ncols=True, leave=True)
+
+
+# --------------------------------------------------------------------------- SFT
+def _sft_rows(examples, tokenizer, seq_len):
+    """(prompt, completion, ok) -> dict(tokens [L], loss_mask [L]) with the completion + EOS as
+    targets."""
+    def encode(ex):
+        prompt, completion = ex[0], ex[1]
+        p = tokenizer.encode(tokenizer.chat_prompt(prompt), bos=True)
+        c = tokenizer.encode(completion, eos=True)
+        if len(p) + len(c) > seq_len:
+            raise ValueError(f"SFT example of {len(p) + len(c)} tokens exceeds sft.seq_len="
+                             f"{seq_len}: raise sft.seq_len. Prompt: {prompt[:60]!r}")
+        tok = np.full(seq_len, tokenizer.pad_id, np.int32)
+        mask = np.zeros(seq_len, bool)
+        tok[: len(p) + len(c)] = p + c
+        mask[len(p): len(p) + len(c)] = True
+        return {"tokens": tok, "loss_mask": mask}
+    return encode
+
+
+def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState:
+    import grain
+
+    from sandbox.tasks import generators
+
+    s = config.sft
+    workdir = os.path.join(config.workdir, "sft")
+    model, tok = _model(config), load_tokenizer(config.tokenizer)
+    splits = load_task_splits(config)
+    examples = generators.sft_examples(splits["train"], s.imperfect_frac, config.seed)
+    ds = (grain.MapDataset.source(examples).shuffle(seed=config.seed).repeat()
+          .map(_sft_rows(examples, tok, s.seq_len)).batch(s.batch_size, drop_remainder=True))
+    it = iter(ds.to_iter_dataset())
+
+    opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay))
+    state = init_train_state(model.init(jax.random.key(config.seed)), opt)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
+    rng = jax.random.key(config.seed)
+    if resume:
+        restored = ckpt.restore_latest(jax.eval_shape(lambda: state), data_iter=it)
+        if restored is not None:
+            state, rng = restored[0], restored[1]
+            log.info("SFT resumed at step %d", int(state.step))
+    step_fn = make_sft_step(model, opt)
+    writer = MetricsWriter(workdir)
+    start = int(state.step)
+    bar = _progress(s.steps, "sft", start) if progress else None
+    met = {}
+    for i in range(start, s.steps):
+        batch = next(it)
+        state, met = step_fn(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        if (i + 1) % s.log_every == 0 or i + 1 == s.steps:
+            m = jax.device_get(met)
+            writer.write(i + 1, m, "sft/")
+            if bar is not None:
+                bar.set_postfix(ce=f"{float(m['ce']):.3f}")
+        if (i + 1) % s.checkpoint_every == 0 or i + 1 == s.steps:
+            ckpt.save(i + 1, state, rng=rng, data_iter=it, meta={"phase": "sft"})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    return state
+
+
+def _optim(lr, warmup, total, wd):
+    import ml_collections
+    return ml_collections.ConfigDict(dict(lr=lr, warmup_steps=warmup, total_steps=total,
+                                          final_lr_frac=0.1, weight_decay=wd, b1=0.9, b2=0.99,
+                                          eps=1e-8, clip_norm=1.0))
+
+
+def load_sft_variables(config, model: Model) -> dict:
+    """The final SFT weights from workdir/sft (error if absent)."""
+    opt = make_optimizer(_optim(1e-3, 1, 2, 0.0))
+    template = init_train_state(model.init(jax.random.key(0)), opt)
+    ckpt = Checkpointer(os.path.join(config.workdir, "sft", "checkpoints"), keep=2)
+    restored = ckpt.restore_latest(jax.eval_shape(lambda: template))
+    ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(
+            f"no SFT checkpoint under {config.workdir}/sft/checkpoints: run scripts/sft.py with "
+            f"the same --config first, or set --config.rl.init_from=scratch")
+    return restored[0].variables
+
+
+# --------------------------------------------------------------------------- RL
+class _Position:
+    """A data-iterator view whose saved state is a recorded earlier position."""
+
+    def __init__(self, it, pos):
+        self._it, self._pos = it, pos
+
+    def get_state(self):
+        return self._pos
+
+    def set_state(self, state):
+        self._it.set_state(state)
+
+
+def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
+           on_eval=None) -> TrainState:
+    r, model, tok = config.rl, _model(config), load_tokenizer(config.tokenizer)
+    algo = algo_from_config(r.algo)
+    workdir = os.path.join(config.workdir, "rl")
+    splits = load_task_splits(config)
+    train_tasks = [t for t, _ in splits["train"]]
+    val_tasks = [t for t, _ in splits["val"]][: config.eval.val_tasks * 10]
+    it = iter(task_dataset(train_tasks, seed=config.seed, batch_size=r.prompts_per_batch))
+
+    if r.init_from == "sft":
+        init_vars = load_sft_variables(config, model)
+    elif r.init_from == "scratch":
+        init_vars = model.init(jax.random.key(config.seed))
+    else:
+        raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {r.init_from!r}")
+    opt = make_optimizer(config.optim)
+    state = init_train_state(init_vars, opt)
+    ref_vars = init_vars  # frozen reference policy: the initial (SFT) model
+    rng = jax.random.key(config.seed + 1)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=r.keep_checkpoints)
+    if resume:
+        restored = ckpt.restore_latest(jax.eval_shape(lambda: state), data_iter=it)
+        if restored is not None:
+            state, rng = restored[0], restored[1]
+            log.info("RL resumed at step %d", int(state.step))
+
+    own_pool = pool is None
+    if own_pool:
+        pool, verifier = _open_pool(config)
+    else:
+        from sandbox.verifiers import Verifier
+        verifier = Verifier(executor=pool)
+    sampling = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                              top_p=r.top_p, top_k=r.top_k, eos_id=tok.eos_id)
+    worker = RolloutWorker(model, tok, sampling, verifier, group_size=r.group_size,
+                           max_prompt_len=r.max_prompt_len)
+    eval_worker = RolloutWorker(model, tok, dataclasses.replace(
+        sampling, temperature=0.0 if config.eval.greedy else config.eval.temperature),
+        verifier, group_size=1, max_prompt_len=r.max_prompt_len)
+    width = r.max_prompt_len + r.max_new_tokens
+    step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
+                              mtp_loss_weight=r.mtp_loss_weight)
+    logp_fn = make_logp_fn(model)
+    writer = MetricsWriter(workdir)
+
+    def do_eval(step):
+        res = evaluate(eval_worker, state.variables, val_tasks[: config.eval.val_tasks],
+                       jax.random.key(step), batch_prompts=config.eval.batch_prompts)
+        writer.write(step, {f"{d}/pass@1": v["pass@1"] for d, v in res.items()
+                            if isinstance(v, dict)}, "val/")
+        if on_eval is not None:
+            on_eval(step, res)
+        return res
+
+    # The checkpoint stores the data position and rng *before* the pending (lookahead) batch was
+    # drawn, so a resume regenerates exactly that batch (bit-exact when overlap_scoring=False;
+    # with overlap the lookahead batch was generated one update earlier than on resume).
+    launch_point = {"rng": rng, "pos": it.get_state()}
+
+    def launch(rng):
+        launch_point.update(rng=rng, pos=it.get_state())
+        rng, sub = jax.random.split(rng)
+        return rng, worker.start(state.variables, next(it), sub)
+
+    start = int(state.step)
+    bar = _progress(r.steps, "rl", start) if progress else None
+    if start == 0 and config.eval.every:
+        do_eval(0)
+    rng, pending = launch(rng)
+    for i in range(start, r.steps):
+        t_iter = time.perf_counter()
+        nxt = None
+        if r.overlap_scoring and i + 1 < r.steps:  # generate i+1 while batch i is scored
+            rng, nxt = launch(rng)
+        group = pending.result()
+        batch, met = build_train_batch(group, algo, width)
+        t_train = time.perf_counter()
+        jb = {k: jnp.asarray(v) for k, v in batch.items()}
+        jb["old_logp"] = logp_fn(state.variables, jb["tokens"], jb["loss_mask"])
+        if algo.kl_placement != "none":
+            jb["ref_logp"] = logp_fn(ref_vars, jb["tokens"], jb["loss_mask"])
+        state, tmet = step_fn(state, jb)
+        tmet = jax.device_get(tmet)
+        train_s = time.perf_counter() - t_train
+        if not r.overlap_scoring and i + 1 < r.steps:
+            rng, nxt = launch(rng)
+        pending = nxt
+        step = i + 1
+        met.update({k: float(v) for k, v in tmet.items()})
+        met.update({"time/generate_s": group.gen_s, "time/score_wait_s": group.score_wait_s,
+                    "time/score_s": group.score_s, "time/train_s": train_s,
+                    "time/iteration_s": time.perf_counter() - t_iter,
+                    "score_hidden_frac": 1.0 - group.score_wait_s / max(group.score_s, 1e-9)})
+        if step % r.log_every == 0 or step == r.steps:
+            writer.write(step, met, "rl/")
+        if bar is not None:
+            bar.set_postfix(reward=f"{met['reward_mean']:.2f}", kl=f"{met.get('kl_ref', 0):.3f}")
+            bar.update(1)
+        if config.eval.every and (step % config.eval.every == 0 or step == r.steps):
+            do_eval(step)
+        if step % r.checkpoint_every == 0 or step == r.steps:
+            ckpt.save(step, state, rng=launch_point["rng"],
+                      data_iter=_Position(it, launch_point["pos"]), meta={"phase": "rl"})
+    if bar is not None:
+        bar.close()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    if own_pool:
+        pool.close()
+    return state
+
+
+def load_rl_variables(config, model: Model, directory: str | None = None) -> dict:
+    """The latest good RL checkpoint's variables (workdir/rl/checkpoints or `directory`)."""
+    opt = make_optimizer(config.optim)
+    template = init_train_state(model.init(jax.random.key(0)), opt)
+    d = directory or os.path.join(config.workdir, "rl", "checkpoints")
+    ckpt = Checkpointer(d, keep=config.rl.keep_checkpoints)
+    restored = ckpt.restore_latest(jax.eval_shape(lambda: template))
+    ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"no RL checkpoint under {d}: run scripts/train_rl.py first")
+    return restored[0].variables

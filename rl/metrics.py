@@ -1,0 +1,59 @@
+"""Metrics: the unbiased pass@k estimator, Wilson intervals, and a TensorBoard + JSONL writer."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c,k)/C(n,k)."""
+    if not 0 <= c <= n or k < 1 or k > n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n; got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion p measured on n trials."""
+    if n <= 0:
+        return 0.0, 1.0
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+class MetricsWriter:
+    """Scalars to TensorBoard event files (tensorboardX) and one JSON object per line."""
+
+    def __init__(self, logdir: str, *, tensorboard: bool = True):
+        os.makedirs(logdir, exist_ok=True)
+        self.path = os.path.join(logdir, "metrics.jsonl")
+        self._f = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(logdir)
+
+    def write(self, step: int, metrics: dict, prefix: str = "") -> None:
+        flat = {}
+        for k, v in metrics.items():
+            if isinstance(v, (int, float, np.floating, np.integer)) or (
+                    hasattr(v, "shape") and getattr(v, "shape", None) == ()):
+                flat[f"{prefix}{k}"] = float(v)
+        self._f.write(json.dumps({"step": int(step), "time": time.time(), **flat}) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            for k, v in flat.items():
+                self._tb.add_scalar(k, v, int(step))
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,26 @@
+"""Shared script setup: repo on sys.path, JAX compilation cache, multi-host init, logging."""
+
+import logging
+import os
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def setup_jax() -> None:
+    import jax
+
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".cache", "jax"))
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:  # multi-host: driven by JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+        from model.sharding import maybe_initialize_distributed
+        maybe_initialize_distributed()
+    except ImportError:
+        pass
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    for noisy in ("jax", "absl", "orbax", "grain", "jax._src.xla_bridge"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
