@@ -1,0 +1,209 @@
+"""Sandbox benchmark: `python scripts/bench.py sandbox [--quick]`.
+
+Side by side in one run, with the same concurrency (W = CPU count):
+  plain      trivial Python (`python3 -S -B -c pass`) as a plain, unsandboxed subprocess
+  sandbox    the same program through SandboxPool (fully isolated: bwrap, uid, seccomp, cgroups)
+  http       the same through the HTTP server (SandboxFusion /run_code) and SandboxClient
+  sequential one isolated run at a time (latency without queueing)
+  humaneval  the 164 HumanEval canonical solutions checked by the python_tests verifier
+             (isolated) vs the same programs as plain subprocesses
+Closed loop: W client threads each submit a run and wait for it, so latency excludes queueing;
+runs/s is completed runs over wall time. `cpu_ms_per_run` is the CPU time (all processes of a
+run, user + system, from rusage of a reaped run) so numbers taken on a busy machine can be read as
+capacity: cores * 1000 / cpu_ms_per_run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+PLAIN_PY = "/usr/bin/python3"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
+
+
+def _closed_loop(fn: Callable[[], Any], n: int, threads: int) -> dict:
+    lat: list[float] = []
+    lock = threading.Lock()
+    counter = [0]
+    errors: list[str] = []
+
+    def loop():
+        while True:
+            with lock:
+                if counter[0] >= n:
+                    return
+                counter[0] += 1
+            t0 = time.perf_counter()
+            try:
+                ok = fn()
+            except Exception as e:  # noqa: BLE001
+                ok = False
+                errors.append(repr(e))
+            dt = time.perf_counter() - t0
+            with lock:
+                lat.append(dt)
+                if ok is False and len(errors) < 5:
+                    errors.append("run failed")
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=loop) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {
+        "runs": n, "threads": threads, "wall_s": round(wall, 3),
+        "runs_per_s": round(n / wall, 1),
+        "p50_ms": round(_pct(lat, 50) * 1000, 1), "p90_ms": round(_pct(lat, 90) * 1000, 1),
+        "p99_ms": round(_pct(lat, 99) * 1000, 1), "mean_ms": round(statistics.mean(lat) * 1000, 1),
+        "errors": errors[:5],
+    }
+
+
+def _cpu_per_sandbox_run(n: int) -> dict:
+    """CPU of one isolated trivial run (all its processes), measured in a child process that is
+    the subreaper of its sandboxes, and the same for a plain subprocess."""
+    code = r"""
+import os, resource, sys, subprocess
+from sandbox.executor import Slot, set_child_subreaper
+from sandbox.result import normalize_request
+set_child_subreaper()
+n = int(sys.argv[1])
+def cpu(who):
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+s = Slot()
+req = normalize_request("pass")
+for _ in range(3):
+    s.run(req)
+c0, s0 = cpu(resource.RUSAGE_CHILDREN), cpu(resource.RUSAGE_SELF)
+for _ in range(n):
+    s.run(req)
+c1, s1 = cpu(resource.RUSAGE_CHILDREN), cpu(resource.RUSAGE_SELF)
+s.close()
+p0 = cpu(resource.RUSAGE_CHILDREN)
+for _ in range(n):
+    subprocess.run([sys.argv[2], "-S", "-B", "-c", "pass"])
+p1 = cpu(resource.RUSAGE_CHILDREN)
+print((c1 - c0 + s1 - s0) / n * 1000, (p1 - p0) / n * 1000)
+"""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(n), PLAIN_PY], capture_output=True,
+                         text=True, env=env, timeout=600)
+    if out.returncode != 0:
+        return {"error": out.stderr[-500:]}
+    sb, plain = (float(x) for x in out.stdout.split())
+    cores = os.cpu_count() or 1
+    return {"sandbox_cpu_ms_per_run": round(sb, 2), "plain_cpu_ms_per_run": round(plain, 2),
+            "sandbox_capacity_runs_per_s": round(cores * 1000 / sb, 1),
+            "plain_capacity_runs_per_s": round(cores * 1000 / plain, 1)}
+
+
+def _humaneval(pool, quick: bool) -> dict:
+    from .tasks.loaders import load_humaneval
+    from .verifiers import Verifier, build_python_tests_program, build_solution
+
+    path = os.path.join(os.path.dirname(__file__), "tasks", "data", "HumanEval.jsonl.gz")
+    tasks = load_humaneval(path)
+    if quick:
+        tasks = tasks[:40]
+    v = Verifier(pool)
+    t0 = time.perf_counter()
+    res = v.verify_batch(tasks, [t.canonical_solution for t in tasks])
+    iso = time.perf_counter() - t0
+    passed = sum(s for s, _ in res)
+    # the same programs (harness included), unsandboxed, W at a time
+    progs = [build_python_tests_program(t, build_solution(t, t.canonical_solution), "0" * 32)[0]
+             for t in tasks]
+    sem = threading.Semaphore(os.cpu_count() or 1)
+
+    def plain(p):
+        with sem:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, ".kimi_nonce"), "w") as f:
+                    f.write("0" * 32)
+                # the harness reads /work/.kimi_nonce: point it at the temp dir instead
+                prog = p.replace('"/work/.kimi_nonce"', repr(os.path.join(d, ".kimi_nonce")))
+                subprocess.run([PLAIN_PY, "-S", "-B", "-c", prog], capture_output=True, timeout=60, cwd=d)
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=plain, args=(p,)) for p in progs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    plain_s = time.perf_counter() - t0
+    return {"programs": len(tasks), "passed": passed, "isolated_s": round(iso, 2),
+            "plain_subprocess_s": round(plain_s, 2), "ratio": round(iso / plain_s, 2)}
+
+
+def run(quick: bool = False) -> dict:
+    from .client import SandboxClient
+    from .pool import SandboxPool
+    from .server import SandboxServer
+
+    n = 60 if quick else 400
+    w = os.cpu_count() or 1
+    out: dict[str, Any] = {"cpus": w, "loadavg_start": os.getloadavg()}
+
+    def plain_once():
+        return subprocess.run([PLAIN_PY, "-S", "-B", "-c", "pass"]).returncode == 0
+
+    with SandboxPool(workers=w) as pool:
+        out["isolation"] = {k: v for k, v in pool.isolation_report().items() if k != "seccomp"}
+        pool.map(["pass"] * (2 * w))  # warm
+        out["plain"] = _closed_loop(plain_once, n, w)
+        out["sandbox"] = _closed_loop(lambda: pool.run("pass").ok, n, w)
+        out["sequential"] = _closed_loop(lambda: pool.run("pass").ok, max(20, n // 4), 1)
+        t0 = time.perf_counter()
+        rs = pool.map(["pass"] * n)
+        out["sandbox_batch"] = {"runs": n, "runs_per_s": round(n / (time.perf_counter() - t0), 1),
+                                "all_ok": all(r.ok for r in rs)}
+        srv = SandboxServer(pool).serve_in_thread()
+        try:
+            with SandboxClient(srv.url, max_concurrency=w) as client:
+                client.run("pass")
+                out["http"] = _closed_loop(lambda: client.run("pass").ok, n, w)
+        finally:
+            srv.stop()
+        out["pool_stats"] = pool.stats()
+        out["humaneval"] = _humaneval(pool, quick)
+    out["cpu"] = _cpu_per_sandbox_run(20 if quick else 60)
+    out["loadavg_end"] = os.getloadavg()
+    s, p, h = out["sandbox"], out["plain"], out["http"]
+    out["summary"] = {
+        "isolated_runs_per_s": s["runs_per_s"], "isolated_p50_ms": s["p50_ms"], "isolated_p99_ms": s["p99_ms"],
+        "plain_runs_per_s": p["runs_per_s"], "plain_p50_ms": p["p50_ms"], "plain_p99_ms": p["p99_ms"],
+        "http_runs_per_s": h["runs_per_s"], "http_p50_ms": h["p50_ms"], "http_p99_ms": h["p99_ms"],
+        "isolated_over_plain_throughput": round(s["runs_per_s"] / p["runs_per_s"], 2),
+        "humaneval_isolated_s": out["humaneval"]["isolated_s"],
+        "humaneval_plain_s": out["humaneval"]["plain_subprocess_s"],
+        "sandbox_cpu_ms_per_run": out["cpu"].get("sandbox_cpu_ms_per_run"),
+        "plain_cpu_ms_per_run": out["cpu"].get("plain_cpu_ms_per_run"),
+    }
+    print(f"sandbox benchmark (W={w}, load {out['loadavg_start'][0]:.1f} -> {out['loadavg_end'][0]:.1f})")
+    for k, v in out["summary"].items():
+        print(f"  {k:34s} {v}")
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))

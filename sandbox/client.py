@@ -1,0 +1,290 @@
+"""One interface for local and remote sandboxes.
+
+    ex = connect()                                   # local SandboxPool (CPU-count workers)
+    ex = connect("http://10.0.0.5:8080")             # a remote sandbox server (or SandboxFusion)
+    ex = connect(["http://a:8080", "http://b:8080"], max_concurrency=64)
+    fut = ex.submit("print(1)", timeout_s=5)        # Future[ExecutionResult]
+    results = ex.run_batch([{"code": c} for c in programs])   # in order
+
+`SandboxClient` speaks the SandboxFusion-compatible `POST /run_code` (so it also works against a
+SandboxFusion deployment; this project's server adds exact statuses as extension fields) and this
+project's `POST /run_sequence` for multi-step jobs. Concurrency is bounded by a thread pool of
+`max_concurrency`; requests rotate over the URLs; transient failures (connection errors, timeouts,
+HTTP 429/502/503/504) are retried on the next URL with exponential backoff, and a request that
+still fails comes back as a `sandbox_error` result (never an exception, never lost).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import itertools
+import json
+import random
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from .result import ExecutionResult, normalize_request
+
+RETRY_HTTP = {429, 500, 502, 503, 504}
+
+
+class RemoteError(RuntimeError):
+    def __init__(self, msg: str, transient: bool) -> None:
+        super().__init__(msg)
+        self.transient = transient
+
+
+def sf_response_to_result(resp: dict[str, Any]) -> ExecutionResult:
+    """SandboxFusion /run_code response -> ExecutionResult (exact status if the server says it)."""
+    rr = resp.get("run_result") or {}
+    files = {k: base64.b64decode(v) for k, v in (resp.get("files") or {}).items()}
+    status = resp.get("sandbox_status")
+    code = rr.get("return_code")
+    if status is None:
+        if resp.get("status") == "SandboxError" or rr.get("status") == "Error" or not rr:
+            status = "sandbox_error"
+        elif rr.get("status") == "TimeLimitExceeded":
+            status = "timeout"
+        else:
+            status = "ok" if code == 0 else "error"
+    return ExecutionResult(
+        status=status, exit_code=code, stdout=rr.get("stdout") or "", stderr=rr.get("stderr") or "",
+        wall_s=float(rr.get("execution_time") or 0.0),
+        signal=(code - 128) if isinstance(code, int) and 128 < code <= 192 else None,
+        stdout_truncated=bool(resp.get("stdout_truncated")),
+        stderr_truncated=bool(resp.get("stderr_truncated")),
+        memory_peak_mb=resp.get("memory_peak_mb"), files=files, message=resp.get("message") or "")
+
+
+def req_to_sf(req: dict[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "code": req["code"], "language": req["language"], "run_timeout": req["timeout_s"],
+        "memory_limit_MB": req["memory_mb"], "output_limit_bytes": req["output_limit_bytes"],
+    }
+    if req.get("stdin") is not None:
+        body["stdin"] = req["stdin"].decode("utf-8", errors="surrogateescape")
+    if req.get("files"):
+        body["files"] = {k: base64.b64encode(v).decode() for k, v in req["files"].items()}
+    if req.get("collect"):
+        body["fetch_files"] = list(req["collect"])
+        body["collect_limit_bytes"] = req["collect_limit_bytes"]
+    if req.get("max_procs"):
+        body["max_procs"] = req["max_procs"]
+    return body
+
+
+def req_to_native(req: dict[str, Any]) -> dict[str, Any]:
+    body = {k: req[k] for k in ("code", "language", "timeout_s", "memory_mb", "output_limit_bytes",
+                                "collect", "collect_limit_bytes", "max_procs") if req.get(k) is not None}
+    if req.get("stdin") is not None:
+        body["stdin"] = req["stdin"].decode("utf-8", errors="surrogateescape")
+    if req.get("files"):
+        body["files"] = {k: base64.b64encode(v).decode() for k, v in req["files"].items()}
+    return body
+
+
+class SandboxClient:
+    """Remote sandbox executor with the SandboxPool interface (submit, run, map, run_batch,
+    submit_sequence, run_sequence, stats, close)."""
+
+    def __init__(self, urls: str | Iterable[str], *, max_concurrency: int = 16, retries: int = 3,
+                 backoff_s: float = 0.1, timeout_pad_s: float = 30.0) -> None:
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError("SandboxClient needs at least one URL")
+        self._parsed = [urllib.parse.urlsplit(u) for u in self.urls]
+        for u in self._parsed:
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise ValueError(f"bad sandbox URL {urllib.parse.urlunsplit(u)!r}")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.timeout_pad_s = timeout_pad_s
+        self.max_concurrency = max_concurrency
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sandbox-client")
+        self._rr = itertools.count(random.randrange(len(self.urls)))
+        self._down_until = [0.0] * len(self.urls)  # a URL that refused a connection rests a while
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._stats = {"requests": 0, "retries": 0, "reconnects": 0, "failures": 0, "by_status": {}}
+        self._lat: list[float] = []
+
+    # ---- transport ---------------------------------------------------------------------------
+    def _conn(self, i: int, timeout: float) -> http.client.HTTPConnection:
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        c = conns.get(i)
+        if c is None:
+            u = self._parsed[i]
+            cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+            c = cls(u.hostname, u.port, timeout=timeout)
+            c.connect()
+            c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conns[i] = c
+        c.timeout = timeout
+        if c.sock is not None:
+            c.sock.settimeout(timeout)
+        return c
+
+    def _drop(self, i: int) -> None:
+        conns = getattr(self._local, "conns", {})
+        c = conns.pop(i, None)
+        if c is not None:
+            c.close()
+
+    def _post_once(self, i: int, path: str, body: dict, timeout: float) -> dict:
+        base = self._parsed[i].path.rstrip("/")
+        data = json.dumps(body).encode()
+        for attempt in (0, 1):  # one silent reconnect for a stale keep-alive connection
+            try:
+                c = self._conn(i, timeout)
+                c.request("POST", base + path, body=data,
+                          headers={"Content-Type": "application/json"})
+                resp = c.getresponse()
+                raw = resp.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+                self._drop(i)
+                if attempt == 0:
+                    with self._lock:
+                        self._stats["reconnects"] += 1
+                    continue
+                raise RemoteError(f"{self.urls[i]}: {e}", transient=True) from e
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(i)
+                raise RemoteError(f"{self.urls[i]}: {type(e).__name__}: {e}", transient=True) from e
+            if resp.status != 200:
+                if resp.getheader("Connection", "").lower() == "close":
+                    self._drop(i)
+                msg = raw[:300].decode(errors="replace")
+                raise RemoteError(f"{self.urls[i]}{path}: HTTP {resp.status}: {msg}",
+                                  transient=resp.status in RETRY_HTTP)
+            try:
+                return json.loads(raw)
+            except ValueError as e:
+                raise RemoteError(f"{self.urls[i]}: invalid JSON reply", transient=True) from e
+        raise AssertionError("unreachable")
+
+    def _pick(self) -> int:
+        now = time.monotonic()
+        n = len(self.urls)
+        start = next(self._rr)
+        for k in range(n):
+            i = (start + k) % n
+            if self._down_until[i] <= now:
+                return i
+        return start % n  # all resting: try anyway
+
+    def _post(self, path: str, body: dict, timeout: float) -> dict:
+        last: RemoteError | None = None
+        for attempt in range(self.retries + 1):
+            i = self._pick()
+            try:
+                out = self._post_once(i, path, body, timeout)
+                self._down_until[i] = 0.0
+                return out
+            except RemoteError as e:
+                last = e
+                if isinstance(e.__cause__, ConnectionRefusedError):
+                    self._down_until[i] = time.monotonic() + 2.0
+                if not e.transient:
+                    break
+                if attempt < self.retries:
+                    with self._lock:
+                        self._stats["retries"] += 1
+                    time.sleep(self.backoff_s * (2 ** attempt) * (0.5 + random.random()))
+        assert last is not None
+        raise last
+
+    def _record(self, results: list[ExecutionResult], t0: float) -> None:
+        with self._lock:
+            self._stats["requests"] += 1
+            for r in results:
+                self._stats["by_status"][r.status] = self._stats["by_status"].get(r.status, 0) + 1
+            self._lat.append(time.monotonic() - t0)
+            if len(self._lat) > 20000:
+                del self._lat[:10000]
+
+    # ---- executor interface ------------------------------------------------------------------
+    def _do_run(self, req: dict) -> ExecutionResult:
+        t0 = time.monotonic()
+        try:
+            resp = self._post("/run_code", req_to_sf(req), req["timeout_s"] + self.timeout_pad_s)
+            r = sf_response_to_result(resp)
+        except RemoteError as e:
+            with self._lock:
+                self._stats["failures"] += 1
+            r = ExecutionResult.sandbox_error(f"remote sandbox failed: {e}")
+        self._record([r], t0)
+        return r
+
+    def _do_seq(self, reqs: list[dict]) -> list[ExecutionResult]:
+        t0 = time.monotonic()
+        try:
+            resp = self._post("/run_sequence", {"steps": [req_to_native(r) for r in reqs]},
+                              sum(r["timeout_s"] for r in reqs) + self.timeout_pad_s)
+            rs = [ExecutionResult.from_dict(d) for d in resp["results"]]
+        except (RemoteError, KeyError, TypeError) as e:
+            with self._lock:
+                self._stats["failures"] += 1
+            rs = [ExecutionResult.sandbox_error(f"remote sandbox failed: {e}") for _ in reqs]
+        self._record(rs, t0)
+        return rs
+
+    def submit(self, code: str, **kw: Any) -> Future:
+        req = normalize_request(code, **kw)
+        return self._pool.submit(self._do_run, req)
+
+    def run(self, code: str, **kw: Any) -> ExecutionResult:
+        return self.submit(code, **kw).result()
+
+    def submit_sequence(self, steps: list[dict]) -> Future:
+        reqs = [normalize_request(s["code"], **{k: v for k, v in s.items() if k != "code"}) for s in steps]
+        return self._pool.submit(self._do_seq, reqs)
+
+    def run_sequence(self, steps: list[dict]) -> list[ExecutionResult]:
+        return self.submit_sequence(steps).result()
+
+    def map(self, codes: Iterable[str], **kw: Any) -> list[ExecutionResult]:
+        futs = [self.submit(c, **kw) for c in codes]
+        return [f.result() for f in futs]
+
+    def run_batch(self, requests: Iterable[dict]) -> list[ExecutionResult]:
+        futs = [self.submit(r["code"], **{k: v for k, v in r.items() if k != "code"}) for r in requests]
+        return [f.result() for f in futs]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            lat = sorted(self._lat)
+            s = json.loads(json.dumps(self._stats))
+
+        def pct(q):
+            return round(lat[min(len(lat) - 1, int(q / 100 * (len(lat) - 1)))] * 1000, 2) if lat else None
+
+        s["latency_ms"] = {"p50": pct(50), "p90": pct(90), "p99": pct(99)}
+        s["urls"] = list(self.urls)
+        s["max_concurrency"] = self.max_concurrency
+        return s
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> SandboxClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(target: str | Iterable[str] | None = None, **kw: Any):
+    """A local SandboxPool (target None or "local") or a SandboxClient for URL(s)."""
+    if target is None or target == "local":
+        from .pool import SandboxPool
+
+        return SandboxPool(**kw)
+    return SandboxClient(target, **kw)

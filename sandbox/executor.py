@@ -1,0 +1,1050 @@
+"""One isolated execution slot: bubblewrap + unprivileged uid + seccomp + cgroups + rlimits.
+
+A `Slot` owns, for its lifetime:
+  - a uid (and gid) of its own, taken from a range by `flock` on a lock file, so several pools and
+    processes on one machine never share one; processes of that uid are the slot's processes;
+  - a working directory: a size- and inode-capped tmpfs mounted on the host (owned by the slot uid),
+    bound read-write at /work in the sandbox; emptied after every run (or sequence of runs);
+  - a program directory bound read-only at /sandbox (the program being run, /sandbox/main.py or
+    /sandbox/main.sh) and a synthetic /etc (passwd, group, hosts);
+  - one pre-created cgroup per hierarchy (memory, pids; v1 or v2), reused by every run.
+
+A run is launched as
+
+  dash -c 'echo $$ > <slot cgroup.procs>...; ulimit ...; exec "$@"'  (root, attaches the cgroups)
+    setpriv --reuid=U --regid=U --clear-groups --no-new-privs --bounding-set=-all   (drops root)
+      bwrap --unshare-all --unshare-user --disable-userns --die-with-parent --new-session ...
+            --seccomp FD --json-status-fd FD -- /usr/bin/python3 -S -B /sandbox/main.py
+
+with an empty environment from the first exec on (bwrap's pid 1 would expose its environment via
+/proc/1/environ). bwrap reports the pid of the sandbox's pid 1 and, only if the program was
+exec'd, its exit code; no exit code means the sandbox itself failed (`sandbox_error`). On the
+deadline or an output overflow the monitor and the sandbox's pid 1 are SIGKILLed, which kills the
+whole pid namespace; the slot then waits on a pidfd for that pid 1 to be gone (reaping it when the
+worker process is its subreaper) and checks the slot cgroup is empty, so no process of the slot
+survives a run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import pwd
+import select
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from . import cgroups, seccomp
+from .result import ExecutionResult, normalize_request
+
+INSTALL_HINT = "install it with: apt-get install bubblewrap"
+
+DEFAULT_UID_BASE = int(os.environ.get("KIMI_SANDBOX_UID_BASE", "1900000000"))
+DEFAULT_STATE_DIR = os.environ.get("KIMI_SANDBOX_STATE_DIR", "/run/kimi-sandbox")
+
+
+class IsolationUnavailable(RuntimeError):
+    """The isolation the sandbox needs cannot be set up here (says what is missing and the fix)."""
+
+
+class UnisolatedWarning(UserWarning):
+    """Emitted when code runs with isolation="none" (trusted local debugging only)."""
+
+
+@dataclass
+class SandboxConfig:
+    """Machine-level settings of the sandbox (per-call limits are arguments of `run`)."""
+
+    isolation: str = "bwrap"  # "bwrap" or "none" (trusted local debugging only: warns)
+    bwrap: str = "bwrap"  # a name is looked up on PATH (then /usr/bin); a path must exist
+    python: str = "/usr/bin/python3"  # must live under /usr (the sandbox sees only /usr)
+    python_flags: tuple[str, ...] = ("-S", "-B")  # no site import (fast start), no .pyc writes
+    bash: str = "/usr/bin/bash"
+    setpriv: str = "/usr/bin/setpriv"
+    shell: str = "/usr/bin/dash"
+    state_dir: str = DEFAULT_STATE_DIR
+    uid_base: int = DEFAULT_UID_BASE
+    uid_count: int = 4096
+    work_mb: int = 64  # /work tmpfs size (files in, files written by the program)
+    work_inodes: int = 8192
+    tmp_mb: int = 64  # /tmp and /dev/shm tmpfs size each
+    max_procs: int = 64  # pids cgroup limit (processes + threads) and RLIMIT_NPROC backstop
+    nofile: int = 1024
+    require_cgroups: bool = False  # raise instead of warning when no memory/pids cgroup exists
+    extra_ro_binds: tuple[tuple[str, str], ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# small OS helpers
+
+_libc = ctypes.CDLL(None, use_errno=True)
+MS_NOSUID, MS_NODEV = 2, 4
+MNT_DETACH = 2
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def set_child_subreaper() -> bool:
+    return _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    return _libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
+def _mount_tmpfs(target: str, opts: str) -> None:
+    if _libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mount tmpfs on {target}: {os.strerror(e)}")
+
+
+def _umount(target: str) -> None:
+    _libc.umount2(target.encode(), MNT_DETACH)
+
+
+def _mountpoints() -> set[str]:
+    out = set()
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 4:
+                    out.add(parts[4].replace("\\040", " "))
+    except OSError:
+        pass
+    return out
+
+
+def _proc_uids() -> dict[int, list[int]]:
+    """uid -> pids, from /proc (real uid)."""
+    res: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        uid = int(line.split()[1])
+                        res.setdefault(uid, []).append(int(name))
+                        break
+        except (OSError, ValueError):
+            continue
+    return res
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    return _proc_uids().get(uid, [])
+
+
+def kill_uid(uid: int, timeout_s: float = 5.0) -> bool:
+    """SIGKILLs every process whose real uid is `uid` (never uid 0). True when none is left."""
+    if uid == 0:
+        raise ValueError("refusing to kill uid 0")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = pids_of_uid(uid)
+        if not pids:
+            return True
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+            try:  # reap it if it was reparented to us
+                os.waitpid(p, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _lock_path(cfg: SandboxConfig, uid: int) -> str:
+    return os.path.join(cfg.state_dir, "locks", f"{uid}.lock")
+
+
+def _try_lock(cfg: SandboxConfig, uid: int) -> int | None:
+    fd = os.open(_lock_path(cfg, uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+def _ensure_state_dir(cfg: SandboxConfig) -> None:
+    for d, mode in ((cfg.state_dir, 0o711), (os.path.join(cfg.state_dir, "locks"), 0o700),
+                    (os.path.join(cfg.state_dir, "slots"), 0o711)):
+        os.makedirs(d, mode=mode, exist_ok=True)
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise IsolationUnavailable(f"sandbox state dir {d} is not a directory owned by us")
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(d, mode)
+
+
+def _clear_dir(path: str) -> None:
+    """Removes everything inside `path` without following symlinks (fd-based rmtree)."""
+    with os.scandir(path) as it:
+        entries = list(it)
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path)
+        else:
+            os.unlink(e.path)
+
+
+def _slot_dir(cfg: SandboxConfig, uid: int) -> str:
+    return os.path.join(cfg.state_dir, "slots", str(uid))
+
+
+def _sweep_uid(cfg: SandboxConfig, layout: cgroups.CgroupLayout | None, uid: int,
+               keep_cgroup: bool = False) -> None:
+    """Cleans what a dead owner of `uid` may have left. Caller holds the uid's lock."""
+    if uid != 0 and os.geteuid() == 0 and uid != os.getuid():
+        kill_uid(uid)
+    if layout is not None and layout.version and not keep_cgroup:
+        for d in layout.slot_dirs(uid).values():
+            try:
+                cgroups.remove_dir(d)
+            except OSError:
+                pass
+    sd = _slot_dir(cfg, uid)
+    work = os.path.join(sd, "work")
+    mps = _mountpoints()
+    if work in mps:
+        _umount(work)
+    if os.path.isdir(sd) and not os.path.islink(sd):
+        shutil.rmtree(sd, ignore_errors=True)
+
+
+def sweep_stale(cfg: SandboxConfig, layout: cgroups.CgroupLayout | None) -> list[int]:
+    """Cleans slots (processes, mounts, cgroups, dirs) whose owner is gone. Returns their uids."""
+    cand: set[int] = set()
+    try:
+        cand |= {int(n) for n in os.listdir(os.path.join(cfg.state_dir, "slots")) if n.isdigit()}
+    except OSError:
+        pass
+    if layout is not None:
+        for gd in layout.group_dirs():
+            try:
+                cand |= {int(n[1:]) for n in os.listdir(gd) if n.startswith("u") and n[1:].isdigit()}
+            except OSError:
+                pass
+    swept = []
+    for uid in sorted(cand):
+        if not (cfg.uid_base <= uid < cfg.uid_base + cfg.uid_count):
+            continue
+        fd = _try_lock(cfg, uid)
+        if fd is None:
+            continue
+        try:
+            _sweep_uid(cfg, layout, uid)
+            swept.append(uid)
+        finally:
+            os.close(fd)
+    if layout is not None and swept:
+        cgroups.remove_group_dirs(layout)
+    return swept
+
+
+# --------------------------------------------------------------------------------------------
+# isolation checks
+
+
+def _which(path: str, name: str) -> str | None:
+    """An explicit path must exist; a bare name is looked up on PATH, then in /usr/bin."""
+    if "/" in path:
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    found = shutil.which(path)
+    if found:
+        return os.path.realpath(found)
+    fallback = os.path.join("/usr/bin", path)
+    return fallback if os.path.isfile(fallback) and os.access(fallback, os.X_OK) else None
+
+
+def check_isolation(cfg: SandboxConfig) -> list[str]:
+    """Problems that prevent bubblewrap isolation here (empty when it can be set up)."""
+    problems = []
+    if _which(cfg.bwrap, "bwrap") is None:
+        where = cfg.bwrap if "/" in cfg.bwrap else f"{cfg.bwrap!r} on PATH or in /usr/bin"
+        problems.append(f"bubblewrap (bwrap) not found ({where}): {INSTALL_HINT}")
+    try:
+        with open("/proc/sys/user/max_user_namespaces") as f:
+            if int(f.read().strip() or 0) == 0:
+                problems.append("user namespaces are disabled (user.max_user_namespaces = 0): "
+                                "sysctl -w user.max_user_namespaces=15000")
+    except OSError:
+        problems.append("this kernel has no user namespaces (/proc/sys/user/max_user_namespaces)")
+    try:
+        with open("/proc/sys/kernel/unprivileged_userns_clone") as f:
+            if f.read().strip() == "0":
+                problems.append("unprivileged user namespaces are disabled: "
+                                "sysctl -w kernel.unprivileged_userns_clone=1")
+    except OSError:
+        pass
+    try:
+        with open("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") as f:
+            if f.read().strip() == "1":
+                problems.append("AppArmor restricts unprivileged user namespaces: "
+                                "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0")
+    except OSError:
+        pass
+    for tool, name in ((cfg.setpriv, "setpriv (util-linux)"), (cfg.shell, "dash")):
+        if tool == cfg.setpriv and os.geteuid() != 0:
+            continue
+        if not (os.path.isfile(tool) and os.access(tool, os.X_OK)):
+            problems.append(f"{name} not found at {tool}: apt-get install util-linux dash")
+    for interp in (cfg.python, cfg.bash):
+        if not os.path.realpath(interp).startswith("/usr/"):
+            problems.append(f"interpreter {interp} is not under /usr, which is all the sandbox sees")
+        elif not os.path.isfile(interp):
+            problems.append(f"interpreter {interp} not found (apt-get install python3 bash)")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# the slot
+
+_STATUS_PREFIX = b"{"
+
+
+def _decode(b: bytes) -> str:
+    return b.decode("utf-8", errors="replace")
+
+
+def _read_uid_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class Slot:
+    """One isolated execution slot (not thread-safe: one run at a time)."""
+
+    def __init__(self, cfg: SandboxConfig | None = None, *, sweep: bool = True,
+                 in_child_launch: bool = False,
+                 layout: cgroups.CgroupLayout | None = None) -> None:
+        """The default launches through vfork+exec of dash + setpriv (safe from any thread and,
+        measured, cheaper than forking the caller). `in_child_launch=True` instead sets up
+        cgroups, rlimits and the uid switch in a forked child before exec (only safe in a
+        single-threaded process)."""
+        self.cfg = cfg = cfg or SandboxConfig()
+        self.in_child_launch = in_child_launch
+        self.uid: int | None = None
+        self._lock_fd: int | None = None
+        self.cg: cgroups.SlotCgroup | None = None
+        self.layout: cgroups.CgroupLayout | None = None
+        self.features: dict = {}
+        self._closed = False
+        self.none_mode = cfg.isolation == "none"
+        self._given_layout = layout
+        if cfg.isolation not in ("bwrap", "none"):
+            raise ValueError(f"isolation must be 'bwrap' or 'none', got {cfg.isolation!r}")
+        if self.none_mode:
+            warnings.warn("sandbox isolation='none': code runs UNISOLATED on this host "
+                          "(trusted local debugging only)", UnisolatedWarning, stacklevel=2)
+            self._init_none()
+            return
+        problems = check_isolation(cfg)
+        if problems:
+            raise IsolationUnavailable("cannot isolate untrusted code: " + "; ".join(problems))
+        self.bwrap = _which(cfg.bwrap, "bwrap")
+        self.root = os.geteuid() == 0
+        try:
+            self._init_bwrap(sweep)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _init_none(self) -> None:
+        import tempfile
+
+        self.root = False
+        self.work_tmpfs = False
+
+        self.workdir = tempfile.mkdtemp(prefix="kimi-sandbox-none-")
+        self.progdir = tempfile.mkdtemp(prefix="kimi-sandbox-none-prog-")
+        self.features = {"isolation": "none"}
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _init_bwrap(self, sweep: bool) -> None:
+        cfg = self.cfg
+        if self.root:
+            _ensure_state_dir(cfg)
+            self.layout = self._given_layout or cgroups.CgroupLayout()
+            if sweep:
+                sweep_stale(cfg, self.layout)
+            for i in range(cfg.uid_count):
+                fd = _try_lock(cfg, cfg.uid_base + i)
+                if fd is not None:
+                    self.uid, self._lock_fd = cfg.uid_base + i, fd
+                    break
+            if self.uid is None:
+                raise IsolationUnavailable("all sandbox uids are in use")
+            _sweep_uid(cfg, self.layout, self.uid, keep_cgroup=True)
+            sd = _slot_dir(cfg, self.uid)
+            os.makedirs(sd, mode=0o711)
+        else:
+            # Not root: no uid switch, no cgroups, no host mount. Namespaces and seccomp still apply.
+            self.uid = os.getuid()
+            base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+            import tempfile
+
+            sd = tempfile.mkdtemp(prefix="kimi-sandbox-", dir=base)
+        self.slot_dir = sd
+        self.workdir = os.path.join(sd, "work")
+        self.progdir = os.path.join(sd, "prog")
+        self.etcdir = os.path.join(sd, "etc")
+        os.makedirs(self.workdir, mode=0o700, exist_ok=True)
+        os.makedirs(self.progdir, mode=0o755, exist_ok=True)
+        os.makedirs(self.etcdir, mode=0o755, exist_ok=True)
+        self.work_tmpfs = False
+        if self.root:
+            try:
+                _mount_tmpfs(self.workdir, f"size={cfg.work_mb}m,nr_inodes={cfg.work_inodes},"
+                             f"mode=0700,uid={self.uid},gid={self.uid}")
+                self.work_tmpfs = True
+            except OSError:
+                os.chown(self.workdir, self.uid, self.uid)
+        self._write_etc()
+        cg_ok = False
+        if self.root and self.layout is not None and self.layout.version:
+            self.cg = cgroups.SlotCgroup(self.layout, self.uid)
+            cg_ok = True
+        if not cg_ok:
+            reason = self.layout.reason if self.layout is not None else "not root"
+            if cfg.require_cgroups:
+                raise IsolationUnavailable(f"no memory/pids cgroups: {reason}")
+            warnings.warn(f"sandbox: no memory/pids cgroups ({reason}); limits fall back to "
+                          "rlimits (RLIMIT_AS; RLIMIT_NPROC as root)", RuntimeWarning, stacklevel=3)
+        self.seccomp_prog = seccomp.build_filter()
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._static_args = self._bwrap_static_args()
+        self.features = {
+            "isolation": "bwrap",
+            "bwrap": self.bwrap,
+            "uid": self.uid,
+            "unprivileged_uid": self.uid != 0,
+            "root_launcher": self.root,
+            "namespaces": ["user", "pid", "net", "ipc", "uts", "cgroup", "mnt"],
+            "nested_userns_disabled": True,
+            "capabilities": "none",
+            "seccomp": seccomp.describe(),
+            "cgroups": self.layout.describe() if self.layout else {"version": None},
+            "work_tmpfs": self.work_tmpfs,
+            "tmp_tmpfs_mb": cfg.tmp_mb,
+            "max_procs": cfg.max_procs,
+        }
+        # Probe once: catches missing user namespaces, broken mounts, etc. with bwrap's own words.
+        probe = self._run_bwrap(normalize_request("", language="bash", timeout_s=20.0, memory_mb=256))
+        if probe.status != "ok":
+            msg = (probe.stderr or probe.message).strip()
+            raise IsolationUnavailable(
+                f"bubblewrap could not start a sandbox ({msg or probe.status}). Check that user "
+                "namespaces are enabled (user.max_user_namespaces > 0, and on Debian "
+                f"kernel.unprivileged_userns_clone=1) and that bubblewrap works: {INSTALL_HINT}")
+
+    def _write_etc(self) -> None:
+        uid = self.uid
+        files = {
+            "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:/work:/bin/bash\n"
+                      "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+            "group": f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n",
+            "hosts": "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+            "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n",
+        }
+        for name, content in files.items():
+            p = os.path.join(self.etcdir, name)
+            with open(p, "w") as f:
+                f.write(content)
+            os.chmod(p, 0o644)
+        for name in ("ld.so.cache", "localtime"):
+            src = os.path.join("/etc", name)
+            if os.path.exists(src):
+                shutil.copyfile(src, os.path.join(self.etcdir, name))  # follows the localtime link
+                os.chmod(os.path.join(self.etcdir, name), 0o644)
+        if os.path.isdir("/etc/alternatives"):
+            os.makedirs(os.path.join(self.etcdir, "alternatives"), exist_ok=True)
+
+    def _bwrap_static_args(self) -> list[str]:
+        cfg = self.cfg
+        a = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
+             "--die-with-parent", "--new-session", "--hostname", "sandbox",
+             "--ro-bind", "/usr", "/usr"]
+        for d in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            p = "/" + d
+            if os.path.islink(p):
+                a += ["--symlink", os.readlink(p), p]
+            elif os.path.isdir(p):
+                a += ["--ro-bind", p, p]
+        # /etc: one bind of the slot's synthetic etc (passwd, group, hosts, nsswitch.conf and
+        # copies of ld.so.cache and localtime) plus the alternatives symlinks.
+        a += ["--ro-bind", self.etcdir, "/etc"]
+        if os.path.isdir("/etc/alternatives"):
+            a += ["--ro-bind", "/etc/alternatives", "/etc/alternatives"]
+        for src, dst in cfg.extra_ro_binds:
+            a += ["--ro-bind", src, dst]
+        size = str(cfg.tmp_mb << 20)
+        a += ["--proc", "/proc", "--dev", "/dev",
+              "--size", size, "--tmpfs", "/tmp",
+              "--size", size, "--tmpfs", "/dev/shm",
+              "--bind", self.workdir, "/work",
+              "--ro-bind", self.progdir, "/sandbox",
+              "--remount-ro", "/",
+              "--chdir", "/work", "--clearenv"]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8",
+               "TMPDIR": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "PYTHONPATH": "/work",
+               "PYTHONHASHSEED": "0"}
+        env.update(cfg.env)
+        for k, v in env.items():
+            a += ["--setenv", k, v]
+        return a
+
+    def info(self) -> dict:
+        return dict(self.features)
+
+    # ---- files --------------------------------------------------------------------------------
+    def _place_files(self, files: dict[str, bytes]) -> None:
+        if not files:
+            return
+        root_fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        chown = self.root and not self.none_mode
+        try:
+            for rel, content in files.items():
+                parts = rel.split("/")
+                dfd = os.dup(root_fd)
+                try:
+                    for comp in parts[:-1]:
+                        try:
+                            os.mkdir(comp, 0o755, dir_fd=dfd)
+                            if chown:
+                                os.chown(comp, self.uid, self.uid, dir_fd=dfd, follow_symlinks=False)
+                        except FileExistsError:
+                            pass
+                        nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+                        os.close(dfd)
+                        dfd = nfd
+                    ffd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                                  0o644, dir_fd=dfd)
+                    try:
+                        view = memoryview(content)
+                        while view:
+                            n = os.write(ffd, view)
+                            view = view[n:]
+                        if chown:
+                            os.fchown(ffd, self.uid, self.uid)
+                    finally:
+                        os.close(ffd)
+                finally:
+                    os.close(dfd)
+        finally:
+            os.close(root_fd)
+
+    def _read_back(self, paths: list[str], limit: int) -> tuple[dict[str, bytes], list[str]]:
+        """Reads files from the work dir: no symlink is followed, only regular files, size-capped."""
+        out: dict[str, bytes] = {}
+        notes: list[str] = []
+        for rel in paths:
+            parts = rel.split("/")
+            fds = []
+            try:
+                fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                fds.append(fd)
+                for comp in parts[:-1]:
+                    fd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                    fds.append(fd)
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY,
+                             dir_fd=fd)
+                fds.append(fd)
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    notes.append(f"{rel}: not a regular file")
+                    continue
+                data = os.read(fd, limit + 1) if limit >= 0 else b""
+                chunks = [data]
+                total = len(data)
+                while data and total <= limit:
+                    data = os.read(fd, limit + 1 - total)
+                    chunks.append(data)
+                    total += len(data)
+                blob = b"".join(chunks)
+                if len(blob) > limit:
+                    notes.append(f"{rel}: truncated to {limit} bytes")
+                    blob = blob[:limit]
+                out[rel] = blob
+            except OSError as e:
+                if e.errno == errno.ELOOP or e.errno == errno.ENOTDIR:
+                    notes.append(f"{rel}: symlink or non-directory in path, not followed")
+                elif e.errno != errno.ENOENT:
+                    notes.append(f"{rel}: {e.strerror}")
+            finally:
+                for f in reversed(fds):
+                    os.close(f)
+        return out, notes
+
+    def _reset_workdir(self) -> None:
+        try:
+            _clear_dir(self.workdir)
+        except OSError:
+            if self.work_tmpfs:
+                _umount(self.workdir)
+                _mount_tmpfs(self.workdir, f"size={self.cfg.work_mb}m,nr_inodes={self.cfg.work_inodes},"
+                             f"mode=0700,uid={self.uid},gid={self.uid}")
+            else:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+                os.makedirs(self.workdir, mode=0o700, exist_ok=True)
+                if self.root:
+                    os.chown(self.workdir, self.uid, self.uid)
+        if self.work_tmpfs:
+            os.chmod(self.workdir, 0o700)
+            os.chown(self.workdir, self.uid, self.uid)
+
+    # ---- running ----------------------------------------------------------------------------
+    def run(self, req: dict) -> ExecutionResult:
+        """Runs one normalised request (see result.normalize_request); the work dir is reset after."""
+        return self.run_sequence([req])[0]
+
+    def run_sequence(self, reqs: list[dict]) -> list[ExecutionResult]:
+        """Runs requests one after another in this slot sharing /work; resets /work at the end.
+
+        Each step is its own sandbox (no process survives from one step to the next), so a check
+        script run as a later step sees the files an earlier step left but nothing else of it.
+        """
+        if self._closed:
+            raise RuntimeError("slot is closed")
+        results = []
+        try:
+            for req in reqs:
+                self._place_files(req.get("files") or {})
+                if self.none_mode:
+                    r = self._run_none(req)
+                else:
+                    r = self._run_bwrap(req)
+                if req.get("collect"):
+                    files, notes = self._read_back(req["collect"], req.get("collect_limit_bytes", 1 << 20))
+                    r.files = files
+                    if notes:
+                        r.message = "; ".join(filter(None, [r.message] + notes))
+                results.append(r)
+        finally:
+            self._reset_workdir()
+        return results
+
+    def _write_prog(self, req: dict) -> list[str]:
+        cfg = self.cfg
+        if req["language"] == "python":
+            name, argv = "main.py", [cfg.python, *cfg.python_flags]
+        else:
+            name, argv = "main.sh", [cfg.bash, "--noprofile", "--norc"]
+        path = os.path.join(self.progdir, name)
+        # one run at a time per slot and no sandbox alive now: rewrite in place (mode 0644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with open(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(req["code"])
+        inner = "/sandbox/" + name if not self.none_mode else path
+        return argv + [inner]
+
+    def _stdin_fd(self, data: bytes | None) -> tuple[int, bool]:
+        if data is None:
+            return self._devnull, False
+        fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd, True
+
+    def _limits(self, req: dict, timeout_s: float) -> list[tuple[int, int, int]]:
+        """(resource, soft, hard) rlimits of a run: backstops behind the cgroups."""
+        import resource as R
+
+        cfg = self.cfg
+        max_procs = req.get("max_procs") or cfg.max_procs
+        mem = req["memory_mb"] << 20
+        # RLIMIT_AS: generous behind the memory cgroup (threads reserve stacks); the only memory
+        # limit when there are no cgroups.
+        as_bytes = mem + max(mem, 256 << 20) if self.cg is not None else mem + (64 << 20)
+        cpu = int(timeout_s) + 1
+        lim = [(R.RLIMIT_CORE, 0, 0), (R.RLIMIT_CPU, cpu, cpu + 1), (R.RLIMIT_AS, as_bytes, as_bytes),
+               (R.RLIMIT_FSIZE, cfg.work_mb << 20, cfg.work_mb << 20),
+               (R.RLIMIT_NOFILE, cfg.nofile, cfg.nofile)]
+        if self.root:  # RLIMIT_NPROC counts every process of the real uid: only for the slot uid
+            lim.append((R.RLIMIT_NPROC, max_procs + 8, max_procs + 8))
+        return lim
+
+    def _shell_launcher(self, req: dict, timeout_s: float) -> list[str]:
+        """dash: attach the slot cgroups, set rlimits, exec setpriv -> bwrap (all in argv).
+
+        Used where forking the calling process is unsafe (a multi-threaded caller): the launch is a
+        plain vfork+exec, at the price of two more execs than the in-child launcher.
+        """
+        import resource as R
+
+        cfg = self.cfg
+        flag = {R.RLIMIT_CORE: "-c", R.RLIMIT_CPU: "-t", R.RLIMIT_AS: "-v", R.RLIMIT_FSIZE: "-f",
+                R.RLIMIT_NOFILE: "-n", R.RLIMIT_NPROC: "-p"}
+        unit = {R.RLIMIT_AS: 1024, R.RLIMIT_FSIZE: 512}
+        steps = []
+        if self.cg is not None:
+            steps += [f"echo $$ >{shlex.quote(p)}" for p in self.cg.procs_files]
+        for res, soft, hard in self._limits(req, timeout_s):
+            u = unit.get(res, 1)
+            steps.append(f"ulimit -S {flag[res]} {soft // u}")  # soft first: hard >= soft always
+            steps.append(f"ulimit -H {flag[res]} {hard // u}")
+        steps.append('unset PWD OLDPWD')  # dash exports PWD: keep bwrap's environment empty
+        steps.append('exec "$@"')
+        argv = [cfg.shell, "-c", " && ".join(steps), "sandbox-launch"]
+        if self.root:
+            argv += [cfg.setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
+                     "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
+        return argv
+
+    def _child_setup_fn(self, req: dict, timeout_s: float):
+        """The in-child launcher: runs between fork and exec of bwrap (single-threaded callers)."""
+        import resource as R
+
+        procs_files = self.cg.procs_files if self.cg is not None else []
+        limits = self._limits(req, timeout_s)
+        uid, root = self.uid, self.root
+        prctl = _libc.prctl
+
+        def setup() -> None:
+            pid = str(os.getpid()).encode()
+            for p in procs_files:
+                fd = os.open(p, os.O_WRONLY)
+                os.write(fd, pid)
+                os.close(fd)
+            for res, soft, hard in limits:
+                R.setrlimit(res, (soft, hard))
+            if root:
+                for cap in range(64):  # empty the bounding set (PR_CAPBSET_DROP)
+                    if prctl(24, cap, 0, 0, 0) != 0:
+                        break
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+            if prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+                raise OSError("PR_SET_NO_NEW_PRIVS failed")
+
+        return setup
+
+    def _run_bwrap(self, req: dict) -> ExecutionResult:
+        timeout_s = req["timeout_s"]
+        if self.cg is not None:
+            max_procs = req.get("max_procs") or self.cfg.max_procs
+            self.cg.set_limits(req["memory_mb"] << 20, max_procs + 2)  # + bwrap monitor and init
+        cmd = self._write_prog(req)
+        sc_r, sc_w = os.pipe2(os.O_CLOEXEC)
+        os.write(sc_w, self.seccomp_prog)  # < pipe buffer: never blocks
+        os.close(sc_w)
+        st_r, st_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        stdin_fd, own_stdin = self._stdin_fd(req.get("stdin"))
+        tail = self._static_args + ["--seccomp", str(sc_r), "--json-status-fd", str(st_w), "--"] + cmd
+        if self.in_child_launch:
+            argv, preexec = tail, self._child_setup_fn(req, timeout_s)
+        else:
+            argv, preexec = self._shell_launcher(req, timeout_s) + tail, None
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=out_w, stderr=err_w,
+                                    pass_fds=(sc_r, st_w), env={}, cwd="/", close_fds=True,
+                                    start_new_session=True, preexec_fn=preexec)
+        except (OSError, subprocess.SubprocessError) as e:
+            for fd in (sc_r, st_r, st_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            if own_stdin:
+                os.close(stdin_fd)
+            return ExecutionResult.sandbox_error(f"cannot launch sandbox: {e}")
+        for fd in (sc_r, st_w, out_w, err_w):
+            os.close(fd)
+        if own_stdin:
+            os.close(stdin_fd)
+        return self._supervise(proc, req, t0, out_r, err_r, st_r, timeout_s)
+
+    def _supervise(self, proc, req, t0, out_r, err_r, st_r, timeout_s,
+                   status_channel: bool = True) -> ExecutionResult:
+        limit = req["output_limit_bytes"]
+        deadline = t0 + timeout_s
+        bufs = {out_r: bytearray(), err_r: bytearray()}
+        trunc = {out_r: False, err_r: False}
+        status_buf = bytearray()
+        child_pid = None
+        pidfd = None
+        exit_code = None
+        killed_for = None
+        poller = select.poll()
+        open_fds = {out_r, err_r, st_r}
+        for fd in open_fds:
+            poller.register(fd, select.POLLIN)
+
+        def kill_tree():
+            try:
+                proc.kill()
+            except OSError:
+                pass
+            if pidfd is not None:
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except OSError:
+                    pass
+            if self.cg is not None:
+                for d in self.cg.dirs.values():
+                    kf = os.path.join(d, "cgroup.kill")
+                    if os.path.exists(kf):
+                        try:
+                            with open(kf, "w") as f:
+                                f.write("1")
+                        except OSError:
+                            pass
+
+        try:
+            while open_fds:
+                now = time.monotonic()
+                if killed_for is None and now >= deadline:
+                    killed_for = "timeout"
+                    kill_tree()
+                wait_ms = 1000 if killed_for else max(0, int((deadline - now) * 1000) + 1)
+                events = poller.poll(min(wait_ms, 1000))
+                if killed_for and not events and time.monotonic() > deadline + 10:
+                    break  # pipes held open by something we cannot kill: give up on them
+                for fd, _ev in events:
+                    try:
+                        chunk = os.read(fd, 65536)
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        poller.unregister(fd)
+                        open_fds.discard(fd)
+                        continue
+                    if fd == st_r:
+                        status_buf += chunk
+                        while b"\n" in status_buf:
+                            line, _, rest = bytes(status_buf).partition(b"\n")
+                            status_buf = bytearray(rest)
+                            try:
+                                msg = json.loads(line)
+                            except ValueError:
+                                continue
+                            if "child-pid" in msg and child_pid is None:
+                                child_pid = int(msg["child-pid"])
+                                try:
+                                    pidfd = os.pidfd_open(child_pid)
+                                    if _read_uid_of(child_pid) != self.uid:
+                                        os.close(pidfd)
+                                        pidfd = None
+                                except OSError:
+                                    pidfd = None
+                                if killed_for:
+                                    kill_tree()
+                            if "exit-code" in msg:
+                                exit_code = int(msg["exit-code"])
+                        continue
+                    buf = bufs[fd]
+                    room = limit - len(buf)
+                    if room > 0:
+                        buf += chunk[:room]
+                    if len(chunk) > room:
+                        trunc[fd] = True
+                        if killed_for is None:
+                            killed_for = "output_limit"
+                            kill_tree()
+            if killed_for and proc.poll() is None:
+                kill_tree()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill_tree()
+                proc.wait()
+            wall = time.monotonic() - t0
+            self._reap_sandbox(pidfd)
+        finally:
+            for fd in (out_r, err_r, st_r):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            if pidfd is not None:
+                os.close(pidfd)
+        if not status_channel and proc.returncode is not None:
+            rc = proc.returncode
+            exit_code = rc if rc >= 0 else 128 - rc
+        oom = self.cg.oom_killed_since_last() if self.cg is not None else False
+        peak = self.cg.memory_peak_bytes() if self.cg is not None else None
+        stdout, stderr = _decode(bytes(bufs[out_r])), _decode(bytes(bufs[err_r]))
+        res = ExecutionResult(status="ok", exit_code=exit_code, stdout=stdout, stderr=stderr,
+                              wall_s=wall, stdout_truncated=trunc[out_r],
+                              stderr_truncated=trunc[err_r],
+                              memory_peak_mb=round(peak / 2**20, 2) if peak is not None else None)
+        self._classify(res, killed_for, oom, req, started=exit_code is not None,
+                       launcher_rc=proc.returncode)
+        return res
+
+    def _reap_sandbox(self, pidfd: int | None) -> None:
+        """Waits until the sandbox's pid 1 (hence its whole pid namespace) is gone; reaps it."""
+        if pidfd is not None:
+            r, _, _ = select.select([pidfd], [], [], 10.0)
+            if not r:
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except OSError:
+                    pass
+                select.select([pidfd], [], [], 10.0)
+            try:  # we are its subreaper once the monitor exits (pool workers set that)
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+            except (ChildProcessError, OSError):
+                pass
+        if self.cg is not None:
+            if self.cg.pids():
+                self.cg.kill_all()
+        elif self.root and self.uid:
+            if pids_of_uid(self.uid):
+                kill_uid(self.uid)
+
+    @staticmethod
+    def _classify(res: ExecutionResult, killed_for, oom, req, started, launcher_rc) -> None:
+        code = res.exit_code
+        if code is not None and 128 < code <= 128 + 64:
+            res.signal = code - 128
+        if killed_for == "timeout":
+            res.status, res.message = "timeout", f"wall-clock limit of {req['timeout_s']:g}s exceeded"
+        elif killed_for == "output_limit":
+            res.status = "output_limit"
+            res.message = f"output exceeded {req['output_limit_bytes']} bytes"
+        elif oom:
+            res.status, res.message = "memory", f"memory limit of {req['memory_mb']} MB exceeded"
+        elif not started:
+            res.status = "sandbox_error"
+            res.exit_code = None
+            res.message = f"sandbox setup failed (launcher exit {launcher_rc}): {res.stderr.strip()[-2000:]}"
+        elif code == 0:
+            res.status = "ok"
+        elif code == 128 + signal.SIGXCPU:
+            res.status, res.message = "timeout", "CPU-time limit exceeded"
+        elif _looks_like_oom(res.stderr, req["language"]):
+            res.status, res.message = "memory", "the program ran out of memory"
+        else:
+            res.status = "error"
+
+    # ---- isolation="none" -------------------------------------------------------------------
+    def _run_none(self, req: dict) -> ExecutionResult:
+        cmd = self._write_prog(req)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        st_r, st_w = os.pipe2(os.O_CLOEXEC)
+        os.close(st_w)  # no status channel: EOF at once
+        stdin_fd, own = self._stdin_fd(req.get("stdin"))
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.workdir, "LANG": "C.UTF-8",
+               "PYTHONPATH": self.workdir}
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=out_w, stderr=err_w, env=env,
+                                cwd=self.workdir, close_fds=True, start_new_session=True)
+        os.close(out_w)
+        os.close(err_w)
+        if own:
+            os.close(stdin_fd)
+
+        class _P:  # kill the process group rather than the process
+            def __init__(self, p):
+                self.p, self.pid = p, p.pid
+
+            def kill(self):
+                try:
+                    os.killpg(self.p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+            def poll(self):
+                return self.p.poll()
+
+            def wait(self, timeout=None):
+                return self.p.wait(timeout)
+
+            @property
+            def returncode(self):
+                return self.p.returncode
+
+        res = self._supervise(_P(proc), req, t0, out_r, err_r, st_r, req["timeout_s"],
+                              status_channel=False)
+        res.message = (res.message + " [UNISOLATED]").strip()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        return res
+
+    # ---- teardown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.close(self._devnull)
+        except (AttributeError, OSError):
+            pass
+        if self.none_mode:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            shutil.rmtree(self.progdir, ignore_errors=True)
+            return
+        if getattr(self, "root", False) and self.uid is not None and self._lock_fd is not None:
+            if self.cg is not None:
+                self.cg.kill_all()
+                try:
+                    self.cg.remove()
+                except OSError:
+                    pass
+            kill_uid(self.uid)
+            _sweep_uid(self.cfg, self.layout, self.uid)
+        elif hasattr(self, "slot_dir") and not getattr(self, "root", False):
+            shutil.rmtree(self.slot_dir, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _looks_like_oom(stderr: str, language: str) -> bool:
+    tail = stderr[-2000:]
+    if language == "python":
+        lines = [ln for ln in tail.strip().splitlines() if ln.strip()]
+        return bool(lines) and lines[-1].startswith("MemoryError")
+    return "Cannot allocate memory" in tail or "xmalloc: cannot allocate" in tail
+
+
+def sandbox_uid_range(cfg: SandboxConfig | None = None) -> range:
+    cfg = cfg or SandboxConfig()
+    return range(cfg.uid_base, cfg.uid_base + cfg.uid_count)
+
+
+def user_exists(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False

@@ -1,0 +1,506 @@
+"""Verifiers: score a model completion for a task, in [0, 1], with details.
+
+    from sandbox.verifiers import verify, verify_batch, Verifier
+    score, details = verify(task, completion)                  # default pool + math workers
+    scored = verify_batch(tasks, completions, executor=pool)   # all runs submitted at once
+
+Families (fields in sandbox/tasks/schema.py):
+
+  python_tests  HumanEval/MBPP unit tests. The solution is prompt + completion (or the completion's
+                fenced code block when it defines the entry point itself). A harness inside the
+                sandbox runs the solution, then each top-level statement of `check` (or of the
+                test file) that contains an assert as one case, recording pass/fail and time per
+                case. Results go to stdout tagged with a random nonce that the harness reads
+                from a file and deletes before the solution runs, so a solution that exits early
+                (exit(0), os._exit, SystemExit) or prints fake results does not pass.
+  stdio         one sandbox run per case with the case's input on stdin; stdout is compared with
+                the expected output after `normalize_output` (see its docstring for the rule).
+  math          math-verify equivalence of the completion's final answer and the gold answer,
+                in isolated worker processes with a timeout (sandbox.mathverify).
+  terminal      a sandbox sequence over one working directory: [setup], the model's commands
+                (bash), then the check script in a fresh sandbox; check exit code 0 = solved.
+
+details always has: family, score, status ("pass", "fail", or the sandbox status that prevented a
+verdict such as "timeout"/"sandbox_error"), cases (list of per-case dicts with passed and
+time_s where applicable) and wall_s (sum of sandbox run times). The executor can be a local
+SandboxPool or a remote client (sandbox.client.SandboxClient); anything with `submit(code, **kw)`
+and `submit_sequence(steps)` returning futures works.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import secrets
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from .result import ExecutionResult
+from .tasks.schema import Task
+
+
+class Executor(Protocol):
+    def submit(self, code: str, **kw: Any): ...
+
+    def submit_sequence(self, steps: list[dict]): ...
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
+_PY_LANGS = {"", "python", "py", "python3"}
+_SH_LANGS = {"", "bash", "sh", "shell", "console", "zsh"}
+
+
+def extract_code(completion: str, language: str = "python") -> str:
+    """The last fenced code block in `language` (or unlabeled); the text itself if none."""
+    langs = _PY_LANGS if language == "python" else _SH_LANGS
+    blocks = [(lang.lower(), body) for lang, body in _FENCE_RE.findall(completion)]
+    matching = [b for lang, b in blocks if lang in langs]
+    if matching:
+        return matching[-1]
+    if "```" in completion:
+        # an unterminated fence: take what follows it
+        tail = completion.split("```")[-1]
+        first_nl = tail.find("\n")
+        return tail[first_nl + 1:] if first_nl >= 0 else tail
+    return completion
+
+
+def normalize_output(text: str, compare: str = "lines") -> list[str]:
+    """The normalisation applied to both the expected and the actual output of stdio tasks.
+
+    "lines" (default): CRLF and CR become LF; trailing whitespace is removed from every line;
+        trailing empty lines are dropped. Leading whitespace, inner spaces and empty lines between
+        non-empty lines are significant. So "1 2 \\n3\\n\\n" == "1 2\\n3" but "1  2" != "1 2".
+    "tokens": the output is split on any whitespace (lines and spaces are interchangeable).
+    """
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if compare == "tokens":
+        return text.split()
+    lines = [ln.rstrip() for ln in text.split("\n")]
+    while lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def _tokens_equal(a: list[str], b: list[str], tol: float | None) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x == y:
+            continue
+        if tol is None:
+            return False
+        try:
+            fx, fy = float(x), float(y)
+        except ValueError:
+            return False
+        if not (abs(fx - fy) <= tol or abs(fx - fy) <= tol * max(abs(fx), abs(fy))):
+            return False
+    return True
+
+
+def outputs_match(actual: str, expected: str, compare: str = "lines",
+                  float_tol: float | None = None) -> bool:
+    a, e = normalize_output(actual, compare), normalize_output(expected, compare)
+    if compare == "tokens":
+        return _tokens_equal(a, e, float_tol)
+    return a == e
+
+
+def _short(s: str, n: int = 300) -> str:
+    return s if len(s) <= n else s[:n] + f"... [{len(s) - n} more chars]"
+
+
+class Pending:
+    """A verification in flight: `result()` blocks until its sandbox runs are done."""
+
+    def __init__(self, finish: Callable[[], tuple[float, dict]]) -> None:
+        self._finish = finish
+        self._value: tuple[float, dict] | None = None
+
+    def result(self) -> tuple[float, dict]:
+        if self._value is None:
+            self._value = self._finish()
+        return self._value
+
+
+def _done(score: float, details: dict) -> Pending:
+    p = Pending(lambda: (score, details))
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# python unit tests
+
+_HARNESS = r'''
+import ast as _ast, json as _json, os as _os, sys as _sys, time as _time, traceback as _tb
+
+def _kimi_harness(SOLUTION, TEST, ENTRY):
+    _write, _perf = _os.write, _time.perf_counter
+    with open("/work/.kimi_nonce") as f:
+        nonce = f.read().strip()
+    _os.unlink("/work/.kimi_nonce")
+
+    def emit(obj):
+        _write(1, ("\n" + nonce + " " + _json.dumps(obj) + "\n").encode())
+
+    def err(e):
+        return (type(e).__name__ + ": " + str(e))[:500]
+
+    tree = _ast.parse(TEST)
+    check = next((n for n in tree.body if isinstance(n, _ast.FunctionDef) and n.name == "check"), None)
+    host = check.body if check is not None else tree.body
+    n_cases = 0
+
+    def wrap(stmt, i):
+        call = lambda name, args: _ast.Expr(_ast.Call(_ast.Name(name, _ast.Load()), args, []))
+        return _ast.Try(
+            body=[call("__kimi_start", [_ast.Constant(i)]), stmt,
+                  call("__kimi_case", [_ast.Constant(i), _ast.Constant(True), _ast.Constant(None)])],
+            handlers=[_ast.ExceptHandler(_ast.Name("BaseException", _ast.Load()), "__kimi_e",
+                      [call("__kimi_case", [_ast.Constant(i), _ast.Constant(False), _ast.Name("__kimi_e", _ast.Load())])])],
+            orelse=[], finalbody=[])
+
+    new = []
+    for stmt in host:
+        if not isinstance(stmt, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)) and \
+                any(isinstance(n, _ast.Assert) for n in _ast.walk(stmt)):
+            new.append(wrap(stmt, n_cases))
+            n_cases += 1
+        else:
+            new.append(stmt)
+    host[:] = new
+    _ast.fix_missing_locations(tree)
+    emit({"event": "cases", "n": n_cases})
+    g = {"__name__": "__solution__", "__builtins__": __builtins__}
+    try:
+        exec(compile(SOLUTION, "solution.py", "exec"), g)
+    except BaseException as e:
+        emit({"event": "solution_error", "error": err(e), "trace": _tb.format_exc()[-1500:]})
+        return
+    starts = {}
+
+    def _start(i):
+        starts[i] = _perf()
+
+    def _case(i, ok, e):
+        emit({"event": "case", "i": i, "passed": bool(ok), "error": None if ok else err(e),
+              "time_s": round(_perf() - starts.get(i, _perf()), 6)})
+
+    g["__kimi_start"], g["__kimi_case"] = _start, _case
+    try:
+        exec(compile(tree, "test.py", "exec"), g)
+        if check is not None:
+            if ENTRY not in g:
+                emit({"event": "check_error", "error": "entry point %r is not defined" % ENTRY})
+                return
+            g["check"](g[ENTRY])
+    except BaseException as e:
+        emit({"event": "check_error", "error": err(e), "trace": _tb.format_exc()[-1500:]})
+        return
+    emit({"event": "done"})
+'''
+
+
+def _parses(src: str) -> bool:
+    try:
+        ast.parse(src)
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def _import_lines(src: str) -> str:
+    return "\n".join(ln for ln in src.splitlines() if re.match(r"\s*(import|from)\s+\w", ln)
+                     and not ln.startswith((" ", "\t")))
+
+
+def build_solution(task: Task, completion: str) -> str:
+    """prompt + completion, or the completion's own code when it defines the entry point."""
+    code = extract_code(completion, "python")
+    prompt_is_code = not task.meta.get("prompt_is_text") and bool(task.prompt.strip()) and _parses(task.prompt)
+    defines = bool(task.entry_point) and re.search(
+        rf"^\s*def\s+{re.escape(task.entry_point)}\s*\(", code, re.M) is not None
+    if not prompt_is_code:
+        return code
+    if defines and "```" in completion:
+        return _import_lines(task.prompt) + "\n" + code
+    return task.prompt + code
+
+
+def build_python_tests_program(task: Task, solution: str, nonce: str) -> tuple[str, dict]:
+    program = _HARNESS + f"\n_kimi_harness({solution!r}, {task.test!r}, {task.entry_point!r})\n"
+    return program, {".kimi_nonce": nonce}
+
+
+def _parse_harness(stdout: str, nonce: str) -> list[dict]:
+    out = []
+    tag = nonce + " "
+    for line in stdout.splitlines():
+        if line.startswith(tag):
+            try:
+                out.append(json.loads(line[len(tag):]))
+            except ValueError:
+                pass
+    return out
+
+
+def _start_python_tests(task: Task, completion: str, ctx: Verifier) -> Pending:
+    nonce = secrets.token_hex(16)
+    program, files = build_python_tests_program(task, build_solution(task, completion), nonce)
+    fut = ctx.executor.submit(program, files=files, timeout_s=task.timeout_s,
+                              memory_mb=task.memory_mb)
+
+    def finish():
+        r: ExecutionResult = fut.result()
+        events = _parse_harness(r.stdout, nonce)
+        n = next((e["n"] for e in events if e.get("event") == "cases"), None)
+        cases = [{"passed": e["passed"], "error": e["error"], "time_s": e["time_s"]}
+                 for e in events if e.get("event") == "case"]
+        done = any(e.get("event") == "done" for e in events)
+        problem = next((e for e in events if e.get("event") in ("solution_error", "check_error")), None)
+        n = n if n is not None else len(cases)
+        passed = sum(c["passed"] for c in cases)
+        all_ok = done and problem is None and passed == n and r.status == "ok"
+        if task.scoring == "fraction":
+            score = passed / n if n else float(all_ok)
+        else:
+            score = 1.0 if all_ok else 0.0
+        if all_ok:
+            status = "pass"
+        elif r.status not in ("ok", "error"):
+            status = r.status
+        else:
+            status = "fail"
+        details = {"family": "python_tests", "score": score, "status": status,
+                   "cases": cases, "n_cases": n, "n_passed": passed, "completed": done,
+                   "sandbox_status": r.status, "exit_code": r.exit_code, "wall_s": r.wall_s}
+        if problem is not None:
+            details["error"] = problem.get("error")
+            details["error_kind"] = problem["event"]
+        if not events and r.stderr:
+            details["stderr"] = _short(r.stderr, 1000)
+        return score, details
+
+    return Pending(finish)
+
+
+# --------------------------------------------------------------------------------------------
+# stdin / stdout
+
+
+def _start_stdio(task: Task, completion: str, ctx: Verifier) -> Pending:
+    code = extract_code(completion, task.language)
+    futs = [ctx.executor.submit(code, language=task.language, stdin=c["input"],
+                                timeout_s=task.timeout_s, memory_mb=task.memory_mb)
+            for c in task.cases]
+
+    def finish():
+        cases, wall = [], 0.0
+        statuses = []
+        for c, f in zip(task.cases, futs):
+            r: ExecutionResult = f.result()
+            wall += r.wall_s
+            ok = r.status == "ok" and outputs_match(r.stdout, c["output"], task.compare, task.float_tol)
+            d = {"passed": ok, "status": r.status, "time_s": round(r.wall_s, 4)}
+            if not ok:
+                d["expected"] = _short(c["output"])
+                d["actual"] = _short(r.stdout)
+                if r.stderr:
+                    d["stderr"] = _short(r.stderr)
+            cases.append(d)
+            statuses.append(r.status)
+        passed = sum(c["passed"] for c in cases)
+        n = len(cases)
+        score = passed / n if task.scoring == "fraction" else float(passed == n)
+        if passed == n:
+            status = "pass"
+        else:
+            bad = [s for s in statuses if s not in ("ok", "error")]
+            status = bad[0] if bad and len(set(bad)) == 1 and len(bad) == n - passed else "fail"
+        return score, {"family": "stdio", "score": score, "status": status, "cases": cases,
+                       "n_cases": n, "n_passed": passed, "wall_s": wall}
+
+    return Pending(finish)
+
+
+# --------------------------------------------------------------------------------------------
+# math
+
+
+def _start_math(task: Task, completion: str, ctx: Verifier) -> Pending:
+    fut = ctx.math.submit(completion, task.answer, timeout_s=min(task.timeout_s, 30.0))
+
+    def finish():
+        ok, d = fut.result()
+        score = 1.0 if ok else 0.0
+        status = "pass" if ok else ("fail" if d.get("status") in ("ok", "no_answer") else d.get("status"))
+        details = {"family": "math", "score": score, "status": status,
+                   "cases": [{"passed": ok, "time_s": d.get("time_s")}], "answer": task.answer,
+                   "parsed_pred": d.get("pred"), "parsed_gold": d.get("gold"), "wall_s": d.get("time_s", 0.0)}
+        if d.get("error"):
+            details["error"] = d["error"]
+        return score, details
+
+    return Pending(finish)
+
+
+# --------------------------------------------------------------------------------------------
+# terminal
+
+
+def _start_terminal(task: Task, completion: str, ctx: Verifier) -> Pending:
+    commands = extract_code(completion, "bash")
+    steps = []
+    if task.setup:
+        steps.append({"code": task.setup, "language": "bash", "files": task.files,
+                      "timeout_s": task.timeout_s, "memory_mb": task.memory_mb})
+    steps.append({"code": commands, "language": "bash",
+                  "files": {} if task.setup else task.files,
+                  "timeout_s": task.timeout_s, "memory_mb": task.memory_mb})
+    steps.append({"code": task.check, "language": task.check_language,
+                  "timeout_s": task.timeout_s, "memory_mb": task.memory_mb})
+    fut = ctx.executor.submit_sequence(steps)
+
+    def finish():
+        results: list[ExecutionResult] = fut.result()
+        names = (["setup"] if task.setup else []) + ["commands", "check"]
+        step_d = {n: {"status": r.status, "exit_code": r.exit_code, "time_s": round(r.wall_s, 4),
+                      "stdout": _short(r.stdout), "stderr": _short(r.stderr)}
+                  for n, r in zip(names, results)}
+        setup_ok = not task.setup or results[0].status == "ok"
+        check = results[-1]
+        ok = setup_ok and check.status == "ok"
+        score = 1.0 if ok else 0.0
+        if ok:
+            status = "pass"
+        elif not setup_ok:
+            status = "sandbox_error" if results[0].status == "sandbox_error" else "setup_failed"
+        elif check.status in ("ok", "error"):
+            status = "fail"
+        else:
+            status = check.status
+        return score, {"family": "terminal", "score": score, "status": status,
+                       "cases": [{"passed": ok, "time_s": round(check.wall_s, 4)}], "steps": step_d,
+                       "wall_s": sum(r.wall_s for r in results)}
+
+    return Pending(finish)
+
+
+# --------------------------------------------------------------------------------------------
+# registry and entry points
+
+_FAMILIES: dict[str, Callable[[Task, str, Verifier], Pending]] = {
+    "python_tests": _start_python_tests,
+    "stdio": _start_stdio,
+    "math": _start_math,
+    "terminal": _start_terminal,
+}
+
+
+def register_family(name: str, start: Callable[[Task, str, Verifier], Pending]) -> None:
+    """Adds a task family: `start(task, completion, verifier) -> Pending` submits its sandbox
+    runs through `verifier.executor` (or `verifier.math`) and returns a Pending."""
+    _FAMILIES[name] = start
+
+
+def registered_families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+class Verifier:
+    """Scores completions through an executor (local pool or remote client) and math workers."""
+
+    def __init__(self, executor: Executor | None = None, math=None) -> None:
+        self._executor = executor
+        self._math = math
+
+    @property
+    def executor(self) -> Executor:
+        if self._executor is None:
+            from .pool import default_pool
+
+            self._executor = default_pool()
+        return self._executor
+
+    @property
+    def math(self):
+        if self._math is None:
+            from .mathverify import default_math_verifier
+
+            self._math = default_math_verifier()
+        return self._math
+
+    def submit(self, task: Task | dict, completion: str) -> Pending:
+        if isinstance(task, dict):
+            task = Task.from_dict(task)
+        start = _FAMILIES.get(task.family)
+        if start is None:
+            return _done(0.0, {"family": task.family, "score": 0.0, "status": "unknown_family",
+                               "cases": [], "wall_s": 0.0})
+        try:
+            return start(task, completion, self)
+        except Exception as e:  # noqa: BLE001 - surfaced by result(), never a silent 0
+            err = e
+
+            def reraise():
+                raise err
+
+            return Pending(reraise)
+
+    def verify(self, task: Task | dict, completion: str) -> tuple[float, dict]:
+        return self.submit(task, completion).result()
+
+    def verify_batch(self, tasks: Iterable[Task | dict], completions: Iterable[str]) -> list[tuple[float, dict]]:
+        """All sandbox runs are submitted before any is awaited; results in input order."""
+        pend = [self.submit(t, c) for t, c in zip(tasks, completions, strict=True)]
+        return [p.result() for p in pend]
+
+
+def verify(task: Task | dict, completion: str, executor: Executor | None = None,
+           math=None) -> tuple[float, dict]:
+    """Score in [0, 1] and details for one completion (see the module docstring)."""
+    return Verifier(executor, math).verify(task, completion)
+
+
+def verify_batch(tasks: Iterable[Task | dict], completions: Iterable[str],
+                 executor: Executor | None = None, math=None) -> list[tuple[float, dict]]:
+    return Verifier(executor, math).verify_batch(tasks, completions)
+
+
+# --------------------------------------------------------------------------------------------
+# answer_check: the completion is an answer (data, not code), judged by a task-provided script
+
+
+def _start_answer_check(task: Task, completion: str, ctx: Verifier) -> Pending:
+    """answer_check: the raw completion is written to `answer.txt` in the working directory next
+    to the task's `files`, then `check` (`check_language`, python or bash) runs in one sandbox;
+    exit 0 = solved. For answers that a script must inspect as text (e.g. a Countdown expression
+    whose numbers and operators are checked before it is evaluated)."""
+    if not task.check or task.check_language not in ("bash", "python"):
+        return _done(0.0, {"family": "answer_check", "score": 0.0, "status": "invalid_task",
+                           "cases": [], "wall_s": 0.0})
+    fut = ctx.executor.submit(task.check, language=task.check_language,
+                              files={**task.files, "answer.txt": completion},
+                              timeout_s=task.timeout_s, memory_mb=task.memory_mb)
+
+    def finish():
+        r: ExecutionResult = fut.result()
+        ok = r.status == "ok"
+        status = "pass" if ok else ("fail" if r.status == "error" else r.status)
+        score = 1.0 if ok else 0.0
+        details = {"family": "answer_check", "score": score, "status": status,
+                   "cases": [{"passed": ok, "time_s": round(r.wall_s, 4)}],
+                   "exit_code": r.exit_code, "wall_s": r.wall_s}
+        if not ok and (r.stdout or r.stderr):
+            details["output"] = _short(r.stdout + r.stderr)
+        return score, details
+
+    return Pending(finish)
+
+
+register_family("answer_check", _start_answer_check)

@@ -1,0 +1,110 @@
+"""A pool worker process: owns one `Slot` and runs requests one at a time.
+
+Started by `SandboxPool` as `python -S -m sandbox.worker` with a pipe on stdin (requests) and one
+on stdout (replies); framing is an 8-byte little-endian length followed by a pickle (both ends are
+this package, never untrusted input). Runs are launched with vfork+exec through dash and setpriv,
+which measured cheaper than forking the worker to set up in the child. It is the
+child subreaper of its sandboxes (the sandbox's pid 1 is reaped here, by pid, never by
+waitpid(-1)), and it dies with the pool (parent-death signal, and EOF on its request pipe).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+import traceback
+
+_HDR = struct.Struct("<Q")
+
+
+def read_msg(fd: int):
+    hdr = _read_exact(fd, _HDR.size)
+    if hdr is None:
+        return None
+    (n,) = _HDR.unpack(hdr)
+    body = _read_exact(fd, n)
+    if body is None:
+        return None
+    return pickle.loads(body)
+
+
+def write_msg(fd: int, obj) -> None:
+    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = memoryview(_HDR.pack(len(body)) + body)
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        b = os.read(fd, min(n - got, 1 << 20))
+        if not b:
+            return None
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def main() -> int:
+    # Protocol on private fds; fd 1 now points at stderr so stray prints cannot corrupt it.
+    rfd = os.dup(0)
+    wfd = os.dup(1)
+    os.dup2(2, 1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    from .executor import IsolationUnavailable, Slot, set_child_subreaper, set_parent_death_signal
+    from .result import ExecutionResult
+
+    ppid = os.getppid()
+    set_parent_death_signal()
+    if os.getppid() != ppid:  # parent already gone
+        return 1
+    set_child_subreaper()
+    msg = read_msg(rfd)
+    if msg is None:
+        return 1
+    cfg = msg["config"]
+    try:
+        slot = Slot(cfg, sweep=msg.get("sweep", True), layout=msg.get("layout"))
+    except IsolationUnavailable as e:
+        write_msg(wfd, {"ok": False, "kind": "isolation", "error": str(e)})
+        return 2
+    except Exception as e:  # noqa: BLE001 - reported to the pool
+        write_msg(wfd, {"ok": False, "kind": "error",
+                        "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        return 2
+    write_msg(wfd, {"ok": True, "info": slot.info(), "pid": os.getpid()})
+    try:
+        while True:
+            msg = read_msg(rfd)
+            if msg is None or msg.get("op") == "close":
+                break
+            op = msg.get("op")
+            try:
+                if op == "run":
+                    reply = {"ok": True, "results": [slot.run(msg["req"])]}
+                elif op == "seq":
+                    reply = {"ok": True, "results": slot.run_sequence(msg["reqs"])}
+                elif op == "ping":
+                    reply = {"ok": True, "info": slot.info()}
+                else:
+                    reply = {"ok": False, "error": f"unknown op {op!r}"}
+            except Exception as e:  # noqa: BLE001 - a failed run is a sandbox_error, not a crash
+                n = len(msg.get("reqs") or [None])
+                reply = {"ok": True,
+                         "results": [ExecutionResult.sandbox_error(
+                             f"worker error: {type(e).__name__}: {e}") for _ in range(n)],
+                         "traceback": traceback.format_exc()}
+            write_msg(wfd, reply)
+    finally:
+        slot.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

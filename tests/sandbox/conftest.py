@@ -1,0 +1,48 @@
+"""Shared fixtures for the sandbox tests: one 2-worker pool for the session, and a check that no
+process of a pool's sandbox uids is left."""
+
+import os
+import time
+
+import pytest
+
+from sandbox import SandboxPool
+from sandbox.executor import pids_of_uid
+
+
+@pytest.fixture(scope="session")
+def pool():
+    with SandboxPool(workers=2) as p:
+        yield p
+
+
+def leftover_processes(pool) -> dict[int, list[int]]:
+    """uid -> pids of processes still running as one of the pool's sandbox uids."""
+    return {u: pids_of_uid(u) for u in pool.worker_uids() if u is not None and pids_of_uid(u)}
+
+
+def assert_no_leftovers(pool):
+    left = leftover_processes(pool)
+    assert not left, f"sandbox processes survived the run: {left}"
+
+
+def wait_for(pred, timeout_s=30.0, interval_s=0.02):
+    """Polls pred() until true (a liveness wait, not a speed assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval_s)
+    return pred()
+
+
+@pytest.fixture
+def no_leftovers():
+    """assert_no_leftovers(pool) as a fixture (test modules cannot import conftest)."""
+    return assert_no_leftovers
+
+
+@pytest.fixture
+def secret_token():
+    return "kimi-secret-" + os.urandom(8).hex()
