@@ -40,8 +40,10 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.tasks = ml_collections.ConfigDict(dict(
         families="arithmetic,code,terminal",
         task_file="",  # a JSONL task file replaces the generators for RL when set
-        train_per_family=3000, val_per_family=64, test_per_family=200, difficulty=0,
-        seed=1234))
+        train_per_family=3000, val_per_family=64, test_per_family=200, seed=1234))
+    # per-family difficulty 1..3; 0 cycles through all levels (arithmetic level 1 has too few
+    # distinct tasks for these split sizes)
+    c.tasks.difficulty = ml_collections.ConfigDict(dict(arithmetic=2, code=0, terminal=0))
 
     c.sft = ml_collections.ConfigDict(dict(
         steps=1500, batch_size=32, seq_len=128, imperfect_frac=0.4, lr=2e-3, warmup_steps=50,

@@ -57,9 +57,10 @@ def load_task_splits(config) -> dict:
     if unknown:
         raise ValueError(f"tasks.families: unknown family {unknown[0]!r}; valid: "
                          f"{sorted(generators.FAMILIES)}")
-    diff = t.difficulty or None
+    diff = {f: (t.difficulty.get(f, 0) or None) for f in fams}
     n = {"train": t.train_per_family, "val": t.val_per_family, "test": t.test_per_family}
-    out = {s: [p for f in fams for p in generators.make_split(f, s, n[s], t.seed, difficulty=diff)]
+    out = {s: [p for f in fams
+               for p in generators.make_split(f, s, n[s], t.seed, difficulty=diff[f])]
            for s in n}
     if t.task_file:
         from sandbox.tasks import load_tasks
@@ -128,7 +129,7 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     if resume:
         restored = ckpt.restore_latest(jax.eval_shape(lambda: state), data_iter=it)
         if restored is not None:
-            state, rng = restored[0], restored[1]
+            state, rng, _, _ = restored
             log.info("SFT resumed at step %d", int(state.step))
     step_fn = make_sft_step(model, opt)
     writer = MetricsWriter(workdir)
@@ -173,7 +174,7 @@ def load_sft_variables(config, model: Model) -> dict:
         raise FileNotFoundError(
             f"no SFT checkpoint under {config.workdir}/sft/checkpoints: run scripts/sft.py with "
             f"the same --config first, or set --config.rl.init_from=scratch")
-    return restored[0].variables
+    return next(iter(restored)).variables
 
 
 # --------------------------------------------------------------------------- RL
@@ -214,7 +215,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     if resume:
         restored = ckpt.restore_latest(jax.eval_shape(lambda: state), data_iter=it)
         if restored is not None:
-            state, rng = restored[0], restored[1]
+            state, rng, _, _ = restored
             log.info("RL resumed at step %d", int(state.step))
 
     own_pool = pool is None
@@ -314,4 +315,4 @@ def load_rl_variables(config, model: Model, directory: str | None = None) -> dic
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no RL checkpoint under {d}: run scripts/train_rl.py first")
-    return restored[0].variables
+    return next(iter(restored)).variables
