@@ -50,7 +50,7 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
         weight_decay=0.01, log_every=50, checkpoint_every=500))  # MTP weight: model.mtp
 
     c.rl = ml_collections.ConfigDict(dict(
-        steps=150, prompts_per_batch=8, group_size=4, max_prompt_len=80, max_new_tokens=48,
+        steps=150, prompts_per_batch=8, group_size=4, max_prompt_len=72, max_new_tokens=48,
         temperature=1.0, top_p=1.0, top_k=0, micro_batches=1, mtp_loss_weight=0.1,
         overlap_scoring=True, log_every=1, checkpoint_every=25, keep_checkpoints=3,
         init_from="sft"))  # "sft": the SFT checkpoint in workdir/sft; "scratch": random init

@@ -3,8 +3,8 @@
 ByteTokenizer ids: 0 PAD, 1 BOS, 2 EOS, 3..258 the bytes 0..255 (vocab_size 259). Text is UTF-8;
 decoding replaces invalid byte sequences (a sampled id stream need not be valid UTF-8).
 
-Chat template (plain text, so a byte model can learn it):
-    "<|user|>\n{prompt}\n<|assistant|>\n"   then the completion, then EOS.
+Chat template (plain text and short, so a byte model can learn it cheaply):
+    "Q: {prompt}\nA: "   then the completion, then EOS.
 `load_tokenizer(path)` wraps a HuggingFace `tokenizer.json` or a sentencepiece `.model` file in the
 same interface (pip install .[tokenizers]).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-USER, ASSISTANT = "<|user|>\n", "\n<|assistant|>\n"
+USER, ASSISTANT = "Q: ", "\nA: "
 
 
 class ByteTokenizer:

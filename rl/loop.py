@@ -17,6 +17,7 @@ time hidden behind generation is logged (score_hidden_frac).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -184,11 +185,11 @@ class _Position:
     def __init__(self, it, pos):
         self._it, self._pos = it, pos
 
-    def get_state(self):
-        return self._pos
+    def get_state(self) -> bytes:  # grain's checkpoint handler takes non-DatasetIterator
+        return json.dumps(self._pos).encode()  # states as JSON bytes
 
-    def set_state(self, state):
-        self._it.set_state(state)
+    def set_state(self, state: bytes):
+        self._it.set_state(json.loads(state))
 
 
 def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
@@ -209,7 +210,8 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {r.init_from!r}")
     opt = make_optimizer(config.optim)
     state = init_train_state(init_vars, opt)
-    ref_vars = init_vars  # frozen reference policy: the initial (SFT) model
+    # frozen reference policy: the initial (SFT) model; its own buffers (the state is donated)
+    ref_vars = jax.tree.map(jnp.copy, init_vars)
     rng = jax.random.key(config.seed + 1)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=r.keep_checkpoints)
     if resume:
@@ -240,7 +242,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     def do_eval(step):
         res = evaluate(eval_worker, state.variables, val_tasks[: config.eval.val_tasks],
                        jax.random.key(step), batch_prompts=config.eval.batch_prompts)
-        writer.write(step, {f"{d}/pass@1": v["pass@1"] for d, v in res.items()
+        writer.write(step, {f"{d}/pass1": v["pass@1"] for d, v in res.items()
                             if isinstance(v, dict)}, "val/")
         if on_eval is not None:
             on_eval(step, res)
