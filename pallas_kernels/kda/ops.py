@@ -1,0 +1,83 @@
+"""Public entry for KDA (Kimi Delta Attention).
+
+    kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        chunk_size=64, impl="auto", interpret=None) -> (o, final_state)
+    kda_step(q, k, v, g, beta, state, *, scale=None) -> (o, state)
+
+Layouts (flash-linear-attention convention):
+  q, k: [B,T,H,K] (the caller L2-normalises), v: [B,T,H,V], g: [B,T,H,K] log-decay (<= 0),
+  beta: [B,T,H] (post-sigmoid), scale: python float (default K**-0.5),
+  initial_state / final_state: [B,H,K,V] f32 (final_state is None unless output_final_state),
+  o: [B,T,H,V] in v's dtype.
+
+Per step:  S <- S * exp(g_t)[:, None];  S <- S + (beta_t k_t)(v_t - k_t^T S)^T;  o_t = (scale q_t)^T S.
+
+impl:
+  "auto"                 the pure-JAX chunked form on CPU, the Pallas kernel on GPU/TPU;
+  "xla" / "chunked"      the pure-JAX chunked form (`reference.kda_chunked`), differentiable;
+  "recurrent"            the token-by-token oracle (`reference.kda_recurrent`);
+  "pallas"               the Pallas kernels (forward + custom_vjp backward, also Pallas);
+                         `interpret=None` means interpret mode on CPU.
+All implementations accept any T (not only multiples of chunk_size) and are differentiable
+w.r.t. q, k, v, g, beta and initial_state. `chunk_size` is the Pallas kernels' chunk; the pure-JAX
+chunked path uses min(chunk_size, reference.CPU_CHUNK) (32: measured fastest on XLA:CPU). The
+result does not depend on the chunk size beyond rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.kda import reference
+
+kda_step = reference.kda_step
+
+IMPLS = ("auto", "xla", "chunked", "recurrent", "pallas")
+
+
+def _resolve_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if impl == "auto":
+        return "chunked" if jax.default_backend() == "cpu" else "pallas"
+    return "chunked" if impl == "xla" else impl
+
+
+def kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    chunk_size=64,
+    impl="auto",
+    interpret=None,
+):
+    """KDA over a whole sequence. See the module docstring for shapes and `impl`."""
+    impl = _resolve_impl(impl)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    scale = float(scale)
+    if impl == "recurrent":
+        return reference.kda_recurrent(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state,
+        )
+    if impl == "chunked":
+        return reference.kda_chunked(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state,
+            chunk_size=min(chunk_size, reference.CPU_CHUNK),
+        )
+    from pallas_kernels.kda import pallas_kda  # noqa: PLC0415 (keeps CPU imports light)
+
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    return pallas_kda.kda_pallas(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, chunk_size=chunk_size, interpret=interpret,
+    )

@@ -1,0 +1,322 @@
+"""Pure-JAX references for KDA (Kimi Delta Attention): the correctness oracle and the CPU default.
+
+Recurrence (per batch b, head h; state S: [K,V] f32, alpha_t = exp(g_t) per key channel):
+
+    S <- S * exp(g_t)[:, None]                       # fine-grained (per key channel) decay
+    S <- S + (beta_t k_t) (v_t - k_t^T S)^T           # delta rule
+    o_t = (scale q_t)^T S
+
+Two implementations, same contract as `ops.kda`:
+
+* `kda_recurrent`: one `lax.scan` step per token. Slow, obviously right: the oracle.
+* `kda_chunked`: the chunked WY/UT form. Within a chunk of C tokens, with the in-chunk cumulative
+  log-decay G_i = sum_{s<=i} g_s ([C,K]),
+
+      A_kk[i,j] = beta_i sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])        j < i
+      A_qk[i,j] =        sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])        j <= i
+      (I + A_kk) [w | u] = [beta * k * exp(G) | beta * v]                (unit lower-triangular solve)
+      delta = u - w S0                                                   (the delta-rule residuals)
+      o     = scale * ((q * exp(G)) S0 + A_qk delta)
+      S1    = exp(G_C)[:, None] * S0 + (k * exp(G_C - G))^T delta
+
+  Only the last three lines are sequential (a `lax.scan` over chunks); everything else is batched
+  over all chunks at once.
+
+Overflow safety. Gates in trained models reach about -1700 per token, so exp(-G_j) overflows
+after one token and "factor the decay through one anchor per chunk" gives 0 * inf = NaN. Here
+every exponent that is evaluated is <= 0:
+  - diagonal sub-blocks (c x c, c = `sub_chunk`): exact pairwise exp(G_i - G_j), j <= i;
+  - off-diagonal sub-blocks (row block a > column block b): the decay is split at two anchors,
+        exp(G_i - G_j) = exp(G_i - P_a) * exp(P_a - E_b) * exp(E_b - G_j),
+    with P_a the cumulative decay just before block a and E_b at the end of block b; each factor
+    is in [0, 1], so the product only ever underflows to 0 where the exact value is < 1e-38.
+Masked entries are taken through `where` before `exp` so gradients stay finite too.
+
+Covered: any T (the tail is padded with k = v = q = 0, g = 0, beta = 0, which leaves the state
+untouched), optional initial state, f32/bf16 inputs (math in f32, `o` in v's dtype), jax.grad /
+jax.vjp by plain autodiff. Not covered: variable-length packed sequences (cu_seqlens); gates > 0
+(the contract is g <= 0; positive gates would break the anchoring bound, not the recurrence).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_HI = lax.Precision.HIGHEST
+CPU_CHUNK = 32  # default chunk of `kda_chunked` (fastest measured on XLA:CPU; ops.kda caps at it)
+
+
+def _check_shapes(q, k, v, g, beta, initial_state):
+    B, T, H, K = q.shape
+    if k.shape != (B, T, H, K) or g.shape != (B, T, H, K):
+        raise ValueError(f"q, k, g must all be [B,T,H,K]; got {q.shape}, {k.shape}, {g.shape}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B,T,H,V] with B,T,H of q; got {v.shape} vs {q.shape}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B,T,H]; got {beta.shape}")
+    V = v.shape[-1]
+    if initial_state is not None and initial_state.shape != (B, H, K, V):
+        raise ValueError(f"initial_state must be [B,H,K,V]={(B, H, K, V)}; got {initial_state.shape}")
+    return B, T, H, K, V
+
+
+# ----------------------------------------------------------------------------------------------
+# Oracle: token-by-token recurrence.
+# ----------------------------------------------------------------------------------------------
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None):
+    """One decode token. q, k, g: [B,H,K]; v: [B,H,V]; beta: [B,H]; state: [B,H,K,V] f32.
+
+    Returns (o [B,H,V] in v's dtype, new state [B,H,K,V] f32).
+    """
+    K = q.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    f32 = jnp.float32
+    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+    S = state.astype(f32) * jnp.exp(g)[..., None]  # [B,H,K,V]
+    kS = jnp.einsum("bhk,bhkv->bhv", k, S, precision=_HI)  # [B,H,V]
+    S = S + jnp.einsum("bhk,bhv->bhkv", beta[..., None] * k, v - kS, precision=_HI)
+    o = jnp.einsum("bhk,bhkv->bhv", scale * q, S, precision=_HI)  # [B,H,V]
+    return o.astype(v.dtype), S
+
+
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                  remat_every=None):
+    """The oracle: a `lax.scan` over tokens of `kda_step`. Shapes as in `ops.kda`.
+
+    remat_every: if set, the scan runs over blocks of that many tokens and each block is
+    rematerialised in the backward pass, so reverse-mode memory is T/remat_every states instead
+    of T (the plain scan keeps one [B,H,K,V] state per token as a residual).
+    """
+    B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
+    S0 = (
+        jnp.zeros((B, H, K, V), jnp.float32)
+        if initial_state is None
+        else initial_state.astype(jnp.float32)
+    )
+
+    def body(S, xs):
+        qt, kt, vt, gt, bt = xs
+        o, S = kda_step(qt, kt, vt, gt, bt, S, scale=scale)
+        return S, o
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))  # time-major
+    if not remat_every:
+        S, o = lax.scan(body, S0, xs)
+    else:
+        n = -(-T // remat_every)
+        pad = n * remat_every - T  # zero tail (k = 0, beta = 0, g = 0) leaves the state alone
+        xs = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in xs)
+        xs = tuple(x.reshape(n, remat_every, *x.shape[1:]) for x in xs)
+        block = jax.checkpoint(lambda S, xb: lax.scan(body, S, xb))
+        S, o = lax.scan(block, S0, xs)
+        o = o.reshape(n * remat_every, *o.shape[2:])[:T]
+    o = jnp.moveaxis(o, 0, 1).astype(v.dtype)  # [B,T,H,V]
+    return o, (S if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked WY form.
+# ----------------------------------------------------------------------------------------------
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def effective_chunk(T: int, chunk_size: int, sub_chunk: int) -> tuple[int, int]:
+    """(C, c): the chunk actually used and the base sub-chunk, with C = c * 2^m.
+
+    C is the smallest c * 2^m that reaches min(T, chunk_size) (so short inputs are not padded to
+    a full chunk, and a chunk_size that is not c * 2^m is rounded up to one).
+    """
+    c = max(1, min(sub_chunk, chunk_size))
+    C = c
+    while C < min(T, chunk_size):
+        C *= 2
+    return C, c
+
+
+def _masked_exp(x, mask):
+    """exp(x) where mask else 0, with zero (not NaN) gradients in the masked entries."""
+    return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+def _mm(a, b):
+    """Batched [..., n, m] @ [..., m, p]. Tiny blocks (m <= 8) as one broadcast-multiply-sum:
+    XLA:CPU runs thousands of 4x4 dots far slower than one fused elementwise pass."""
+    if a.shape[-1] <= 8:
+        return jnp.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2)
+    return jnp.einsum("...ij,...jk->...ik", a, b, precision=_HI)
+
+
+def _neumann_inverse(L):
+    """(I + L)^-1 for strictly lower-triangular L [..., n, n]: (I - L)(I + L^2)(I + L^4)..."""
+    n = L.shape[-1]
+    T = jnp.eye(n, dtype=L.dtype) - L
+    P, m = L, 2
+    while m < n:
+        P = _mm(P, P)
+        T = T + _mm(T, P)
+        m *= 2
+    return T
+
+
+def chunk_terms(q, k, v, g, beta, c):
+    """Everything of one chunk that does not depend on the incoming state.
+
+    q, k, g: [X, C, K], v: [X, C, V], beta: [X, C] (f32; X: any flattened batch of chunks);
+    C = c * 2^m with c the base sub-chunk.
+    Returns (A_qk [X,C,C], w [X,C,K], u [X,C,V], qg [X,C,K], kd [X,C,K], decay [X,K]):
+      A_qk  inclusive-lower q_i.(k_j e^(G_i - G_j)),
+      [w | u] = (I + A_kk)^-1 beta [k e^G | v], A_kk the strictly-lower k_i.(k_j e^(G_i-G_j)) beta_i,
+      qg = q e^G (reads the incoming state), kd = k e^(G_C - G) (writes the outgoing one),
+      decay = e^(G_C).
+
+    Exactness for any gate: base sub-blocks of c tokens use pairwise exp(G_i - G_j), j <= i; above
+    them a binary tree joins sibling blocks (left Lc, right Rc, boundary m) through
+        exp(G_i - G_j) = exp(G_i - G_m) * exp(G_m - G_j),     i in Rc, j in Lc,
+    both factors in [0, 1], obtained as products of per-block decays (never a ratio), so nothing
+    overflows and underflow only hits values that are below 1e-38 anyway. The inverse
+    (I + A_kk)^-1 is assembled along the same tree: inv([[A, 0], [B, D]]) = [[A', 0], [-D'BA', D']].
+    """
+    X, C, K = q.shape
+    nb = C // c
+    gb = g.reshape(X, nb, c, K)
+    # Window sums are formed directly (never as differences of cumulative sums, which lose the
+    # digits that matter once |G| is large).
+    Gin = jnp.cumsum(gb, axis=2)  # [X,nb,c,K] log-decay from the block start to i (inclusive)
+    Rs = jnp.exp(Gin)  # rows: decay from the start of i's block to i
+    g_after = jnp.concatenate([gb[:, :, 1:, :], jnp.zeros_like(gb[:, :, :1, :])], axis=2)
+    Rcs = jnp.exp(jnp.flip(jnp.cumsum(jnp.flip(g_after, 2), axis=2), 2))  # decay from j (excl.) to block end
+    tot = Rs[:, :, -1, :]  # [X,nb,K] decay over each block
+    Z = jnp.stack([q, k], axis=1).reshape(X, 2, nb, c, K)  # row vectors: q for A_qk, k for A_kk
+    kb = k.reshape(X, nb, c, K)
+
+    # Base blocks: band by offset d, D[i, i-d] = z_i . k_{i-d} exp(Gin_i - Gin_{i-d}).
+    ones_k = jnp.ones((K,), q.dtype)
+    rowdot = lambda a, b: (a * b) @ ones_k  # sum over K as a GEMV: faster than reduce on XLA:CPU
+    cols = [rowdot(Z, kb[:, None])]
+    win = None
+    for d in range(1, c):
+        # win[i] = sum_{s in (i-d, i]} g_s for rows i = d..c-1, built one term at a time.
+        win = gb[:, :, d:, :] if d == 1 else win[:, :, 1:, :] + gb[:, :, 1 : c - d + 1, :]
+        dec = jnp.exp(win)  # [X,nb,c-d,K] exp(G_i - G_{i-d}), exponent <= 0
+        s = rowdot(Z[:, :, :, d:, :], (kb[:, :, : c - d, :] * dec)[:, None])
+        cols.append(jnp.pad(s, [(0, 0), (0, 0), (0, 0), (d, 0)]))
+    band = jnp.stack(cols, axis=-1)  # [X,2,nb,c(i),c(d)]
+    ic = jnp.arange(c)
+    onehot = (ic[:, None, None] - ic[None, :, None] == ic[None, None, :]).astype(q.dtype)
+    A = jnp.einsum("xzaid,ijd->xzaij", band, onehot, precision=_HI)  # [X,2,nb,c,c]
+    strict = (ic[:, None] > ic[None, :]).astype(q.dtype)
+    bb = beta.reshape(X, nb, c)
+    Tinv = _neumann_inverse(A[:, 1] * strict * bb[..., None])  # [X,nb,c,c] of I + A_kk blocks
+
+    s = c
+    Zr = Z
+    while s < C:  # join sibling blocks of size s
+        np_ = C // (2 * s)
+        Rs5, Rc5 = Rs.reshape(X, np_, 2, s, K), Rcs.reshape(X, np_, 2, s, K)
+        t2 = tot.reshape(X, np_, 2, K)
+        Z6 = Zr.reshape(X, 2, np_, 2, s, K)
+        k5 = kb.reshape(X, np_, 2, s, K)
+        rows = Z6[:, :, :, 1] * Rs5[:, None, :, 1]  # [X,2,np,s,K] right child, decayed from m
+        colv = k5[:, :, 0] * Rc5[:, :, 0]  # [X,np,s,K] left child, decayed to m
+        cross = jnp.einsum("xzpik,xpjk->xzpij", rows, colv, precision=_HI)  # [X,2,np,s,s]
+        A6 = A.reshape(X, 2, np_, 2, s, s)
+        zero = jnp.zeros_like(cross)
+        A = jnp.concatenate(
+            [jnp.concatenate([A6[:, :, :, 0], zero], -1),
+             jnp.concatenate([cross, A6[:, :, :, 1]], -1)], axis=-2)  # [X,2,np,2s,2s]
+        # Inverse of the k-block: [[T1, 0], [-T2 (beta B) T1, T2]].
+        T5 = Tinv.reshape(X, np_, 2, s, s)
+        Bk = cross[:, 1] * bb.reshape(X, np_, 2, s)[:, :, 1, :, None]
+        T21 = -_mm(T5[:, :, 1], _mm(Bk, T5[:, :, 0]))
+        Tinv = jnp.concatenate(
+            [jnp.concatenate([T5[:, :, 0], jnp.zeros_like(T21)], -1),
+             jnp.concatenate([T21, T5[:, :, 1]], -1)], axis=-2)  # [X,np,2s,2s]
+        # Decays at the parent granularity (products only).
+        Rs = jnp.concatenate([Rs5[:, :, 0], Rs5[:, :, 1] * t2[:, :, 0, None, :]], axis=2)
+        Rcs = jnp.concatenate([Rc5[:, :, 0] * t2[:, :, 1, None, :], Rc5[:, :, 1]], axis=2)
+        tot = t2[:, :, 0] * t2[:, :, 1]
+        s *= 2
+
+    A_qk = A[:, 0, 0]  # [X,C,C]
+    eG = Rs.reshape(X, C, K)  # e^(G_i)
+    kd = k * Rcs.reshape(X, C, K)  # k_j e^(G_C - G_j)
+    decay = tot.reshape(X, K)  # e^(G_C)
+    rhs = jnp.concatenate([k * eG, v], axis=-1) * beta[:, :, None]
+    wu = jnp.einsum("xij,xjd->xid", Tinv.reshape(X, C, C), rhs, precision=_HI)  # [X,C,K+V]
+    return A_qk, wu[..., :K], wu[..., K:], q * eG, kd, decay
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "output_final_state", "chunk_size", "sub_chunk", "chunks_per_step"),
+)
+def kda_chunked(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    chunk_size=32,
+    sub_chunk=2,
+    chunks_per_step=8,
+):
+    """Chunked WY form in pure JAX (f32 math). Same contract and results as `kda_recurrent`.
+
+    A `lax.scan` walks over groups of `chunks_per_step` chunks; the state-independent math of a
+    group is batched, the state recurrence over its chunks is unrolled. Working in groups keeps
+    every intermediate small (cache-resident on CPU) instead of materialising [B,H,T,*] temps.
+    """
+    B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
+    scale = K**-0.5 if scale is None else scale
+    C, c = effective_chunk(T, chunk_size, sub_chunk)
+    G = max(1, min(chunks_per_step, -(-T // C)))
+    L = G * C  # tokens per scan step
+    T_pad = _round_up(T, L)
+    f32 = jnp.float32
+    if T_pad != T:  # zero tail: k = 0, beta = 0, g = 0 leaves the state untouched
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, T_pad - T)] + [(0, 0)] * (x.ndim - 2))
+        q, k, v, g, beta = map(pad, (q, k, v, g, beta))
+    S0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
+
+    nsteps = T_pad // L
+
+    def group(x):  # [B,L,H,...] -> [B*H*G, C, ...] f32
+        tail = x.shape[3:]
+        x = jnp.moveaxis(x.astype(f32).reshape(B, G, C, H, *tail), 3, 1)  # [B,H,G,C,...]
+        return x.reshape(B * H * G, C, *tail)
+
+    def body(S, i):  # S: [B*H, K, V]
+        sl = lambda x: lax.dynamic_slice_in_dim(x, i * L, L, axis=1)
+        # Materialise the step's transposed inputs once (else XLA re-fuses the strided reads).
+        xs = lax.optimization_barrier(tuple(group(sl(x)) for x in (q, k, v, g, beta)))
+        A_qk, w, u, qg, kd, decay = chunk_terms(*xs, c)
+        sh = lambda x: x.reshape(B * H, G, *x.shape[1:])  # [B*H, G, ...]
+        A_qk, w, u, qg, kd, decay = map(sh, (A_qk, w, u, qg, kd, decay))
+        outs = []
+        for j in range(G):  # the only sequential part: state across the group's chunks
+            X = jnp.einsum("xck,xkv->xcv", jnp.concatenate([w[:, j], qg[:, j]], 1), S,
+                           precision=_HI)  # [B*H, 2C, V]
+            delta = u[:, j] - X[:, :C]
+            outs.append(X[:, C:] + jnp.einsum("xij,xjv->xiv", A_qk[:, j], delta, precision=_HI))
+            S = decay[:, j, :, None] * S + jnp.einsum("xck,xcv->xkv", kd[:, j], delta,
+                                                       precision=_HI)
+        o = jnp.stack(outs, 1).reshape(B, H, L, V)
+        return S, jnp.moveaxis(o, 1, 2)  # [B,L,H,V]
+
+    S, o = lax.scan(body, S0.reshape(B * H, K, V), jnp.arange(nsteps))
+    o = jnp.moveaxis(o, 0, 1).reshape(B, T_pad, H, V)[:, :T]  # [B,T,H,V]
+    o = (scale * o).astype(v.dtype)
+    return o, (S.reshape(B, H, K, V) if output_final_state else None)

@@ -1,0 +1,191 @@
+"""KDA: chunked reference vs the recurrent oracle, decode parity, Pallas kernels vs reference.
+
+Shapes come from `pallas_kernels/kda/arg_specs.py`. Gradients are vector-Jacobian products with
+fixed random cotangents for o and the final state (w.r.t. q, k, v, g, beta and, where given, the
+initial state). Errors are relative RMS: sqrt(mean((x - ref)^2) / mean(ref^2)). Pallas runs in
+interpret mode on CPU (the `interpret` fixture) and compiled on GPU/TPU; under interpret both
+sequential forms ("grid" for TPU, "loop" for GPU) are exercised, off-CPU the backend's own.
+Compiled functions are cached per (implementation, shapes) so each program compiles once (the
+extreme-gate and decode tests reuse the chunked reference's program; compilation, not running,
+is what costs time here).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import arg_specs, ops, pallas_kda, reference
+from pallas_kernels.kda.arg_specs import make_args
+
+f32 = jnp.float32
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def rel_rms(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.mean((x - ref) ** 2) / max(np.mean(ref**2), 1e-300)))
+
+
+def _impl_fn(impl: str, spec, interpret: bool):
+    if impl == "recurrent":
+        return lambda q, k, v, g, b, h0: reference.kda_recurrent(
+            q, k, v, g, b, initial_state=h0, output_final_state=True)
+    if impl == "chunked":
+        return lambda q, k, v, g, b, h0: reference.kda_chunked(
+            q, k, v, g, b, initial_state=h0, output_final_state=True)
+    cfg = pallas_kda.get_config(T=spec.T, K=spec.K, V=spec.V,
+                                seq_mode=spec.seq_mode if interpret else None)
+    return lambda q, k, v, g, b, h0: pallas_kda.kda_pallas(
+        q, k, v, g, b, initial_state=h0, output_final_state=True, interpret=interpret,
+        config=cfg)
+
+
+def _compiled(impl: str, spec, interpret: bool, upcast: bool):
+    key = (spec.B, spec.T, spec.H, spec.K, spec.V, spec.dtype, spec.initial_state, spec.seq_mode)
+    return _compiled_for_shapes(impl, key, spec, interpret, upcast)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_for_shapes(impl: str, key, spec, interpret: bool, upcast: bool):
+    """jit(value_and_grad) returning (o, final_state, grads) for one implementation and shape."""
+    del key  # the cache key: `spec` only matters through its shapes
+    fn = _impl_fn(impl, spec, interpret)
+    argnums = (0, 1, 2, 3, 4, 5) if spec.initial_state else (0, 1, 2, 3, 4)
+
+    def loss(q, k, v, g, b, h0, co, cs):
+        if upcast:
+            q, k, v, g, b = (x.astype(f32) for x in (q, k, v, g, b))
+        o, s = fn(q, k, v, g, b, h0)
+        return jnp.sum(o.astype(f32) * co) + jnp.sum(s * cs), (o, s)
+
+    vg = jax.value_and_grad(loss, argnums=argnums, has_aux=True)
+
+    @jax.jit
+    def run(q, k, v, g, b, h0, co, cs):
+        (_, (o, s)), grads = vg(q, k, v, g, b, h0, co, cs)
+        return o, s, grads
+
+    return run
+
+
+def _evaluate(impl, spec, interpret=True, upcast=False, seed=0):
+    a = make_args(spec, seed)
+    kc = jax.random.split(jax.random.PRNGKey(seed + 100), 2)
+    co = jax.random.normal(kc[0], a["v"].shape, f32)
+    cs = jax.random.normal(kc[1], (spec.B, spec.H, spec.K, spec.V), f32)
+    o, s, grads = _compiled(impl, spec, interpret, upcast)(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], a["initial_state"], co, cs)
+    return o, s, dict(zip(GRAD_NAMES, grads, strict=False))
+
+
+def _assert_close(got, want, tol, what=""):
+    o, s, gr = got
+    o_r, s_r, gr_r = want
+    errs = {"o": rel_rms(o, o_r), "final_state": rel_rms(s, s_r)}
+    errs.update({n: rel_rms(gr[n], gr_r[n]) for n in gr_r})
+    assert set(gr) == set(gr_r)
+    bad = {n: e for n, e in errs.items() if not e < tol}
+    assert not bad, f"{what}: relative RMS errors above {tol}: {bad} (all: {errs})"
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked reference vs the recurrent oracle.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_chunked_matches_recurrent():
+    """T = 130 (not a multiple of the chunk), V != K, gates near -50/token, initial state given:
+    outputs, final state and all gradients (incl. dh0) within 1e-4 relative RMS, all finite.
+    (Without initial state: `test_ops_impls_agree_without_initial_state`.)"""
+    spec = arg_specs.REFERENCE[0]
+    got, want = _evaluate("chunked", spec), _evaluate("recurrent", spec)
+    assert got[0].shape == (spec.B, spec.T, spec.H, spec.V) and got[0].dtype == f32
+    for x in (got[0], got[1], *got[2].values()):
+        assert bool(jnp.all(jnp.isfinite(x)))
+    _assert_close(got, want, 1e-4, spec.name)
+
+
+def test_chunked_extreme_gates_finite_and_exact():
+    """Gates of about -1700/token (exp underflows to 0 within one token): no NaN/inf in the
+    forward or any gradient, and still equal to the oracle."""
+    spec = arg_specs.EXTREME
+    got = _evaluate("chunked", spec)
+    for x in (got[0], got[1], *got[2].values()):
+        assert bool(jnp.all(jnp.isfinite(x)))
+    _assert_close(got, _evaluate("recurrent", spec), 1e-4, spec.name)
+
+
+def test_decode_steps_match_full_forward():
+    """kda_step token by token (the decode path) == one chunked forward: outputs and state."""
+    spec = arg_specs.DECODE
+    a = make_args(spec)
+    o_full, s_full, _ = _evaluate("chunked", spec)
+    step = jax.jit(ops.kda_step)
+    state, outs = a["initial_state"], []
+    for t in range(spec.T):
+        o_t, state = step(a["q"][:, t], a["k"][:, t], a["v"][:, t], a["g"][:, t],
+                          a["beta"][:, t], state)
+        assert o_t.shape == (spec.B, spec.H, spec.V) and state.dtype == f32
+        outs.append(o_t)
+    assert rel_rms(jnp.stack(outs, axis=1), o_full) < 1e-5
+    assert rel_rms(state, s_full) < 1e-5
+
+
+def test_ops_impls_agree_without_initial_state(interpret):
+    """ops.kda dispatch, no initial state, output_final_state=False (final_state is None):
+    every impl equals the recurrent oracle (T = 130, V != K)."""
+    spec = arg_specs.REFERENCE[1]
+    a = make_args(spec)
+    args = (a["q"], a["k"], a["v"], a["g"], a["beta"])
+    want, none = ops.kda(*args, impl="recurrent")
+    assert none is None
+    for impl in ("xla", "chunked", "auto", "pallas"):
+        o, s = ops.kda(*args, impl=impl, interpret=interpret if impl == "pallas" else None)
+        assert s is None and o.shape == want.shape and o.dtype == want.dtype
+        on_accel = impl == "pallas" or (impl == "auto" and jax.default_backend() != "cpu")
+        assert rel_rms(o, want) < (5e-3 if on_accel else 1e-4), impl
+    with pytest.raises(ValueError):
+        ops.kda(*args, impl="triton-please")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas kernels (interpret on CPU) vs the reference.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_config_heuristics():
+    assert pallas_kda.get_config(T=1, K=16, V=16, backend="cpu").chunk_size == 16
+    assert pallas_kda.get_config(T=130, K=64, V=64, backend="cpu").chunk_size == 64
+    assert pallas_kda.get_config(T=130, K=64, V=64, backend="tpu").seq_mode == "grid"
+    gpu = pallas_kda.get_config(T=4096, K=128, V=128, backend="gpu")
+    assert gpu.seq_mode == "loop" and gpu.num_warps == 8
+    with pytest.raises(ValueError):
+        pallas_kda.KDAConfig(chunk_size=48)
+    with pytest.raises(ValueError):
+        pallas_kda.KDAConfig(chunk_size=16, sub_chunk=32)
+
+
+@pytest.mark.parametrize("spec", arg_specs.PALLAS, ids=lambda s: s.name)
+def test_pallas_matches_reference(spec, interpret):
+    """Forward (o, final state) and dq, dk, dv, dg, dbeta (, dh0) within 5e-3 relative RMS, f32,
+    T in {1, 63, 64, 130}, K = V in {16, 32, 64}, gates near -50/token."""
+    got = _evaluate("pallas", spec, interpret)
+    assert got[0].shape == (spec.B, spec.T, spec.H, spec.V) and got[0].dtype == f32
+    _assert_close(got, _evaluate("recurrent", spec), 5e-3, spec.name)
+
+
+def test_pallas_bf16(interpret):
+    """bf16 inputs: o comes back in bf16 and gradients in the input dtypes; values against the
+    f32 oracle on the same (bf16-rounded) inputs within 3e-2 relative RMS."""
+    spec = arg_specs.PALLAS_BF16
+    got = _evaluate("pallas", spec, interpret)
+    assert got[0].dtype == jnp.bfloat16
+    assert all(got[2][n].dtype == jnp.bfloat16 for n in ("dq", "dk", "dv", "dg", "dbeta"))
+    assert got[2]["dh0"].dtype == f32
+    want = _evaluate("recurrent", spec, upcast=True)
+    _assert_close(got, want, 3e-2, spec.name)
