@@ -33,8 +33,7 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.name = f"{algo}_tiny"
     c.seed = 0
     c.workdir = "runs/" + c.name
-    c.model = models.get_config("tiny")
-    c.model.mtp.depth = 1
+    c.model = models.get_config("demo")
     c.tokenizer = "byte"
 
     c.tasks = ml_collections.ConfigDict(dict(
@@ -46,22 +45,22 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.tasks.difficulty = ml_collections.ConfigDict(dict(arithmetic=2, code=0, terminal=0))
 
     c.sft = ml_collections.ConfigDict(dict(
-        steps=1500, batch_size=32, seq_len=128, imperfect_frac=0.4, lr=2e-3, warmup_steps=50,
+        steps=600, batch_size=16, seq_len=128, imperfect_frac=0.4, lr=3e-3, warmup_steps=30,
         weight_decay=0.01, log_every=50, checkpoint_every=500))  # MTP weight: model.mtp
 
     c.rl = ml_collections.ConfigDict(dict(
-        steps=150, prompts_per_batch=8, group_size=4, max_prompt_len=72, max_new_tokens=48,
+        steps=100, prompts_per_batch=8, group_size=4, max_prompt_len=72, max_new_tokens=48,
         temperature=1.0, top_p=1.0, top_k=0, micro_batches=1, mtp_loss_weight=0.1,
         overlap_scoring=True, log_every=1, checkpoint_every=25, keep_checkpoints=3,
         init_from="sft"))  # "sft": the SFT checkpoint in workdir/sft; "scratch": random init
     c.rl.algo = _algo(algo)
 
     c.optim = ml_collections.ConfigDict(dict(
-        lr=1e-4, warmup_steps=5, total_steps=150, final_lr_frac=0.5, weight_decay=0.0,
+        lr=1e-4, warmup_steps=5, total_steps=100, final_lr_frac=0.5, weight_decay=0.0,
         b1=0.9, b2=0.99, eps=1e-8, clip_norm=1.0))
 
     c.eval = ml_collections.ConfigDict(dict(
-        every=25, val_tasks=64, temperature=1.0, greedy=True, batch_prompts=100))
+        every=20, val_tasks=64, temperature=1.0, greedy=True, batch_prompts=100))
     c.sandbox = ml_collections.ConfigDict(dict(
         workers=2, timeout_s=5.0, memory_mb=256, remote=""))  # remote: comma-separated URLs
     return c

@@ -8,6 +8,10 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from model._xla_env import configure_xla_env  # noqa: E402
+
+configure_xla_env()  # before jax is imported
+
 
 def setup_jax() -> None:
     import jax

@@ -7,7 +7,11 @@ Tests stay tiny (2 layers, d_model <= 128, T <= 64) so the whole suite fits in 1
 import os
 import pathlib
 
-os.environ.setdefault("XLA_FLAGS", "")
+# jax 0.10.2's XLA:CPU "YNN" fusions segfault on some broadcast-multiply-sum gradients (seen in the
+# KDA and DSA backward); disabling that fusion type avoids it (model/_xla_env.py, same for scripts).
+from model._xla_env import configure_xla_env  # noqa: E402
+
+configure_xla_env()
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
