@@ -13,7 +13,8 @@ Layouts (flash-linear-attention convention):
 Per step:  S <- S * exp(g_t)[:, None];  S <- S + (beta_t k_t)(v_t - k_t^T S)^T;  o_t = (scale q_t)^T S.
 
 impl:
-  "auto"                 the pure-JAX chunked form on CPU, the Pallas kernel on GPU/TPU;
+  "auto"                 the pure-JAX chunked form on CPU, the Pallas kernel on GPU/TPU
+                         (pure JAX there too if K or V is not a power of two);
   "xla" / "chunked"      the pure-JAX chunked form (`reference.kda_chunked`), differentiable;
   "recurrent"            the token-by-token oracle (`reference.kda_recurrent`);
   "pallas"               the Pallas kernels (forward + custom_vjp backward, also Pallas);
@@ -35,11 +36,16 @@ kda_step = reference.kda_step
 IMPLS = ("auto", "xla", "chunked", "recurrent", "pallas")
 
 
-def _resolve_impl(impl: str) -> str:
+def _pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def _resolve_impl(impl: str, K: int, V: int) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    if impl == "auto":
-        return "chunked" if jax.default_backend() == "cpu" else "pallas"
+    if impl == "auto":  # the kernels need power-of-two head dims; fall back to pure JAX otherwise
+        accel = jax.default_backend() != "cpu" and _pow2(K) and _pow2(V)
+        return "pallas" if accel else "chunked"
     return "chunked" if impl == "xla" else impl
 
 
@@ -58,7 +64,7 @@ def kda(
     interpret=None,
 ):
     """KDA over a whole sequence. See the module docstring for shapes and `impl`."""
-    impl = _resolve_impl(impl)
+    impl = _resolve_impl(impl, q.shape[-1], v.shape[-1])
     if scale is None:
         scale = q.shape[-1] ** -0.5
     scale = float(scale)

@@ -50,7 +50,7 @@ def _compiled(impl: str, spec, interpret: bool, upcast: bool):
     return _compiled_for_shapes(impl, key, spec, interpret, upcast)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_for_shapes(impl: str, key, spec, interpret: bool, upcast: bool):
     """jit(value_and_grad) returning (o, final_state, grads) for one implementation and shape."""
     del key  # the cache key: `spec` only matters through its shapes
