@@ -18,6 +18,7 @@ from typing import Any
 ATTENTION_KINDS = {"K": "kda", "D": "dsa"}
 ROUTERS = ("softmax", "sigmoid")
 DISPATCH = ("dropless", "capacity")
+EXPERT_PARALLEL = ("none", "all_to_all", "ragged_all_to_all")  # model/layers/moe.py
 EXPERT_FORMATS = ("bf16", "mxfp4")
 INDEXER_STAGES = ("dense_warmup", "sparse")
 KERNEL_IMPLS = ("auto", "xla", "pallas")
@@ -107,6 +108,9 @@ class MoEConfig:
     expert_format: str = "bf16"  # "mxfp4": experts stored as packed MXFP4
     qat: bool = False  # fake-quantise bf16 experts to MXFP4 in the forward (STE)
     mxfp4_impl: str = "auto"
+    # Expert-parallel dispatch under model.sharding.use_mesh: "none" (GSPMD on the local path),
+    # "all_to_all" (capacity-padded, every backend), "ragged_all_to_all" (GPU/TPU only).
+    expert_parallel: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +213,8 @@ class ModelConfig:
                        "moe.expert_format",
                        "mxfp4 needs d_model and moe.expert_dim to be multiples of 32")
             _check(m.mxfp4_impl in KERNEL_IMPLS, "moe.mxfp4_impl", f"must be one of {KERNEL_IMPLS}")
+            _check(m.expert_parallel in EXPERT_PARALLEL, "moe.expert_parallel",
+                   f"must be one of {EXPERT_PARALLEL}")
         if m.num_experts == 0 or m.first_dense_layers > 0:
             _check(m.dense_dim > 0, "moe.dense_dim",
                    "must be positive when some layers are dense (num_experts=0 or first_dense_layers>0)")
