@@ -69,6 +69,21 @@ def load_task_splits(config) -> dict:
     return out
 
 
+def _balanced(tasks: list, n: int) -> list:
+    """The first n tasks taken round-robin over domains (so every domain is represented)."""
+    from rl.pipeline import task_domain
+
+    by = {}
+    for t in tasks:
+        by.setdefault(task_domain(t), []).append(t)
+    out, queues = [], list(by.values())
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    return out
+
+
 def _model(config) -> Model:
     return Model(ModelConfig.from_dict(config.model))
 
@@ -199,7 +214,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     workdir = os.path.join(config.workdir, "rl")
     splits = load_task_splits(config)
     train_tasks = [t for t, _ in splits["train"]]
-    val_tasks = [t for t, _ in splits["val"]][: config.eval.val_tasks * 10]
+    val_tasks = _balanced([t for t, _ in splits["val"]], config.eval.val_tasks)
     it = iter(task_dataset(train_tasks, seed=config.seed, batch_size=r.prompts_per_batch))
 
     if r.init_from == "sft":
@@ -240,7 +255,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     writer = MetricsWriter(workdir)
 
     def do_eval(step):
-        res = evaluate(eval_worker, state.variables, val_tasks[: config.eval.val_tasks],
+        res = evaluate(eval_worker, state.variables, val_tasks,
                        jax.random.key(step), batch_prompts=config.eval.batch_prompts)
         writer.write(step, {f"{d}/pass1": v["pass@1"] for d, v in res.items()
                             if isinstance(v, dict)}, "val/")

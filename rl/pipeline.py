@@ -162,10 +162,9 @@ def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int):
         "completion_len_max": int(lens.max()),
         "rows_trained": int(mask.any(1).sum()),
     })
-    for fam in sorted({t.family for t in group.tasks}):
-        sel = np.array([t.meta.get("family_name", t.family) == fam or t.family == fam
-                        for t in group.tasks])
-        metrics[f"reward/{fam}"] = float(group.rewards[sel].mean())
+    domains = np.array([task_domain(t) for t in group.tasks])
+    for dom in sorted(set(domains)):
+        metrics[f"reward/{dom}"] = float(group.rewards[domains == dom].mean())
     batch = {"tokens": tokens, "loss_mask": mask, "advantages": np.asarray(prep.advantages),
              "rollout_logp": rollout}
     return batch, metrics
