@@ -4,7 +4,6 @@ Tests stay tiny (2 layers, d_model <= 128, T <= 64) so the whole suite fits in 1
 2 CPU cores.
 """
 
-import os
 import pathlib
 
 # jax 0.10.2's XLA:CPU "YNN" fusions segfault on some broadcast-multiply-sum gradients (seen in the

@@ -106,14 +106,21 @@ def _batch(model, variables, n=4, seed=0):
             "rollout_logp": logp}
 
 
-@pytest.mark.parametrize("algo_name", ["grpo", "gspo"])
-def test_micro_batches_equal_full_batch(setup, algo_name):
-    model, variables = setup
-    algo = get_algorithm(algo_name)
+@pytest.fixture(scope="module")
+def grpo_step1(setup):
+    model, _ = setup
     opt = make_optimizer(OPTIM)
+    algo = get_algorithm("grpo")
+    return opt, algo, make_train_step(model, algo, opt, micro_batches=1, mtp_loss_weight=0.1,
+                                      donate=False)
+
+
+def test_micro_batches_equal_full_batch(setup, grpo_step1):
+    # (GSPO's sequence-level ratio and every other preset run under jax.grad in test_algorithms)
+    model, variables = setup
+    opt, algo, step1 = grpo_step1
     batch = _batch(model, variables)
-    s1, m1 = make_train_step(model, algo, opt, micro_batches=1, mtp_loss_weight=0.1, donate=False)(
-        init_train_state(variables, opt), batch)
+    s1, m1 = step1(init_train_state(variables, opt), batch)
     s2, m2 = make_train_step(model, algo, opt, micro_batches=2, mtp_loss_weight=0.1, donate=False)(
         init_train_state(variables, opt), batch)
     np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5, atol=1e-6)
@@ -129,14 +136,12 @@ def test_micro_batches_equal_full_batch(setup, algo_name):
     assert biases and any(float(jnp.max(jnp.abs(b))) > 0 for b in biases)
 
 
-def test_nonfinite_update_is_skipped(setup):
+def test_nonfinite_update_is_skipped(setup, grpo_step1):
     model, variables = setup
-    algo = get_algorithm("grpo")
-    opt = make_optimizer(OPTIM)
+    opt, _, step1 = grpo_step1
     batch = _batch(model, variables)
     batch["advantages"] = batch["advantages"].at[0, 0].set(jnp.nan)
-    state = init_train_state(variables, opt)
-    new, met = make_train_step(model, algo, opt, donate=False)(state, batch)
+    new, met = step1(init_train_state(variables, opt), batch)
     assert int(new.skipped) == 1 and int(new.step) == 0 and float(met["update_finite"]) == 0
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(variables["params"])):
         np.testing.assert_array_equal(a, b)
