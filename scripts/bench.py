@@ -18,6 +18,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _common  # noqa: E402,F401  (XLA flags before jax, compilation cache)
+
+_common.setup_jax()
 
 BENCHMARKS = {
     "kda": "pallas_kernels.kda.bench",

@@ -19,10 +19,11 @@ E8M0 scale per 32), shard count.
 Per-device table (--mesh; `per_device_plan`): every parameter is mapped through the same logical
 axis rules the runtime uses (model/sharding.py: axes that do not divide a dimension are dropped,
 i.e. that dimension is replicated; those dims are listed). Assumptions, also printed:
-  * training keeps a bf16 working copy of every parameter (MXFP4 experts are trained as a bf16
-    master with QAT, then re-quantised for the sampler), bf16 gradients, an f32 master copy where
-    the parameter dtype is not f32, and AdamW's two f32 moments; all sharded like the parameters
-    (FSDP/ZeRO-3 over the fsdp axis, experts over the expert axis);
+  * training keeps a working copy of every parameter in its dtype (bf16 for reference_2p8t;
+    MXFP4 experts are trained as bf16 with QAT, then re-quantised for the sampler; the router and
+    KDA gate parameters are f32), gradients in the same dtypes, an f32 master copy of every
+    non-f32 parameter, and AdamW's two f32 moments; all sharded like the parameters (ZeRO-3 over
+    fsdp x expert, experts over the expert axis);
   * activations: a documented estimate (`activation_bytes`) for per-block rematerialisation
     (block inputs kept, one block's working set live, forward recompute + backward ~2x), and
     without remat; batch split over rules["batch"] = data x fsdp x expert, heads/mlp/vocab over
@@ -123,8 +124,9 @@ DEVICES = {
 }
 
 ASSUMPTIONS = (
-    "train: bf16 working params (MXFP4 experts trained as bf16 master + QAT), bf16 grads, "
-    "f32 master where param dtype != f32, AdamW mu+nu in f32; all sharded like the params",
+    "train: working params in the param dtype (MXFP4 experts trained as bf16 + QAT; router and "
+    "KDA gate params f32), grads in the param dtype, f32 master of every non-f32 param, AdamW "
+    "mu+nu in f32; all sharded like the params",
     "activations: estimate, per-block remat (block inputs kept + one block's working set x2); "
     "DSA indexer scores [B,T,T] f32 counted as materialised",
     "inference: params as stored (MXFP4 experts) + decode state for --batch x --seq",
@@ -134,8 +136,8 @@ ASSUMPTIONS = (
 
 def _shard_bytes(abstract, mesh_shape: dict, rules=None, report=None) -> dict:
     """Per-device bytes of a boxed abstract variable tree under the rules: {"total", "elements",
-    "by_dtype"} (elements = per-device element count)."""
-    total = elems = 0
+    "elements_f32"} (per-device element counts, all and of f32 leaves)."""
+    total = elems = elems_f32 = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract, is_leaf=shd._is_box):
         if shd._is_box(leaf):
             rep = [] if report is not None else None
@@ -152,7 +154,8 @@ def _shard_bytes(abstract, mesh_shape: dict, rules=None, report=None) -> dict:
             n *= d // math.prod(mesh_shape[a] for a in axes)
         total += n * x.dtype.itemsize
         elems += n
-    return {"total": total, "elements": elems}
+        elems_f32 += n if x.dtype == jnp.float32 else 0
+    return {"total": total, "elements": elems, "elements_f32": elems_f32}
 
 
 def _training_cfg(cfg: ModelConfig) -> ModelConfig:
@@ -271,7 +274,7 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
     work = _shard_bytes(_abstract(tcfg), mesh_shape, rules, train_report)
     # gradients in the param dtype; f32 master where params are not f32; Adam mu, nu in f32
     grads = work["total"]
-    master = 0 if tcfg.param_dtype == "float32" else 4 * work["elements"]
+    master = 4 * (work["elements"] - work["elements_f32"])  # f32 leaves are their own master
     moments = 8 * work["elements"]
     act = activation_bytes(tcfg, mesh_shape, batch, seq, rules)
     train_total = work["total"] + grads + master + moments + act["remat"]
@@ -284,6 +287,17 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
                       for p, _, name, axis, size, dim_size in train_report + report})
     summary = sorted({f"{name} ({dim_size}) / {axis}={size}"
                       for _, _, name, axis, size, dim_size in train_report + report})
+    warnings = []
+    ep = mesh_shape.get("expert", 1)
+    if cfg.moe.num_experts and ep > 1 and cfg.moe.num_experts % ep:
+        divs = [d for d in range(2, 257) if cfg.moe.num_experts % d == 0][:8]
+        warnings.append(
+            f"num_experts={cfg.moe.num_experts} is not divisible by expert={ep}: routed experts "
+            f"are split over fsdp x expert on d_model instead (ZeRO-3) and moe.expert_parallel "
+            f"cannot run on this mesh; use expert in {divs} or pad num_experts")
+    if batch % math.prod(mesh_shape[x] for x in ("data", "fsdp", "expert")):
+        warnings.append(f"batch {batch} does not split evenly over data x fsdp x expert: "
+                        f"split only over {', '.join(baxes) or 'nothing (replicated)'}")
     return {
         "mesh": mesh_shape, "devices": ndev, "device": device, "device_name": dev["name"],
         "hbm_bytes": int(dev["hbm"]), "usable_bytes": int(usable), "headroom": headroom,
@@ -303,6 +317,7 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
         },
         "not_divisible": summary,
         "replicated_dims": dropped,
+        "warnings": warnings,
         "assumptions": list(ASSUMPTIONS),
     }
 
@@ -367,8 +382,8 @@ def format_per_device(pd: dict) -> str:
         f"batch {pd['batch']} x {pd['seq']} tokens (local batch {pd['local_batch']}):",
         f"  {'':34}{'bytes/device':>14}",
         "  training (AdamW)",
-        f"    {'params bf16 (working copy)':32}{_fmt_bytes(t['params_bf16']):>14}",
-        f"    {'gradients bf16':32}{_fmt_bytes(t['grads']):>14}",
+        f"    {'params (working copy)':32}{_fmt_bytes(t['params_bf16']):>14}",
+        f"    {'gradients':32}{_fmt_bytes(t['grads']):>14}",
         f"    {'f32 master copy':32}{_fmt_bytes(t['master_f32']):>14}",
         f"    {'Adam mu + nu (f32)':32}{_fmt_bytes(t['adam_moments_f32']):>14}",
         f"    {'activations (per-block remat)':32}{_fmt_bytes(t['activations_remat']):>14}",
@@ -388,8 +403,10 @@ def format_per_device(pd: dict) -> str:
         "    " + _fmt_verdict("training without remat", t["no_remat"], pd["usable_bytes"]),
         "    " + _fmt_verdict("inference", i, pd["usable_bytes"]),
     ]
+    for w in pd["warnings"]:
+        lines.append(f"  warning: {w}")
     if pd["not_divisible"]:
-        lines.append("  replicated (mesh axis does not divide the dimension):")
+        lines.append("  not split over (mesh axis does not divide the dimension):")
         lines += [f"    {x}" for x in pd["not_divisible"]]
     lines.append("  assumptions:")
     lines += [f"    - {x}" for x in pd["assumptions"]]

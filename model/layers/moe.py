@@ -14,14 +14,40 @@ and runs batched einsums. Shared experts are a dense SwiGLU MLP added to every t
 Expert weights are [E, D, F] (gate, up) and [E, F, D] (down) in bf16/f32, or, with
 expert_format="mxfp4", packed MXFP4 stored [E, out, in/32, 16] + scales [E, out, in/32] (the
 kernels' x @ W.T layout; model/quant.py converts between the two).
+
+Expert parallelism (`moe.expert_parallel`, active inside `model.sharding.use_mesh(mesh)`): routing
+stays under GSPMD (so expert counts, router statistics and the balance loss are global sums over
+all shards, which is what the aux-free bias update and the logs use), and only the expert compute
+runs under `shard_map`: tokens are split over the mesh's batch axes (rules["batch"]), experts over
+the "expert" axis, expert_dim F over the tensor axis (partial down-projections are psum'ed), and
+FSDP-split weight dims are all-gathered by XLA at the shard_map boundary.
+
+  "all_to_all"         capacity-padded [E, C, D] buffers exchanged with `lax.all_to_all` (runs
+                       on every backend, CPU included). C per (source shard, expert):
+                       ceil(capacity_factor * n_local * k / E) with dispatch="capacity" (drops
+                       past C, counted), n_local with dispatch="dropless" (exact, no drops).
+  "ragged_all_to_all"  sorted assignments exchanged with `lax.ragged_all_to_all` and a grouped
+                       matmul on the receiver (GPU/TPU; XLA:CPU has no ragged all-to-all, so this
+                       raises on CPU). Receive buffer per shard: ceil(capacity_factor * n_local *
+                       k) rows with dispatch="capacity" (overflow dropped and counted),
+                       ep * n_local * min(k, E_local) rows (worst case, exact) with "dropless".
+Without an active mesh (or when the local token count is not divisible by the batch axes
+including the expert axis) the local dispatch named by `dispatch` runs; with one shard it has the
+same capacity semantics. Dropped counts are psum'ed over the shards.
 """
 
+import dataclasses
+import functools
+import logging
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from model import sharding as shd
 from model.config import MoEConfig
 from model.layers.linear import MLP
 from pallas_kernels.mxfp4 import ops as mx
@@ -109,8 +135,9 @@ def dropless_experts(x, weights, idx, experts, num_experts):
     return jax.ops.segment_sum(ys, token, num_segments=N), jnp.zeros((), jnp.float32)
 
 
-def capacity_experts(x, weights, idx, valid, experts, num_experts, capacity):
-    """Capacity-padded dispatch. Returns (y [N,D], dropped assignments count)."""
+def _capacity_slots(idx, valid, num_experts, capacity):
+    """Slot of every assignment in [E*C] buffers (E*C = overflow row), in token order.
+    Returns (slot [N*k], keep [N*k], token [N*k], dropped count f32)."""
     N, k = idx.shape
     flat_e = idx.reshape(-1)  # [N*k] in token order
     flat_valid = jnp.repeat(valid, k)
@@ -120,14 +147,232 @@ def capacity_experts(x, weights, idx, valid, experts, num_experts, capacity):
     dropped = jnp.sum(flat_valid & ~keep).astype(jnp.float32)
     slot = jnp.where(keep, flat_e * capacity + pos, num_experts * capacity)  # overflow row
     token = jnp.arange(N * k) // k
+    return slot, keep, token, dropped
+
+
+def _scatter_to_buffers(x, slot, token, num_experts, capacity):
     buf = jnp.zeros((num_experts * capacity + 1, x.shape[-1]), x.dtype).at[slot].set(x[token])
-    buf = buf[:-1].reshape(num_experts, capacity, -1)  # [E,C,D]
+    return buf[:-1].reshape(num_experts, capacity, -1)  # [E,C,D]
+
+
+def _combine_from_buffers(y, slot, keep, token, weights, N):
+    E, C, D = y.shape
+    y = jnp.concatenate([y.reshape(E * C, D), jnp.zeros((1, D), y.dtype)])
+    contrib = y[slot] * (weights.reshape(-1) * keep)[:, None].astype(y.dtype)
+    return jax.ops.segment_sum(contrib, token, num_segments=N)
+
+
+def capacity_experts(x, weights, idx, valid, experts, num_experts, capacity):
+    """Capacity-padded dispatch. Returns (y [N,D], dropped assignments count)."""
+    N = idx.shape[0]
+    slot, keep, token, dropped = _capacity_slots(idx, valid, num_experts, capacity)
+    buf = _scatter_to_buffers(x, slot, token, num_experts, capacity)
     gate, up, down = experts
     y = down(_swiglu(gate(buf), up(buf)))  # [E,C,D]
-    y = jnp.concatenate([y.reshape(num_experts * capacity, -1),
-                         jnp.zeros((1, y.shape[-1]), y.dtype)])
-    contrib = y[slot] * (weights.reshape(-1) * keep)[:, None].astype(y.dtype)
-    return jax.ops.segment_sum(contrib, token, num_segments=N), dropped
+    return _combine_from_buffers(y, slot, keep, token, weights, N), dropped
+
+
+# --------------------------------------------------------------------------- expert parallel
+@dataclasses.dataclass(frozen=True)
+class ExpertMatrix:
+    """One expert weight matrix as (arrays, fn): fn(arrays, xs, group_sizes=None) applies it to
+    capacity buffers [E,C,in] (group_sizes None) or expert-sorted rows [M,in] (grouped).
+    f_dims[i]: which dimension of arrays[i] runs along expert_dim F (split over the tensor axis
+    under expert parallelism)."""
+
+    arrays: tuple
+    fn: Callable
+    f_dims: tuple
+
+    def __call__(self, xs, gs=None):
+        return self.fn(self.arrays, xs, gs)
+
+
+def _exclusive_cumsum(x, axis):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _a2a_body(x, w, idx, valid, *arrays, fns, num_experts, capacity_factor, dropless, ep_axis,
+              tp_axes, token_axes):
+    """Per-shard capacity all_to_all dispatch. x [n,D], w/idx [n,k], valid [n]; arrays: the
+    local expert shards ([E_loc, ...], F split over tp_axes)."""
+    n, D = x.shape
+    k = idx.shape[-1]
+    E = num_experts
+    ep = jax.lax.axis_size(ep_axis)
+    E_loc = E // ep
+    C = n if dropless else max(1, math.ceil(capacity_factor * n * k / E))
+    slot, keep, token, dropped = _capacity_slots(idx, valid, E, C)
+    buf = _scatter_to_buffers(x, slot, token, E, C).reshape(ep, E_loc, C, D)
+    recv = jax.lax.all_to_all(buf, ep_axis, 0, 0)  # [ep source shards, E_loc, C, D]
+    h_in = recv.transpose(1, 0, 2, 3).reshape(E_loc, ep * C, D)
+    mats = _split_arrays(fns, arrays)
+    gate, up, down = mats
+    y = down(_swiglu(gate(h_in), up(h_in)))  # [E_loc, ep*C, D], partial over tp_axes
+    if tp_axes:
+        y = jax.lax.psum(y, tp_axes)
+    y = y.reshape(E_loc, ep, C, D).transpose(1, 0, 2, 3)
+    back = jax.lax.all_to_all(y, ep_axis, 0, 0).reshape(E, C, D)  # global expert order
+    out = _combine_from_buffers(back, slot, keep, token, w, n)
+    return out, jax.lax.psum(dropped, token_axes)
+
+
+def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+    """`lax.ragged_all_to_all` semantics built from all_gather (O(ep * rows) memory): the
+    reference the ragged dispatch is tested against on CPU, where the real op is missing."""
+    del recv_sizes  # equal to the senders' send_sizes by contract
+    ep = jax.lax.axis_size(axis_name)
+    K = input_offsets.shape[0]
+    spd = K // ep  # slices per destination
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [ep, R, ...]
+    io, ss, oo = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes,
+                                                                 output_offsets))  # [ep, K]
+    R, M = operand.shape[0], output.shape[0]
+    p = jnp.arange(M)
+    res = output
+    for i in range(ep):
+        for j in range(spd):
+            s = me * spd + j
+            start_out, size, start_in = oo[i, s], ss[i, s], io[i, s]
+            mask = (p >= start_out) & (p < start_out + size)
+            src = jnp.clip(start_in + p - start_out, 0, R - 1)
+            mask = mask.reshape((M,) + (1,) * (output.ndim - 1))
+            res = jnp.where(mask, ops[i][src], res)
+    return res
+
+
+def _ragged_body(x, w, idx, valid, *arrays, fns, num_experts, capacity_factor, dropless,
+                 ep_axis, tp_axes, token_axes, collective):
+    """Per-shard dropless/buffered ragged all-to-all dispatch (see module docstring)."""
+    n, D = x.shape
+    k = idx.shape[-1]
+    E = num_experts
+    ep = jax.lax.axis_size(ep_axis)
+    E_loc = E // ep
+    me = jax.lax.axis_index(ep_axis)
+    flat_v = jnp.repeat(valid, k)
+    fe = jnp.where(flat_v, idx.reshape(-1), E)  # invalid assignments sort last, never sent
+    order = jnp.argsort(fe, stable=True)
+    token = order // k
+    counts = jnp.bincount(fe, length=E).astype(jnp.int32)  # [E] my valid assignments
+    xs = x[token]  # [n*k, D] sorted by expert
+    if dropless:
+        M = ep * n * min(k, E_loc)
+    else:
+        M = max(1, math.ceil(capacity_factor * n * k))
+    Cm = jax.lax.all_gather(counts, ep_axis)  # [ep src, E]
+    Cr = Cm.reshape(ep, ep, E_loc)  # [src, dst, l]
+    # receiver layout: for local expert l, for source shard s: that chunk (sorted by expert)
+    base_l = _exclusive_cumsum(jnp.sum(Cr, axis=0), axis=1)  # [dst, l]
+    off = base_l[None] + _exclusive_cumsum(Cr, axis=0)  # [src, dst, l]
+    eff = jnp.clip(M - off, 0, Cr)  # sizes after truncation at the buffer end
+    off = jnp.where(eff > 0, off, 0)
+    in_off = _exclusive_cumsum(counts, axis=0)
+    recv = collective(xs, jnp.zeros((M, D), xs.dtype), in_off, eff[me].reshape(E),
+                      off[me].reshape(E), eff[:, me].reshape(E), axis_name=ep_axis)
+    gs = jnp.sum(eff[:, me], axis=0)  # [E_loc] rows per local expert, grouped
+    gate, up, down = _split_arrays(fns, arrays)
+    h = down(_swiglu(gate(recv, gs), up(recv, gs)), gs)  # [M, D]
+    if tp_axes:
+        h = jax.lax.psum(h, tp_axes)
+    src_off = jax.lax.dynamic_slice_in_dim(_exclusive_cumsum(Cm, axis=1), me * E_loc, E_loc,
+                                           axis=1)  # [src, l]: where each source keeps it
+    ys = collective(h, jnp.zeros((n * k, D), h.dtype), off[:, me].reshape(E),
+                    eff[:, me].reshape(E), src_off.reshape(E), eff[me].reshape(E),
+                    axis_name=ep_axis)  # back in my sorted order; dropped rows stay 0
+    ys = ys * w.reshape(-1)[order][:, None].astype(ys.dtype)
+    out = jax.ops.segment_sum(ys, token, num_segments=n)
+    dropped = (jnp.sum(counts) - jnp.sum(eff[me])).astype(jnp.float32)
+    return out, jax.lax.psum(dropped, token_axes)
+
+
+def _split_arrays(fns, arrays):
+    mats, i = [], 0
+    for fn, cnt in fns:
+        mats.append(functools.partial(fn, tuple(arrays[i:i + cnt])))
+        i += cnt
+    return mats
+
+
+def expert_parallel_experts(x, weights, idx, valid, experts, *, num_experts, mesh, rules=None,
+                            mode="all_to_all", dropless=False, capacity_factor=1.25,
+                            collective=None):
+    """Routed-expert output under shard_map. x [N,D], weights/idx [N,k], valid [N];
+    experts: three ExpertMatrix (gate, up, down) holding the global (GSPMD) arrays.
+    Returns (y [N,D], dropped assignments count) or None when N cannot be split over the batch
+    axes including the expert axis (the caller then runs the local dispatch).
+    collective: the ragged all-to-all to use (default lax.ragged_all_to_all)."""
+    rules = shd.current_rules() if rules is None else shd._rules(rules)
+    N = x.shape[0]
+    sizes = dict(mesh.shape)
+    ep_axes = tuple(a for a in rules.get("expert", ()) if sizes.get(a, 1) > 1)
+    if len(ep_axes) > 1:
+        raise ValueError(f"expert parallelism needs one mesh axis for 'expert', got {ep_axes}")
+    ep_axis = ep_axes[0] if ep_axes else (rules.get("expert", ()) or ("expert",))[0]
+    if ep_axis not in sizes:
+        raise ValueError(f"mesh has no axis {ep_axis!r} for the experts (axes {tuple(sizes)})")
+    ep = sizes[ep_axis]
+    if num_experts % ep:
+        raise ValueError(f"expert parallelism: num_experts={num_experts} is not divisible by "
+                         f"the {ep_axis!r} mesh axis ({ep})")
+    token_axes = shd.batch_axes(mesh, N, rules)
+    if ep > 1 and ep_axis not in token_axes:
+        return None
+    if ep_axis not in token_axes:
+        token_axes = token_axes + (ep_axis,)  # size 1: harmless, keeps the specs uniform
+    # F over the tensor-parallel axes that do not split tokens
+    tp_axes = tuple(a for a in rules.get("mlp", ()) if sizes.get(a, 1) > 1 and a not in token_axes)
+    tp = math.prod(sizes[a] for a in tp_axes)
+    for m in experts:
+        for arr, fd in zip(m.arrays, m.f_dims):
+            if arr.shape[fd] % tp:
+                tp_axes, tp = (), 1
+    tp_entry = None if not tp_axes else tp_axes[0] if len(tp_axes) == 1 else tp_axes
+    arrays, fns, specs = [], [], []
+    for m in experts:
+        fns.append((m.fn, len(m.arrays)))
+        for arr, fd in zip(m.arrays, m.f_dims):
+            entries = [None] * arr.ndim
+            entries[0] = ep_axis
+            entries[fd] = tp_entry
+            arrays.append(arr)
+            specs.append(P(*entries))
+    tok = P(token_axes)
+    common = dict(fns=tuple(fns), num_experts=num_experts, capacity_factor=capacity_factor,
+                  dropless=dropless, ep_axis=ep_axis, tp_axes=tp_axes, token_axes=token_axes)
+    if mode == "all_to_all":
+        body = functools.partial(_a2a_body, **common)
+    elif mode == "ragged_all_to_all":
+        if collective is None:
+            platforms = {d.platform for d in mesh.devices.flat}
+            if "cpu" in platforms:
+                raise NotImplementedError(
+                    "moe.expert_parallel='ragged_all_to_all': lax.ragged_all_to_all is not "
+                    "implemented on XLA:CPU; use 'all_to_all' (capacity-padded) on CPU")
+            collective = jax.lax.ragged_all_to_all
+        body = functools.partial(_ragged_body, collective=collective, **common)
+    else:
+        raise ValueError(f"unknown expert-parallel mode {mode!r}")
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, tok, *specs),
+                       out_specs=(tok, P()))
+    return fn(x, weights, idx, valid, *arrays)
+
+
+def _dense_apply(arrays, xs, gs=None):
+    (kernel,) = arrays
+    if gs is None:
+        return jnp.einsum("ecd,edf->ecf", xs, kernel)
+    return jax.lax.ragged_dot(xs, kernel, gs)
+
+
+def _mxfp4_apply(impl, arrays, xs, gs=None):
+    blocks, scales = arrays
+    if gs is None:  # capacity buffers [E,C,D]
+        return jax.vmap(lambda xe, be, se: mx.mxfp4_matmul(
+            xe, mx.MXFP4(be, se), impl=impl))(xs, blocks, scales)
+    return mx.grouped_mxfp4_matmul(xs, mx.MXFP4(blocks, scales), gs, impl=impl)
 
 
 class MoE(nn.Module):
@@ -137,8 +382,11 @@ class MoE(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     def _expert_weight(self, name, E, d_in, d_out):
-        """Returns a function of the grouped/batched activations for one expert matrix."""
+        """One expert matrix as an ExpertMatrix (callable on grouped/batched activations).
+        w_gate / w_up map d_model -> expert_dim, w_down expert_dim -> d_model (decided by the
+        name: d_model may equal expert_dim)."""
         c = self.cfg
+        down = name == "w_down"
         init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                 in_axis=-2, out_axis=-1, batch_axis=(0,))
         if c.expert_format == "mxfp4":
@@ -152,29 +400,19 @@ class MoE(nn.Module):
                 lambda *_: blocks0, ("expert", "mlp_out", "blocks", "nibbles")))
             scales = self.param(f"{name}_scales", nn.with_logical_partitioning(
                 lambda *_: scales0, ("expert", "mlp_out", "blocks")))
-            w = mx.MXFP4(blocks, scales)
-            impl = c.mxfp4_impl
-
-            def grouped(xs, gs=None):
-                if gs is None:  # capacity buffers [E,C,D]
-                    return jax.vmap(lambda xe, be, se: mx.mxfp4_matmul(
-                        xe, mx.MXFP4(be, se), impl=impl))(xs, w.blocks, w.scales)
-                return mx.grouped_mxfp4_matmul(xs, w, gs, impl=impl)
-            return grouped
+            # F is the output dim of gate/up, the (blocked) input dim of down
+            f_dim = 2 if down else 1
+            return ExpertMatrix((blocks, scales), functools.partial(_mxfp4_apply, c.mxfp4_impl),
+                                (f_dim, f_dim))
 
         kernel = self.param(name, nn.with_logical_partitioning(
-            init, ("expert", "embed" if d_in == self.d_model else "mlp",
-                   "mlp" if d_out != self.d_model else "embed")), (E, d_in, d_out),
+            init, ("expert", "mlp", "embed") if down else ("expert", "embed", "mlp")),
+            (E, d_in, d_out),
             self.param_dtype)
         if c.qat:
             kernel = jnp.swapaxes(mx.fake_quant(jnp.swapaxes(kernel, -1, -2), axis=-1), -1, -2)
         kernel = kernel.astype(self.dtype)
-
-        def grouped(xs, gs=None):
-            if gs is None:
-                return jnp.einsum("ecd,edf->ecf", xs, kernel)
-            return jax.lax.ragged_dot(xs, kernel, gs)
-        return grouped
+        return ExpertMatrix((kernel,), _dense_apply, (1 if down else 2,))
 
     @nn.compact
     def __call__(self, x, *, valid):
@@ -182,6 +420,7 @@ class MoE(nn.Module):
         c = self.cfg
         B, T, D = x.shape
         E, k, F = c.num_experts, c.num_experts_per_tok, c.expert_dim
+        x = shd.constrain(x, shd.BLOCK_AXES)
         router_w = self.param("router", nn.with_logical_partitioning(
             nn.initializers.normal(D ** -0.5), ("embed", "expert")), (D, E), jnp.float32)
         bias = self.variable("router_state", "bias", lambda: jnp.zeros((E,), jnp.float32)).value
@@ -193,12 +432,24 @@ class MoE(nn.Module):
         w = w * vf[:, None]
         experts = (self._expert_weight("w_gate", E, D, F), self._expert_weight("w_up", E, D, F),
                    self._expert_weight("w_down", E, F, D))
-        if c.dispatch == "dropless":
+        ep_out = None
+        mesh = shd.current_mesh()
+        if c.expert_parallel != "none" and mesh is not None:
+            ep_out = expert_parallel_experts(
+                xf, w, idx, vf, experts, num_experts=E, mesh=mesh, rules=shd.current_rules(),
+                mode=c.expert_parallel, dropless=c.dispatch == "dropless",
+                capacity_factor=c.capacity_factor)
+            if ep_out is None:
+                logging.warning("MoE: %d tokens cannot be split over the batch axes including "
+                                "the expert axis; using the local %s dispatch", B * T, c.dispatch)
+        if ep_out is not None:
+            y, dropped = ep_out
+        elif c.dispatch == "dropless":
             y, dropped = dropless_experts(xf, w, idx, experts, E)
         else:
             cap = max(1, math.ceil(c.capacity_factor * B * T * k / E))
             y, dropped = capacity_experts(xf, w, idx, vf, experts, E, cap)
-        y = y.reshape(B, T, D).astype(x.dtype)
+        y = shd.constrain(y.reshape(B, T, D).astype(x.dtype), shd.BLOCK_AXES)
         if c.num_shared_experts > 0:
             y = y + MLP(F * c.num_shared_experts, dtype=self.dtype, param_dtype=self.param_dtype,
                         name="shared")(x)

@@ -1,0 +1,496 @@
+"""Meshes, logical-axis sharding rules, sharded init/optimizer state, activation constraints and
+multi-host setup.
+
+Mesh axes (outer to inner; the inner axes should map to the fastest links):
+
+    data    pure data parallelism: parameters replicated, batch split
+    fsdp    data parallelism with parameters (and optimizer state) split along "embed" (ZeRO-3)
+    expert  expert parallelism: routed experts split along "expert"; for every other layer it is
+            one more batch (and ZeRO-3) axis: tokens are split over data x fsdp x expert, dense
+            weights over fsdp x expert
+    tensor  tensor (model) parallelism: heads / mlp / vocab split, activations replicated
+
+Parameters carry logical axis names (`nn.with_logical_partitioning` in model/layers); a rules table
+maps each logical name to mesh axes. `DEFAULT_RULES` below is the default; a config can override
+any entry (`rules_from_config`). Mapping a concrete array shape:
+
+  * a logical name maps to None, one mesh axis, or a tuple of mesh axes;
+  * mesh axes absent from the mesh, of size 1, or already used by an earlier dimension of the
+    same array are skipped;
+  * a mesh axis that does not divide the dimension (after the axes already taken) is skipped
+    (JAX rejects uneven shardings); `logical_to_spec(..., report=...)` lists these, and
+    scripts/plan.py prints them, since a skipped axis means that dimension is replicated.
+
+Typical use (single host or multi-host alike):
+
+    mesh = make_mesh({"fsdp": 2, "expert": 2, "tensor": 2})       # AxisType.Auto everywhere
+    shardings = model_shardings(model, mesh)                        # tree of NamedSharding
+    variables = init_sharded(model, key, mesh)                      # never materialised unsharded
+    opt_sh = opt_state_shardings(optimizer, variables["params"], shardings["params"])
+    with use_mesh(mesh):                                            # constraints + expert parallel
+        step = jax.jit(train_step, in_shardings=..., out_shardings=...)
+
+`use_mesh` activates the mesh for model code: `constrain(x, ("batch", "length", "act_embed"))`
+becomes a `with_sharding_constraint`, and MoE layers with `moe.expert_parallel != "none"` run their
+dispatch under `shard_map`. Outside `use_mesh` both are no-ops / local paths, so single-device code
+is unaffected. The context is read when a function is traced: jit caches do not key on it, so
+trace (call for the first time) jitted functions inside the context they are meant for.
+
+Multi-host: call `maybe_initialize_distributed()` first thing in a script (before any other JAX
+call); it reads JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (or explicit
+arguments), or auto-detects on TPU pods / SLURM with JAX_DISTRIBUTED_AUTO=1. Each host then feeds
+its own slice of the global batch (`host_batch_slice`) and assembles the global array with
+`host_local_to_global`. See docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# logical name -> mesh axes (None, "axis" or ("axis", ...)). Parameter names come from the model
+# layers; activation names ("batch", "length", "act_*") are used with `constrain`.
+# Parameters: ZeRO-3 over the whole data-parallel group of the dense layers, fsdp x expert (the
+# expert axis is a batch axis outside the MoE); an expert matrix's "expert" dim takes the expert
+# axis first, so its "embed" dim gets fsdp only. Low-rank dims (q_lora, kv_lora, rank) also take
+# fsdp x expert, so every large matrix is split on some dim.
+DEFAULT_RULES: dict[str, Any] = {
+    # parameters
+    "vocab": "tensor",
+    "embed": ("fsdp", "expert"),
+    # MTP combine input (2*d_model). Not "tensor": with it, value_and_grad of the test model on
+    # (2,2,1,2) / (2,1,2,2) meshes gave wrong values (an XLA SPMD partitioning problem, seen on
+    # XLA:CPU with jax 0.10.2; tests/model/test_sharding.py would catch a regression).
+    "embed2": None,
+    "heads": "tensor",
+    "mlp": "tensor",
+    "mlp_out": "tensor",  # MXFP4 expert blocks: output features
+    "blocks": ("fsdp", "expert"),  # MXFP4 expert blocks: input features / 32
+    "nibbles": None,
+    "expert": "expert",
+    "rank": ("fsdp", "expert"),
+    "kv_lora": ("fsdp", "expert"),
+    "q_lora": ("fsdp", "expert"),
+    "head_dim": None,
+    "norm": None,
+    "conv": None,
+    # activations
+    "batch": ("data", "fsdp", "expert"),
+    "length": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+}
+
+# Activation axes at a block boundary ([B,T,D] residual stream).
+BLOCK_AXES = ("batch", "length", "act_embed")
+
+Rules = Mapping[str, Any]
+
+
+# --------------------------------------------------------------------------- rules and config
+def _as_axes(v: Any) -> tuple[str, ...]:
+    """None | "" | "none" | "a" | "a,b" | ("a", "b") -> tuple of mesh axis names."""
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = v.strip()
+        if v.lower() in ("", "none", "replicated"):
+            return ()
+        return tuple(a.strip() for a in v.split(",") if a.strip())
+    return tuple(str(a) for a in v)
+
+
+def make_rules(overrides: Mapping[str, Any] | None = None) -> dict[str, tuple[str, ...]]:
+    """DEFAULT_RULES with `overrides` applied, normalised to tuples of mesh axis names."""
+    rules = {k: _as_axes(v) for k, v in DEFAULT_RULES.items()}
+    for k, v in (overrides or {}).items():
+        rules[str(k)] = _as_axes(v)
+    return rules
+
+
+def sharding_config():
+    """The ml_collections node a run config embeds as `config.sharding`:
+
+        mesh   "data=-1" style axis sizes (-1: the remaining devices), see `parse_mesh`
+        rules  DEFAULT_RULES as strings; override entries, e.g. --config.sharding.rules.heads=none or
+               --config.sharding.rules.batch="data,fsdp" (strings: "none" or comma lists)
+    """
+    import ml_collections
+
+    c = ml_collections.ConfigDict()
+    c.mesh = "data=-1"
+    c.rules = ml_collections.ConfigDict(
+        {k: ",".join(_as_axes(v)) or "none" for k, v in DEFAULT_RULES.items()})
+    return c
+
+
+def rules_from_config(cfg: Any = None) -> dict[str, tuple[str, ...]]:
+    """Rules from a ConfigDict/dict: either the `sharding` node itself, or a config holding one
+    (cfg.sharding.rules), or a plain mapping of overrides. None -> defaults."""
+    if cfg is None:
+        return make_rules()
+    if hasattr(cfg, "to_dict"):
+        cfg = cfg.to_dict()
+    if "sharding" in cfg:
+        cfg = cfg["sharding"]
+    if "rules" in cfg and isinstance(cfg["rules"], Mapping):
+        cfg = cfg["rules"]
+    # extra logical names are allowed (new layers may add names)
+    return make_rules({k: v for k, v in cfg.items() if k != "mesh"})
+
+
+def _rules(rules: Rules | None) -> dict[str, tuple[str, ...]]:
+    if rules is None:
+        return make_rules()
+    return {k: _as_axes(v) for k, v in rules.items()}
+
+
+# --------------------------------------------------------------------------- meshes
+def parse_mesh(spec: str | Mapping[str, int] | None) -> dict[str, int]:
+    """"expert=64,fsdp=16,tensor=8" (or a dict) -> {axis: size}; unknown axes raise."""
+    if spec is None:
+        return {}
+    if isinstance(spec, str):
+        out = {}
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            if "=" not in part:
+                raise ValueError(f"mesh spec {spec!r}: expected axis=size items, got {part!r}")
+            k, v = part.split("=", 1)
+            out[k] = int(v)
+        spec = out
+    bad = [k for k in spec if k not in MESH_AXES]
+    if bad:
+        raise ValueError(f"unknown mesh axis {bad[0]!r}; valid axes: {MESH_AXES}")
+    return {k: int(v) for k, v in spec.items()}
+
+
+def mesh_shape(spec: str | Mapping[str, int] | None, num_devices: int | None = None
+               ) -> dict[str, int]:
+    """Full {axis: size} over MESH_AXES (missing axes 1; one axis may be -1 = the rest).
+    With num_devices given, the product must equal it."""
+    d = parse_mesh(spec)
+    shape = {a: d.get(a, 1) for a in MESH_AXES}
+    free = [a for a, s in shape.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh {spec!r}: at most one axis may be -1")
+    fixed = math.prod(s for s in shape.values() if s != -1)
+    if free:
+        if num_devices is None:
+            raise ValueError(f"mesh {spec!r}: -1 needs the device count")
+        if num_devices % fixed:
+            raise ValueError(f"mesh {spec!r}: {num_devices} devices not divisible by {fixed}")
+        shape[free[0]] = num_devices // fixed
+    if any(s < 1 for s in shape.values()):
+        raise ValueError(f"mesh {spec!r}: sizes must be >= 1")
+    if num_devices is not None and math.prod(shape.values()) != num_devices:
+        raise ValueError(f"mesh {spec!r} has {math.prod(shape.values())} devices, "
+                         f"but {num_devices} are available (pass devices= to use a subset)")
+    return shape
+
+
+def make_mesh(shape: str | Mapping[str, int] | Sequence[int] | None = None, *,
+              devices: Sequence[Any] | None = None) -> Mesh:
+    """A Mesh over MESH_AXES with AxisType.Auto (GSPMD propagation; `jax.make_mesh`'s default
+    Explicit axes raise ShardingTypeError on contractions over sharded dims).
+
+    shape: {"expert": 8} / "fsdp=2,expert=4" / (data, fsdp, expert, tensor) sizes; missing axes
+    are 1, one may be -1. devices: default all (jax.devices(), every process's)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if shape is not None and not isinstance(shape, (str, Mapping)):
+        shape = dict(zip(MESH_AXES, shape, strict=True))
+    full = mesh_shape(shape if shape is not None else "data=-1", len(devices))
+    sizes = tuple(full[a] for a in MESH_AXES)
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def _mesh_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
+    if isinstance(mesh, Mapping):
+        return dict(mesh)
+    return dict(mesh.shape)
+
+
+# --------------------------------------------------------------------------- logical -> mesh
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int],
+                    mesh: Mesh | Mapping[str, int], rules: Rules | None = None,
+                    report: list | None = None) -> P:
+    """PartitionSpec for one array with logical axis `names` and `shape` (see module docstring
+    for the skipping rules). `report`, if given, receives (dim, name, axis, size, dim_size) for
+    every axis skipped because it does not divide the dimension."""
+    rules = _rules(rules)
+    sizes = _mesh_sizes(mesh)
+    used: set[str] = set()
+    entries = []
+    if len(names) != len(shape):
+        raise ValueError(f"logical names {tuple(names)} do not match shape {tuple(shape)}")
+    for dim, (name, n) in enumerate(zip(names, shape)):
+        axes = []
+        prod = 1
+        for a in (rules.get(name, ()) if name is not None else ()):
+            s = sizes.get(a, 1)
+            if s == 1 or a in used:
+                continue
+            if n % (prod * s):
+                if report is not None:
+                    report.append((dim, name, a, s, n))
+                continue
+            axes.append(a)
+            used.add(a)
+            prod *= s
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+def logical_specs(abstract_variables, mesh: Mesh | Mapping[str, int], rules: Rules | None = None,
+                  report: list | None = None):
+    """Boxed (nn.Partitioned) tree -> unboxed tree of PartitionSpec. Unboxed leaves (e.g. the
+    router bias state) are replicated. `report` collects (path, dim, name, axis, size, dim_size)."""
+    def one(path, leaf):
+        if not _is_box(leaf):
+            return P()
+        rep = [] if report is not None else None
+        spec = logical_to_spec(leaf.names, leaf.value.shape, mesh, rules, rep)
+        if rep:
+            report.extend((jax.tree_util.keystr(path),) + r for r in rep)
+        return spec
+    return jax.tree_util.tree_map_with_path(one, abstract_variables, is_leaf=_is_box)
+
+
+def logical_to_sharding(abstract_variables, mesh: Mesh, rules: Rules | None = None):
+    """Boxed abstract variables (Model.abstract_init()) -> unboxed tree of NamedSharding."""
+    specs = logical_specs(abstract_variables, mesh, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def model_shardings(model, mesh: Mesh, rules: Rules | None = None):
+    """NamedSharding tree for `model.init(...)`'s variables ({"params", "router_state"})."""
+    return logical_to_sharding(model.abstract_init(), mesh, rules)
+
+
+def shard_params(variables, mesh: Mesh, rules: Rules | None = None, *, abstract=None):
+    """Place variables on the mesh. `variables` boxed (nn.Partitioned leaves: their names are
+    used) or unboxed together with `abstract` (the boxed abstract tree, Model.abstract_init())."""
+    has_boxes = any(_is_box(x) for x in jax.tree.leaves(variables, is_leaf=_is_box))
+    if has_boxes:
+        abstract = variables
+        variables = nn.meta.unbox(variables)
+    elif abstract is None:
+        raise ValueError("shard_params: unboxed variables need abstract= (Model.abstract_init())")
+    shardings = logical_to_sharding(abstract, mesh, rules)
+    return jax.device_put(variables, shardings)
+
+
+def init_sharded(model, rng: jax.Array, mesh: Mesh, rules: Rules | None = None):
+    """model.init(rng) computed directly into its shardings (no unsharded copy anywhere). The
+    values do not depend on the mesh (jax_threefry_partitionable, the default)."""
+    shardings = model_shardings(model, mesh, rules)
+    return jax.jit(model.init, out_shardings=shardings)(rng)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def opt_state_shardings(optimizer, params, param_shardings):
+    """Shardings for `optimizer.init(params)`: every parameter-shaped leaf (Adam moments, ...)
+    gets its parameter's sharding (found with optax.tree_map_params), everything else
+    (step counts, scalars) is replicated. `params` may be arrays or ShapeDtypeStructs."""
+    import optax
+
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    abstract_state = jax.eval_shape(optimizer.init, params)
+    rep = replicated(mesh)
+
+    def non_param(x):
+        return rep if hasattr(x, "shape") else x
+
+    return optax.tree_map_params(optimizer, lambda _, s: s, abstract_state, param_shardings,
+                                 transform_non_params=non_param)
+
+
+def sharded_abstract(tree, shardings):
+    """ShapeDtypeStructs carrying the target shardings: the restore target for orbax (a
+    checkpoint written under one mesh restores into these shardings on any other mesh)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+# --------------------------------------------------------------------------- activations
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("model_sharding_mesh", default=None)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: Rules | None = None):
+    """Make `mesh` (and rules) visible to model code traced inside the block."""
+    token = _ACTIVE.set((mesh, _rules(rules)))
+    try:
+        yield mesh
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current_mesh() -> Mesh | None:
+    ctx = _ACTIVE.get()
+    return None if ctx is None else ctx[0]
+
+
+def current_rules() -> dict[str, tuple[str, ...]]:
+    ctx = _ACTIVE.get()
+    return make_rules() if ctx is None else ctx[1]
+
+
+def _in_manual_region() -> bool:
+    try:
+        am = jax.sharding.get_abstract_mesh()
+        return bool(getattr(am, "manual_axes", ()))
+    except Exception:  # pragma: no cover - older/newer APIs
+        return False
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Annotate an activation with logical axes (no-op outside `use_mesh` or inside shard_map).
+    Axes that do not divide the dimension are skipped, as for parameters."""
+    ctx = _ACTIVE.get()
+    if ctx is None or _in_manual_region():
+        return x
+    mesh, rules = ctx
+    spec = logical_to_spec(tuple(logical_axes), x.shape, mesh, rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def batch_axes(mesh: Mesh | Mapping[str, int], n: int, rules: Rules | None = None
+               ) -> tuple[str, ...]:
+    """Mesh axes a leading dimension of size n ("batch") is split over under `rules`."""
+    spec = logical_to_spec(("batch",), (n,), mesh, rules)
+    e = spec[0] if len(spec) else None
+    return () if e is None else (e,) if isinstance(e, str) else tuple(e)
+
+
+# --------------------------------------------------------------------------- multi-host
+def maybe_initialize_distributed(coordinator_address: str | None = None,
+                                 num_processes: int | None = None,
+                                 process_id: int | None = None,
+                                 local_device_ids: Sequence[int] | None = None, *,
+                                 auto: bool | None = None,
+                                 env: Mapping[str, str] | None = None) -> bool:
+    """Join a multi-process JAX job if one is configured; returns True when distributed.
+
+    Explicit arguments win over the environment:
+      JAX_COORDINATOR_ADDRESS  host:port of process 0's coordinator (e.g. 10.0.0.1:1234)
+      JAX_NUM_PROCESSES        total processes (one per host on TPU, usually one per GPU or host)
+      JAX_PROCESS_ID           this process, 0..N-1
+      JAX_LOCAL_DEVICE_IDS     optional, comma list of local accelerators this process owns
+      JAX_DISTRIBUTED_AUTO=1   call jax.distributed.initialize() with no arguments: the cluster
+                               is auto-detected (Cloud TPU pod slices, SLURM, Open MPI)
+    Nothing set (and auto falsy): single process, nothing happens. Must run before any other
+    JAX call that touches devices. Calling it twice is harmless.
+    """
+    env = os.environ if env is None else env
+    if jax.distributed.is_initialized():
+        return True
+    addr = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
+    nproc = num_processes if num_processes is not None else env.get("JAX_NUM_PROCESSES")
+    pid = process_id if process_id is not None else env.get("JAX_PROCESS_ID")
+    ids = local_device_ids
+    if ids is None and env.get("JAX_LOCAL_DEVICE_IDS"):
+        ids = [int(i) for i in env["JAX_LOCAL_DEVICE_IDS"].split(",") if i.strip()]
+    if auto is None:
+        auto = env.get("JAX_DISTRIBUTED_AUTO", "").lower() in ("1", "true", "yes")
+    if addr is None and nproc is None and pid is None:
+        if auto:
+            jax.distributed.initialize()
+            return True
+        return False
+    if addr is None or nproc is None or pid is None:
+        raise ValueError("multi-process setup needs all of JAX_COORDINATOR_ADDRESS, "
+                         f"JAX_NUM_PROCESSES and JAX_PROCESS_ID (got {addr!r}, {nproc!r}, {pid!r})")
+    nproc, pid = int(nproc), int(pid)
+    if nproc == 1:
+        return False
+    jax.distributed.initialize(coordinator_address=addr, num_processes=nproc, process_id=pid,
+                               local_device_ids=ids)
+    return True
+
+
+def barrier(name: str, timeout_s: float = 900.0) -> None:
+    """Block until every process reaches `name` (the coordination service's barrier, not a
+    device collective; no-op single-process). Use it between compiling and the first run of a
+    program: CPU (gloo) collectives give up if peers arrive more than ~30 s apart, which happens
+    when one process hits the persistent compilation cache and another compiles."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client has no public accessor in jax 0.10
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def host_batch_slice(global_batch: int, index: int | None = None, count: int | None = None,
+                     *, mesh: Mesh | None = None, rules: Rules | None = None) -> slice:
+    """Rows of the global batch this host loads. With `mesh`: exactly the rows held by this
+    process's devices under rules["batch"] (what `host_local_to_global` expects; must be one
+    contiguous block, true for meshes whose outer axes run across hosts). Without: contiguous
+    equal blocks by process index. The data pipeline shards its source by
+    (process_index, process_count) and reads these rows each step."""
+    if mesh is not None:
+        spec = logical_to_spec(("batch",), (global_batch,), mesh, rules)
+        idx = NamedSharding(mesh, spec).addressable_devices_indices_map((global_batch,))
+        rows = sorted({(s[0].start or 0, global_batch if s[0].stop is None else s[0].stop)
+                       for s in idx.values()})
+        lo, hi = rows[0][0], rows[-1][1]
+        covered = sum(b - a for a, b in rows)
+        if covered != hi - lo:
+            raise ValueError(f"this host's batch rows {rows} are not contiguous on this mesh")
+        return slice(lo, hi)
+    index = jax.process_index() if index is None else index
+    count = jax.process_count() if count is None else count
+    if global_batch % count:
+        raise ValueError(f"global batch {global_batch} not divisible by {count} processes")
+    per = global_batch // count
+    return slice(index * per, (index + 1) * per)
+
+
+def host_local_to_global(local: Any, mesh: Mesh, rules: Rules | None = None,
+                         logical_axes: Iterable[str | None] = ("batch",)):
+    """Host-local batch arrays (leading dim = this host's rows) -> global jax.Arrays sharded
+    along "batch" (jax.make_array_from_process_local_data). Works single-process as well."""
+    logical_axes = tuple(logical_axes)
+
+    def one(x):
+        x = np.asarray(x)
+        gshape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+        names = logical_axes + (None,) * (x.ndim - len(logical_axes))
+        spec = logical_to_spec(names[: x.ndim], gshape, mesh, rules)
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x, gshape)
+
+    return jax.tree.map(one, local)
