@@ -4,28 +4,7 @@ Public API lives in `pallas_kernels.mxfp4.ops` (re-exported here); the pure-JAX 
 `reference`, the Pallas kernels in `pallas_tpu` / `pallas_gpu`, tile sizes in `config`.
 """
 
-from pallas_kernels.mxfp4.ops import (
-    MXFP4,
-    BlockConfig,
-    block_config,
-    check_finite,
-    dequantize,
-    fake_quant,
-    grouped_mxfp4_matmul,
-    mxfp4_matmul,
-    nonfinite_blocks,
-    quantize,
-)
+from pallas_kernels.mxfp4 import ops as _ops
+from pallas_kernels.mxfp4.ops import *  # noqa: F403  (the public API, listed once in ops)
 
-__all__ = [
-    "MXFP4",
-    "BlockConfig",
-    "block_config",
-    "check_finite",
-    "dequantize",
-    "fake_quant",
-    "grouped_mxfp4_matmul",
-    "mxfp4_matmul",
-    "nonfinite_blocks",
-    "quantize",
-]
+__all__ = list(_ops.__all__)
