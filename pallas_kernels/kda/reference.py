@@ -271,7 +271,7 @@ def kda_chunked(
     initial_state=None,
     output_final_state=False,
     chunk_size=32,
-    sub_chunk=2,
+    sub_chunk=4,
     chunks_per_step=None,
 ):
     """Chunked WY form in pure JAX (f32 math). Same contract and results as `kda_recurrent`.
@@ -279,13 +279,17 @@ def kda_chunked(
     A `lax.scan` walks over groups of `chunks_per_step` chunks; the state-independent math of a
     group is batched, the state recurrence over its chunks is unrolled. Working in groups keeps
     every intermediate small (cache-resident on CPU) instead of materialising [B,H,T,*] temps.
-    chunks_per_step=None picks about 32 (batch x head x chunk) tiles per step (8 chunks at B*H=4).
+    chunks_per_step=None unrolls the whole sequence when it has at most 4 chunks (training and RL
+    rows of ~128 tokens: one scan step, measured 1.2-1.4x faster fwd+bwd than one chunk per step at
+    B*H = 32-64) and otherwise picks about 32 (batch x head x chunk) tiles per step (8 chunks at
+    B*H=4). sub_chunk=4 measured 1.2-1.4x faster than 2 for fwd+bwd and equal for fwd.
     """
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
     C, c = effective_chunk(T, chunk_size, sub_chunk)
     if chunks_per_step is None:
-        chunks_per_step = max(1, 32 // (B * H))
+        n_chunks = -(-T // C)
+        chunks_per_step = n_chunks if n_chunks <= 4 else max(1, 32 // (B * H))
     G = max(1, min(chunks_per_step, -(-T // C)))
     L = G * C  # tokens per scan step
     T_pad = _round_up(T, L)
