@@ -12,7 +12,10 @@ Two kernel flavours differ where the backends differ:
       double-buffered VMEM scratch; lane dims need no power-of-two padding.
 
 CPU has no compiled Pallas: kernels run with ``interpret=True`` (tests); ``backend`` can still
-be forced to "tpu" there so the DMA flavour is checked in interpret mode.
+be forced to "tpu" there so the DMA flavour is checked in interpret mode. ``get_config`` picks
+interpret tiles when interpreting and each flavour's compiled tiles otherwise (``interpret=``),
+whatever the host: the compiled tiles obey the Mosaic block rules / Triton's dot minimum, and
+tests/pallas_kernels/test_lowering.py lowers both flavours for "tpu" / "cuda" from a CPU host.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+
+from pallas_kernels import backend as _backend
 
 __all__ = ["DSABlockConfig", "get_config", "default_backend"]
 
@@ -61,7 +66,7 @@ class DSABlockConfig:
 
 def default_backend() -> str:
     """Kernel flavour for the current JAX backend ('gpu' on CPU-interpret: cheaper to interpret)."""
-    return "tpu" if jax.default_backend() == "tpu" else "gpu"
+    return _backend.default_kernel(cpu_default="gpu")
 
 
 def _pow2_floor(x: int) -> int:
@@ -69,16 +74,19 @@ def _pow2_floor(x: int) -> int:
 
 
 def get_config(*, t: int, s: int, topk: int | None = None, heads: int | None = None,
-               dim: int | None = None, backend: str | None = None) -> DSABlockConfig:
+               dim: int | None = None, backend: str | None = None,
+               interpret: bool | None = None) -> DSABlockConfig:
     """Heuristic block sizes for a problem shape (the only place tuning lives).
 
     t, s: query / key lengths; topk: selected keys per query; heads, dim: attention heads and
     per-head channels (bound the per-program working set: H x attn_block_k f32 logits and an
-    attn_block_k x dim gathered tile).
+    attn_block_k x dim gathered tile). backend: kernel flavour ("gpu" | "tpu", also "cuda"),
+    None -> the running platform's. interpret: pick interpret-mode tiles; None -> on CPU.
     """
-    backend = backend or default_backend()
-    on_cpu = jax.default_backend() == "cpu"
-    if on_cpu:
+    backend = default_backend() if backend is None else _backend.normalize_kernel(backend)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if interpret:
         # Interpret mode: cost grows with grid steps and loop trips, not tile size.
         bt, bs, bk = 64, 128, 64
     elif backend == "tpu":
@@ -87,8 +95,15 @@ def get_config(*, t: int, s: int, topk: int | None = None, heads: int | None = N
         bt, bs, bk = 64, 128, 64
         if dim is not None and dim > 256:
             bk = 32  # 32 x 576 bf16 rows plus H x 512 f32 acc per program stays in registers/smem
-    bt = min(bt, max(8, _pow2_floor(t)))
-    bs = min(bs, max(16, _pow2_floor(s)))
+    if backend == "tpu" and not interpret:
+        # Mosaic block rule: the [block_t, block_s] score tile's lane dim must be a multiple of
+        # 128 (or all of the padded S), its sublane dim a multiple of 8 (16: bf16 inputs pack
+        # two rows per sublane); S and T are zero-padded to the blocks.
+        bt = min(bt, max(16, _pow2_floor(t)))
+        bs = min(bs, -(-s // 128) * 128)
+    else:  # compiled Triton: every dot operand dim >= 16 (interpret: anything goes)
+        bt = min(bt, max(8 if interpret else 16, _pow2_floor(t)))
+        bs = min(bs, max(16, _pow2_floor(s)))
     if topk is not None:
         bk = min(bk, max(16, _pow2_floor(topk)))
     # Backward chunk: keep chunk * topk * dim f32 contributions around 256 MiB.

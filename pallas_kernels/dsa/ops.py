@@ -8,8 +8,13 @@
 Every op takes ``impl``:
   "auto"   -> "xla" on CPU, "pallas" on GPU/TPU;
   "xla"    -> the pure-jnp reference (``reference.py``), query-chunked to bound memory;
-  "pallas" -> the Pallas kernels (``pallas_indexer.py``, ``pallas_attention.py``);
-              ``interpret=None`` means interpret mode on CPU (tests), compiled elsewhere.
+  "pallas" -> the Pallas kernels (``pallas_indexer.py``, ``pallas_attention.py``).
+The Pallas ops also take ``kernel`` and ``interpret`` (the rule of ``pallas_kernels.backend``):
+``kernel`` "gpu" (Triton gather flavour) or "tpu" (Mosaic DMA flavour), None -> the running
+platform's (the "gpu" flavour when interpreting on CPU), or ``config.backend`` when a config is
+given; ``interpret=None`` -> interpret unless the platform compiles that flavour.
+``impl="pallas", kernel="tpu", interpret=False`` forces the compiled Mosaic kernels (on a CPU
+host: lowering only, e.g. under ``jax.export`` for "tpu").
 ``select_topk`` and ``dense_causal_attention`` have no Pallas kernel (XLA's top_k / a dense
 baseline); they accept ``impl`` for a uniform call signature and always run XLA.
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import backend as _backend
 from pallas_kernels.dsa import reference
 
 __all__ = [
@@ -54,8 +60,14 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def _interpret(interpret):
-    return jax.default_backend() == "cpu" if interpret is None else interpret
+def _kernel_args(kernel, interpret, config):
+    """-> (kernel flavour, interpret): config.backend wins when a config is given."""
+    if config is not None:
+        if kernel is not None and _backend.normalize_kernel(kernel) != config.backend:
+            raise ValueError(f"kernel={kernel!r} contradicts config.backend={config.backend!r}")
+        kernel = config.backend
+    kernel, interpret = _backend.resolve(kernel, interpret, cpu_default="gpu")
+    return kernel, interpret
 
 
 def _chunk(t: int, per_token: int, budget: int):
@@ -68,17 +80,21 @@ def _chunk(t: int, per_token: int, budget: int):
     return c
 
 
-def indexer_scores(q_idx, k_idx, w, *, impl: str = "auto", interpret=None, config=None):
+def indexer_scores(q_idx, k_idx, w, *, impl: str = "auto", interpret=None, config=None,
+                   kernel=None):
     """Lightning-indexer scores: q_idx [B,T,HI,D], k_idx [B,S,D], w [B,T,HI] -> f32 [B,T,S].
 
     scores[b,t,s] = sum_j w[b,t,j] * relu(q_idx[b,t,j] . k_idx[b,s]). Not causally masked
-    (select_topk applies the mask). config: a ``DSABlockConfig`` for the Pallas path.
+    (select_topk applies the mask). config: a ``DSABlockConfig`` for the Pallas path;
+    kernel / interpret: see the module docstring.
     """
     if resolve_impl(impl) == "xla":
         return reference.indexer_scores(q_idx, k_idx, w)
     from pallas_kernels.dsa import pallas_indexer
 
-    return pallas_indexer.indexer_scores(q_idx, k_idx, w, interpret=_interpret(interpret), config=config)
+    kernel, interpret = _kernel_args(kernel, interpret, config)
+    return pallas_indexer.indexer_scores(q_idx, k_idx, w, interpret=interpret, config=config,
+                                         kernel=kernel)
 
 
 def select_topk(scores, topk: int, *, q_offset=0, approx: bool = False, impl: str = "auto"):
@@ -93,7 +109,7 @@ def select_topk(scores, topk: int, *, q_offset=0, approx: bool = False, impl: st
 
 
 def sparse_attention(q, kv, indices, *, scale: float, v_dim: int, impl: str = "auto",
-                     interpret=None, config=None):
+                     interpret=None, config=None, kernel=None):
     """Token-sparse MQA attention (absorbed MLA): every head of token t attends to kv[b, indices[b,t]].
 
     q [B,T,H,D], kv [B,S,D] (shared across heads, values = kv[..., :v_dim]), indices [B,T,K]
@@ -101,11 +117,11 @@ def sparse_attention(q, kv, indices, *, scale: float, v_dim: int, impl: str = "a
     outputs 0 (and passes zero gradient). Indices must be < S (not checked on device).
     """
     return sparse_attention_with_lse(q, kv, indices, scale=scale, v_dim=v_dim, impl=impl,
-                                      interpret=interpret, config=config)[0]
+                                      interpret=interpret, config=config, kernel=kernel)[0]
 
 
 def sparse_attention_with_lse(q, kv, indices, *, scale: float, v_dim: int, impl: str = "auto",
-                              interpret=None, config=None):
+                              interpret=None, config=None, kernel=None):
     """sparse_attention plus the per-head log-sum-exp lse [B,T,H] f32 (-inf for empty rows)."""
     indices = indices.astype(jnp.int32)
     if resolve_impl(impl) == "xla":
@@ -115,9 +131,10 @@ def sparse_attention_with_lse(q, kv, indices, *, scale: float, v_dim: int, impl:
             q, kv, indices, scale=scale, v_dim=v_dim, block_t=block_t)
     from pallas_kernels.dsa import pallas_attention
 
+    kernel, interpret = _kernel_args(kernel, interpret, config)
     return pallas_attention.sparse_attention(
-        q, kv, indices, scale=float(scale), v_dim=int(v_dim), interpret=_interpret(interpret),
-        config=config)
+        q, kv, indices, scale=float(scale), v_dim=int(v_dim), interpret=interpret,
+        config=config, kernel=kernel)
 
 
 def dense_causal_attention(q, kv, *, scale: float, v_dim: int, q_offset=0, impl: str = "auto"):

@@ -17,6 +17,9 @@ Row fetch per flavour (see config.py):
   "gpu": ``kv_ref[idx_chunk, pl.ds(...)]``: a vector-indexed load (Triton pointer gather);
   "tpu": kv stays in HBM (``pl.ANY``); the indices are read from SMEM and one DMA per row fills
          a double-buffered VMEM [2, block_k, D] scratch, chunk c+1 in flight while c computes.
+         The SMEM copy of the indices is flattened to 1-D, one block per token, padded with -1
+         to a power of two >= 128 (``_smem_len``): a per-token [B, T, K] block squeezes the
+         second-minor T axis, which Mosaic's block rule rejects (it never lowered before).
 
 Backward (``jax.custom_vjp``), grid (B, T_chunk): a second Pallas kernel recomputes p from lse,
 forms dS = p * (dP - delta) with delta = rowsum(o * do) - dlse, and writes
@@ -313,8 +316,21 @@ def _token_spec(*tail):
     return pl.BlockSpec((None, None) + tuple(tail), lambda b, t: (b, t) + zeros)
 
 
-def _common_in_specs(lay: _Layout, cfg: DSABlockConfig, s: int):
-    """(specs, scratch) for the idx / q / kv inputs of either kernel."""
+def _smem_len(kp: int) -> int:
+    """Length of one token's index block in SMEM (>= kp, -1 padded).
+
+    Mosaic's block rules apply to SMEM blocks too: a per-token [B, T, Kp] block squeezes T, the
+    second-minor dim (rejected: it must be a multiple of 8 or all of T), so the indices go to
+    SMEM flattened to 1-D, one block per token, and a 1-D block must be a power of two >= 128
+    or a multiple of 1024 (int32). Only SMEM holds the extra padding; the kernels walk kp.
+    """
+    if kp <= 1024:
+        return max(128, _next_pow2(kp))
+    return pl.cdiv(kp, 1024) * 1024
+
+
+def _common_in_specs(lay: _Layout, cfg: DSABlockConfig, s: int, t: int):
+    """(specs, scratch) for the idx / q / kv inputs of either kernel (t: the grid's tokens)."""
     if cfg.backend == "gpu":
         specs = [_token_spec(lay.kp), _token_spec(lay.hp, lay.dq),
                  pl.BlockSpec((None, s, lay.dq), lambda b, t: (b, 0, 0))]
@@ -322,7 +338,7 @@ def _common_in_specs(lay: _Layout, cfg: DSABlockConfig, s: int):
     from jax.experimental.pallas import tpu as pltpu
 
     specs = [
-        pl.BlockSpec((None, None, lay.kp), lambda b, t: (b, t, 0), memory_space=pltpu.SMEM),
+        pl.BlockSpec((_smem_len(lay.kp),), lambda b, i: (b * t + i,), memory_space=pltpu.SMEM),
         _token_spec(1, lay.kp),
         _token_spec(lay.hp, lay.dq),
         pl.BlockSpec(memory_space=pl.ANY),
@@ -340,7 +356,11 @@ def _scratch(lay: _Layout, cfg: DSABlockConfig, kv_dtype):
 
 def _idx_args(idx_p, cfg):
     b, t, kp = idx_p.shape
-    return (idx_p,) if cfg.backend == "gpu" else (idx_p, idx_p.reshape(b, t, 1, kp))
+    if cfg.backend == "gpu":
+        return (idx_p,)
+    ks = _smem_len(kp)
+    flat = jnp.pad(idx_p, ((0, 0), (0, 0), (0, ks - kp)), constant_values=-1).reshape(b * t * ks)
+    return flat, idx_p.reshape(b, t, 1, kp)
 
 
 def _precision(dtype):
@@ -356,7 +376,7 @@ def _fwd_call(q, kv, idx, *, scale, v_dim, cfg: DSABlockConfig, interpret: bool)
     idx_p = _pad_k(idx, lay)  # [B,T,Kp]
     kw = dict(lay=lay, bk=cfg.attn_block_k, scale=scale, precision=_precision(q.dtype))
     kernel = _gpu_fwd_kernel if cfg.backend == "gpu" else _tpu_fwd_kernel
-    in_specs, _ = _common_in_specs(lay, cfg, s)
+    in_specs, _ = _common_in_specs(lay, cfg, s, t)
     o, lse = pl.pallas_call(
         functools.partial(kernel, **kw),
         grid=(b, t),
@@ -378,7 +398,7 @@ def _bwd_chunk_call(q, kv, idx, do, lse, delta, *, scale, lay: _Layout, cfg, int
     s = kv.shape[1]
     kw = dict(lay=lay, bk=cfg.attn_block_k, scale=scale, precision=_precision(q.dtype))
     kernel = _gpu_bwd_kernel if cfg.backend == "gpu" else _tpu_bwd_kernel
-    in_specs, _ = _common_in_specs(lay, cfg, s)
+    in_specs, _ = _common_in_specs(lay, cfg, s, t)
     in_specs = in_specs + [_token_spec(lay.hp, lay.dap), _token_spec(lay.hp, 1),
                            _token_spec(lay.hp, 1)]
     return pl.pallas_call(
@@ -465,18 +485,20 @@ def _sparse_bwd(scale, v_dim, cfg, interpret, res, g):
 _sparse.defvjp(_sparse_fwd, _sparse_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "v_dim", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "v_dim", "config", "interpret", "kernel"))
 def sparse_attention(q, kv, indices, *, scale: float, v_dim: int, interpret: bool = False,
-                     config: DSABlockConfig | None = None):
+                     config: DSABlockConfig | None = None, kernel: str | None = None):
     """Pallas sparse MQA attention -> (o [B,T,H,v_dim] in q's dtype, lse [B,T,H] f32).
 
     q [B,T,H,D], kv [B,S,D], indices [B,T,K] int32 (< 0 = skip). Differentiable in q and kv.
+    kernel ("gpu" | "tpu" | None = the running platform's) picks the flavour when config is None.
     """
     assert q.ndim == 4 and kv.ndim == 3 and indices.ndim == 3, (q.shape, kv.shape, indices.shape)
     b, t, h, d = q.shape
     assert kv.shape[0] == b and kv.shape[2] == d, (q.shape, kv.shape)
     assert indices.shape[:2] == (b, t), (indices.shape, q.shape)
     assert 0 < v_dim <= d, (v_dim, d)
-    cfg = config or get_config(t=t, s=kv.shape[1], topk=indices.shape[-1], heads=h, dim=d)
+    cfg = config or get_config(t=t, s=kv.shape[1], topk=indices.shape[-1], heads=h, dim=d,
+                               backend=kernel, interpret=bool(interpret))
     return _sparse(q, kv.astype(q.dtype), indices.astype(jnp.int32), float(scale), int(v_dim),
                    cfg, bool(interpret))

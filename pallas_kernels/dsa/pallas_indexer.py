@@ -10,7 +10,9 @@ cheap). Heads are a static (unrolled) loop: weights are read as a [block_t, 1] c
 Layout: q_idx is transposed to [B,HI,T,D] in the wrapper so each head's tile is a contiguous
 leading-axis slice (no sublane-strided loads on TPU). T and S are zero-padded to the blocks
 (padded keys get score 0, sliced off). On the "gpu" flavour D is zero-padded to a power of two
-(zeros do not change dot products).
+>= 16 (zeros do not change dot products; tl.dot wants operand dims >= 16). On the "tpu" flavour
+the compiled score tile is (multiple of 8, multiple of 128) or the whole padded array (Mosaic's
+block rule; `config.get_config` picks such tiles).
 
 Covered: any B, T, S, HI, D; f32/bf16 inputs (f32 accumulation). Not covered: causal block
 skipping (scores above the diagonal are computed and masked later by select_topk), FP8 inputs.
@@ -68,7 +70,10 @@ def _indexer_fwd(q_idx, k_idx, w, *, cfg: DSABlockConfig, interpret: bool):
     s = k_idx.shape[1]
     bt, bs = cfg.idx_block_t, cfg.idx_block_s
     tp, sp = pl.cdiv(t, bt) * bt, pl.cdiv(s, bs) * bs
-    dp = _next_pow2(d) if cfg.backend == "gpu" else d
+    if cfg.backend == "tpu" and not interpret and (bs % 128 and bs != sp or bt % 8 and bt != tp):
+        raise ValueError(f"tpu indexer tiles must be (multiple of 8, multiple of 128) or cover "
+                         f"the padded array ({tp}, {sp}); got block ({bt}, {bs}) in {cfg}")
+    dp = max(16, _next_pow2(d)) if cfg.backend == "gpu" else d  # Triton: pow2, dots >= 16
     qt = jnp.pad(q_idx, ((0, 0), (0, tp - t), (0, 0), (0, dp - d))).transpose(0, 2, 1, 3)  # [B,HI,Tp,Dp]
     kp = jnp.pad(k_idx, ((0, 0), (0, sp - s), (0, dp - d)))  # [B,Sp,Dp]
     wp = jnp.pad(w, ((0, 0), (0, tp - t), (0, 0)))  # [B,Tp,HI]
@@ -110,10 +115,15 @@ def _indexer_vjp_bwd(cfg, interpret, res, g):
 _indexer.defvjp(_indexer_vjp_fwd, _indexer_vjp_bwd)
 
 
-def indexer_scores(q_idx, k_idx, w, *, interpret: bool = False, config: DSABlockConfig | None = None):
-    """Pallas indexer: q_idx [B,T,HI,D], k_idx [B,S,D], w [B,T,HI] -> f32 scores [B,T,S]."""
+def indexer_scores(q_idx, k_idx, w, *, interpret: bool = False,
+                   config: DSABlockConfig | None = None, kernel: str | None = None):
+    """Pallas indexer: q_idx [B,T,HI,D], k_idx [B,S,D], w [B,T,HI] -> f32 scores [B,T,S].
+
+    kernel ("gpu" | "tpu" | None = the running platform's) picks the flavour when config is None.
+    """
     assert q_idx.ndim == 4 and k_idx.ndim == 3 and w.ndim == 3, (q_idx.shape, k_idx.shape, w.shape)
     b, t, hi, d = q_idx.shape
     assert k_idx.shape[0] == b and k_idx.shape[2] == d and w.shape == (b, t, hi)
-    cfg = config or get_config(t=t, s=k_idx.shape[1], dim=d)
+    cfg = config or get_config(t=t, s=k_idx.shape[1], dim=d, backend=kernel,
+                               interpret=bool(interpret))
     return _indexer(q_idx, k_idx, w, cfg, bool(interpret))

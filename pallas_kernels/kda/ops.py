@@ -1,7 +1,7 @@
 """Public entry for KDA (Kimi Delta Attention).
 
     kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-        chunk_size=64, impl="auto", interpret=None) -> (o, final_state)
+        chunk_size=64, impl="auto", interpret=None, kernel=None) -> (o, final_state)
     kda_step(q, k, v, g, beta, state, *, scale=None) -> (o, state)
 
 Layouts (flash-linear-attention convention):
@@ -17,8 +17,12 @@ impl:
                          (pure JAX there too if K or V is not a power of two);
   "xla" / "chunked"      the pure-JAX chunked form (`reference.kda_chunked`), differentiable;
   "recurrent"            the token-by-token oracle (`reference.kda_recurrent`);
-  "pallas"               the Pallas kernels (forward + custom_vjp backward, also Pallas);
-                         `interpret=None` means interpret mode on CPU.
+  "pallas"               the Pallas kernels (forward + custom_vjp backward, also Pallas).
+kernel / interpret (Pallas only; the rule of `pallas_kernels.backend`): kernel "tpu" (Mosaic,
+chunks walked on the grid) or "gpu" (Triton, chunks walked in-kernel), None -> the running
+platform's (the "tpu" form when interpreting on CPU); interpret None -> interpret unless the
+platform compiles that family. `impl="pallas", kernel="gpu", interpret=False` forces the compiled
+Triton kernels (on a CPU host: lowering only, e.g. under jax.export for "cuda").
 All implementations accept any T (not only multiples of chunk_size) and are differentiable
 w.r.t. q, k, v, g, beta and initial_state. `chunk_size` is the Pallas kernels' chunk; the pure-JAX
 chunked path uses min(chunk_size, reference.CPU_CHUNK) (32: measured fastest on XLA:CPU). The
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import backend as _backend
 from pallas_kernels.kda import reference
 
 kda_step = reference.kda_step
@@ -62,6 +67,7 @@ def kda(
     chunk_size=64,
     impl="auto",
     interpret=None,
+    kernel=None,
 ):
     """KDA over a whole sequence. See the module docstring for shapes and `impl`."""
     impl = _resolve_impl(impl, q.shape[-1], v.shape[-1])
@@ -81,9 +87,9 @@ def kda(
         )
     from pallas_kernels.kda import pallas_kda  # noqa: PLC0415 (keeps CPU imports light)
 
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+    kernel, interpret = _backend.resolve(kernel, interpret, cpu_default="tpu")
     return pallas_kda.kda_pallas(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, chunk_size=chunk_size, interpret=interpret,
+        kernel=kernel,
     )

@@ -16,9 +16,14 @@ Backends. The sequential kernels come in two forms (`KDAConfig.seq_mode`):
           VMEM scratch: the TPU (Mosaic) form.
   "loop": grid (B*H,) with an in-kernel `fori_loop` over chunks reading whole-sequence refs:
           the GPU (Triton) form, where grid steps run in parallel and cannot carry state.
-Both run in interpret mode on CPU (the tests cover both). Triton needs power-of-two tiles, so
-K, V, the chunk and the sub-chunk must be powers of two (asserted), and T is padded to a
-multiple of the chunk.
+Both run in interpret mode on CPU (the tests cover both). `KDAConfig.backend` ("tpu" / "gpu",
+from `get_config(backend=...)` / `kda_pallas(kernel=...)`) picks the compiler params of the
+compiled kernels: Mosaic dimension semantics, or Triton warps/stages (a GPU pallas_call without
+Triton params would lower through Mosaic GPU in jax >= 0.10); compiled, "grid" goes with "tpu"
+and "loop" with "gpu" (checked). Triton needs power-of-two tiles, so K, V, the chunk and the
+sub-chunk must be powers of two (asserted), and T is padded to a multiple of the chunk.
+Lowering for both platforms (fwd + bwd, test and benchmark shapes) is checked from a CPU host by
+tests/pallas_kernels/test_lowering.py; nothing here has been compiled or run on a GPU/TPU yet.
 
 Not covered: variable-length packed batches (cu_seqlens), K or V that are not powers of two,
 fused gate computation (the caller passes g), fp8.
@@ -46,6 +51,7 @@ class KDAConfig:
     chunk_size: int = 64  # C: tokens per chunk (power of two)
     sub_chunk: int = 16  # c: rows per exact diagonal block inside a chunk (power of two, <= C)
     seq_mode: str = "grid"  # "grid" (TPU) or "loop" (GPU): how the sequential kernels walk chunks
+    backend: str = "tpu"  # kernel family when compiled: "tpu" (Mosaic params) or "gpu" (Triton)
     num_warps: int | None = None  # Triton only
     num_stages: int | None = None  # Triton only
 
@@ -58,6 +64,8 @@ class KDAConfig:
             raise ValueError("sub_chunk must be <= chunk_size")
         if self.seq_mode not in ("grid", "loop"):
             raise ValueError(f"seq_mode must be 'grid' or 'loop'; got {self.seq_mode!r}")
+        if self.backend not in ("tpu", "gpu"):
+            raise ValueError(f"backend must be 'tpu' or 'gpu'; got {self.backend!r}")
 
 
 def _next_pow2(x: int) -> int:
@@ -71,32 +79,34 @@ def get_config(*, T: int, K: int, V: int, chunk_size: int = 64, backend: str | N
     The chunk is `chunk_size`, shrunk to the next power of two >= T for short inputs (not below
     16, Triton's smallest dot). The exact diagonal blocks are 16 rows. TPU walks chunks on the
     grid, GPU inside the kernel (8 warps once K or V reach 128); CPU (interpret) follows TPU.
+    `backend`: a kernel family ("tpu" / "gpu") or a platform name ("cpu", "cuda", "rocm");
+    None -> the running platform.
     """
     backend = backend or jax.default_backend()
+    family = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu"
     C = max(16, min(_next_pow2(chunk_size), _next_pow2(T)))
     c = min(16, C)
     if seq_mode is None:
-        seq_mode = "loop" if backend in ("gpu", "cuda", "rocm") else "grid"
+        seq_mode = "loop" if family == "gpu" else "grid"
     warps = stages = None
-    if backend in ("gpu", "cuda", "rocm"):
+    if family == "gpu":
         warps, stages = (8 if max(K, V) >= 128 else 4), 1
-    return KDAConfig(chunk_size=C, sub_chunk=c, seq_mode=seq_mode, num_warps=warps,
-                     num_stages=stages)
+    return KDAConfig(chunk_size=C, sub_chunk=c, seq_mode=seq_mode, backend=family,
+                     num_warps=warps, num_stages=stages)
 
 
 def _compiler_params(cfg: KDAConfig, semantics, interpret: bool):
+    """Compiler params of the config's kernel family (never None when compiled: a GPU
+    pallas_call without Triton params would lower through Mosaic GPU instead)."""
     if interpret:
         return None
-    backend = jax.default_backend()
-    if backend == "tpu":
+    if cfg.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
 
         return pltpu.CompilerParams(dimension_semantics=semantics)
-    if backend in ("gpu", "cuda", "rocm"):
-        from jax.experimental.pallas import triton as pltr  # noqa: PLC0415
+    from jax.experimental.pallas import triton as pltr  # noqa: PLC0415
 
-        return pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return None
+    return pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _ld(ref):
@@ -363,13 +373,16 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "output_final_state", "chunk_size", "interpret", "config"),
+    static_argnames=("scale", "output_final_state", "chunk_size", "interpret", "config",
+                     "kernel"),
 )
 def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-               chunk_size=64, interpret=False, config: KDAConfig | None = None):
+               chunk_size=64, interpret=False, config: KDAConfig | None = None,
+               kernel: str | None = None):
     """KDA through the Pallas kernels; same contract as `ops.kda`. Differentiable (custom_vjp).
 
-    `config` overrides `get_config` (its chunk_size then wins over the argument).
+    `kernel` ("tpu" | "gpu" | None = the running platform's) picks the kernel family for
+    `get_config`; `config` overrides `get_config` (its chunk_size then wins over the argument).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -377,7 +390,10 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, output_final
         if d & (d - 1):
             raise ValueError(f"the Pallas KDA kernels need a power-of-two {name}; got {d}")
     scale = K**-0.5 if scale is None else float(scale)
-    cfg = config or get_config(T=T, K=K, V=V, chunk_size=chunk_size)
+    cfg = config or get_config(T=T, K=K, V=V, chunk_size=chunk_size, backend=kernel)
+    if not interpret and (cfg.seq_mode == "loop") != (cfg.backend == "gpu"):
+        raise ValueError(f"compiled KDA kernels need seq_mode 'loop' on the gpu family and "
+                         f"'grid' on tpu; got {cfg}")
     C = cfg.chunk_size
     Tp = -(-T // C) * C
 

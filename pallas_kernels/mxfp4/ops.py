@@ -11,7 +11,10 @@
     check_finite(x), nonfinite_blocks(t)
 
 impl: "auto" = "xla" on CPU, "pallas" on GPU/TPU; "xla" = the pure-JAX reference (dequantize +
-dot / ragged_dot); "pallas" = the kernels (interpret=None -> interpret mode on CPU). Gradients:
+dot / ragged_dot); "pallas" = the kernels. kernel: "tpu" (Mosaic) or "gpu" (Triton) family, None
+-> the platform's ("gpu" when interpreting on CPU); interpret=None -> interpret unless the platform
+compiles that family (`pallas_kernels.backend`); `impl="pallas", kernel=K, interpret=False`
+forces the compiled kernel (on a CPU host: lowering only, e.g. under jax.export). Gradients:
 w.r.t. x on every path (the Pallas path through a custom_vjp whose backward is dy @ dequantize(w)
 in XLA); MXFP4 weights are integer data and get no gradient (train them through `fake_quant`
 on a float master copy). Layout and rounding rules: see `reference`.
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import backend as _backend
 from pallas_kernels.mxfp4 import config as _config
 from pallas_kernels.mxfp4.config import BlockConfig, block_config
 from pallas_kernels.mxfp4.reference import (
@@ -58,21 +62,18 @@ KernelBackend = Literal["tpu", "gpu"]
 
 
 def _resolve(impl: str, interpret: bool | None, kernel: str | None):
-    platform = jax.default_backend()
+    """-> (impl, interpret, kernel) under the rule of `pallas_kernels.backend`.
+
+    A compiled (interpret=False) kernel of a family foreign to the running platform is allowed:
+    it only lowers (cross-platform `jax.export`); running it fails inside Pallas.
+    """
     if impl == "auto":
-        impl = "xla" if platform == "cpu" else "pallas"
+        impl = "xla" if jax.default_backend() == "cpu" else "pallas"
     if impl not in ("xla", "pallas"):
         raise ValueError(f"impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
-    if interpret is None:
-        interpret = platform not in ("gpu", "tpu")
-    if kernel is None:
-        # Off-device (interpret) the Triton-style kernel is the cheaper one to interpret.
-        kernel = "tpu" if platform == "tpu" else "gpu"
-    if kernel not in ("tpu", "gpu"):
-        raise ValueError(f"kernel must be 'tpu' or 'gpu', got {kernel!r}")
-    if not interpret and kernel != platform:
-        raise ValueError(f"the {kernel} kernel cannot compile on platform {platform!r}")
-    return impl, bool(interpret), kernel
+    # Off-device (interpret) the Triton-style kernel is the cheaper one to interpret.
+    kernel, interpret = _backend.resolve(kernel, interpret, cpu_default="gpu")
+    return impl, interpret, kernel
 
 
 def _kernels(kernel: str):
@@ -135,9 +136,10 @@ def mxfp4_matmul(
       x: [..., K] bfloat16 or float32 activations.
       w: MXFP4 with logical shape [N, K] quantized along K (blocks [N, K/32, 16]).
       impl: "auto" | "xla" | "pallas" (module docstring).
-      interpret: Pallas interpret mode; None -> True off GPU/TPU.
+      interpret: Pallas interpret mode; None -> True unless the platform compiles `kernel`.
       kernel: which Pallas kernel family, "tpu" (Mosaic-style) or "gpu" (Triton-style); None ->
-        the platform's own (the "gpu" one when interpreting on CPU). Both run in interpret mode.
+        the platform's own (the "gpu" one when interpreting on CPU). Both run in interpret mode;
+        a compiled foreign family only lowers (cross-platform export).
       config: tile sizes; None -> `config.block_config` heuristics.
     Returns:
       [..., N] in x.dtype.

@@ -14,7 +14,8 @@ Coverage: dense `matmul` and `grouped_matmul` (MoE). Differences from the TPU ke
 All extents are powers of two (>= 16 for dot operands; see `config.check_config`).
 
 Runs compiled on GPU and in interpret mode anywhere (CPU tests). Not yet run on a GPU (none was
-available at the time of writing).
+available at the time of writing); the Triton lowering (fwd + bwd, test and benchmark shapes) is
+checked from a CPU host by tests/pallas_kernels/test_lowering.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ out-of-range part of output blocks).
 
 Runs compiled on TPU, and in interpret mode anywhere (the CPU tests). Not yet run on a TPU
 (none available to the authors at the time of writing); `config.check_config` and
-`_check_tpu_blocks` encode the documented Mosaic block rules.
+`_check_tpu_blocks` encode the documented Mosaic block rules, and the Pallas -> Mosaic lowering
+is checked from a CPU host by tests/pallas_kernels/test_lowering.py (Mosaic's own compiler
+passes run only on a TPU).
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
 """DSA: indexer, causal top-k selection, sparse MQA attention (reference, XLA, Pallas interpret).
 
 Shapes come from pallas_kernels/dsa/arg_specs.py. Pallas kernels run in interpret mode on CPU
-(the ``interpret`` fixture); both kernel flavours ("gpu" gather, "tpu" DMA) are exercised.
+(the ``interpret`` fixture); both kernel flavours ("gpu" gather, "tpu" DMA) are exercised. On a
+GPU/TPU the platform's own flavour runs compiled, with the heuristic tiles for the shape (the
+small CFGS tiles below are interpret-only: e.g. attn_block_k=4 is below tl.dot's 16), keeping
+only their bwd_chunk_t; the foreign flavour still runs interpreted.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -11,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import backend
 from pallas_kernels.dsa import arg_specs, ops, reference
 from pallas_kernels.dsa.config import DSABlockConfig, get_config
 
@@ -23,6 +28,17 @@ GPU_CFG = DSABlockConfig(backend="gpu", idx_block_t=16, idx_block_s=16, attn_blo
 GPU_CHUNKED = DSABlockConfig(backend="gpu", attn_block_k=4, bwd_chunk_t=5)
 TPU_CFG = DSABlockConfig(backend="tpu", idx_block_t=8, idx_block_s=24, attn_block_k=8, bwd_chunk_t=64)
 CFGS = {"gpu": GPU_CFG, "gpu_chunked": GPU_CHUNKED, "tpu": TPU_CFG}
+
+
+def _kw(flavour, spec, interpret, topk=None):
+    """ops kwargs running `flavour`: interpreted with its small CFGS tiles, or compiled on its
+    own platform with heuristic tiles (same bwd_chunk_t)."""
+    cfg = CFGS[flavour]
+    if interpret or not backend.compiles_here(cfg.backend):
+        return dict(config=cfg, interpret=True)
+    tiles = get_config(t=spec.t, s=spec.s, topk=topk or spec.topk, heads=spec.h, dim=spec.d,
+                       backend=cfg.backend, interpret=False)
+    return dict(config=dataclasses.replace(tiles, bwd_chunk_t=cfg.bwd_chunk_t), interpret=False)
 
 
 def _indices(spec, args, topk=None):
@@ -58,7 +74,8 @@ def test_indexer_hand_made(interpret):
     # t=1: head0 dots (0,-3,-3) -> relu 0; head1 dots (2,2,4) -> -1*(2,2,4)
     expected = np.array([[[0.5, 2.0, 1.5], [-2.0, -2.0, -4.0]]], np.float32)
     np.testing.assert_allclose(reference.indexer_scores(q_idx, k_idx, w), expected, atol=1e-6)
-    got = ops.indexer_scores(q_idx, k_idx, w, impl="pallas", interpret=interpret, config=GPU_CFG)
+    hand = arg_specs.DSAArgSpec("hand", b=1, t=2, s=3, h=2, d=2, v_dim=2, topk=3, hi=2, di=2)
+    got = ops.indexer_scores(q_idx, k_idx, w, impl="pallas", **_kw("gpu", hand, interpret))
     np.testing.assert_allclose(got, expected, atol=1e-6)
     assert got.dtype == jnp.float32
 
@@ -77,7 +94,7 @@ def test_indexer_pallas_matches_reference_fwd_and_grad(name, flavour, dtype, int
     args = (a["q_idx"], a["k_idx"], a["w"])
     f32 = tuple(x.astype(jnp.float32) for x in args)  # the oracle runs on the same (rounded) values
     cot = _normal(5, (spec.b, spec.t, spec.s))
-    pal = lambda *x: ops.indexer_scores(*x, impl="pallas", interpret=interpret, config=CFGS[flavour])
+    pal = lambda *x: ops.indexer_scores(*x, impl="pallas", **_kw(flavour, spec, interpret))
 
     def fwd_bwd(fn, xs):  # one compiled program: interpret-mode compiles dominate test time
         return jax.jit(lambda *x: (lambda o, vjp: (o, *vjp(cot)))(*jax.vjp(fn, *x)))(*xs)
@@ -144,8 +161,9 @@ def test_sparse_equals_dense_when_s_le_topk(name, impl, interpret):
     a = arg_specs.make_args(spec)
     topk = max(spec.topk, spec.s)  # every valid key selected
     idx = _indices(spec, a, topk)
+    pal_kw = _kw("gpu", spec, interpret, topk) if impl == "pallas" else {}
     o = ops.sparse_attention(a["q"], a["kv"], idx, scale=spec.scale, v_dim=spec.v_dim, impl=impl,
-                             interpret=interpret, config=GPU_CFG)
+                             **pal_kw)
     dense = ops.dense_causal_attention(a["q"], a["kv"], scale=spec.scale, v_dim=spec.v_dim,
                                        q_offset=spec.offset_array)
     assert o.shape == (spec.b, spec.t, spec.h, spec.v_dim) and o.dtype == a["q"].dtype
@@ -196,7 +214,7 @@ _FWD_BWD_CASES = [
 
 @pytest.mark.parametrize("name,flavour", _FWD_BWD_CASES, ids=[f"{n}-{f}" for n, f in _FWD_BWD_CASES])
 def test_sparse_pallas_fwd_and_grads_match_reference(name, flavour, interpret):
-    spec, cfg = arg_specs.TEST_SPECS_BY_NAME[name], CFGS[flavour]
+    spec = arg_specs.TEST_SPECS_BY_NAME[name]
     a = arg_specs.make_args(spec)
     idx = _indices(spec, a)
     idx = idx.at[0, 1].set(-1)  # one row with no valid index at all: o = 0, zero gradient
@@ -204,8 +222,8 @@ def test_sparse_pallas_fwd_and_grads_match_reference(name, flavour, interpret):
     do = _normal(7, (spec.b, spec.t, spec.h, spec.v_dim))
     kw = dict(scale=spec.scale, v_dim=spec.v_dim)
     ref = lambda q, kv: reference.sparse_attention(q, kv, idx, **kw)
-    pal = lambda q, kv: ops.sparse_attention(q, kv, idx, impl="pallas", interpret=interpret,
-                                             config=cfg, **kw)
+    pal = lambda q, kv: ops.sparse_attention(q, kv, idx, impl="pallas",
+                                             **_kw(flavour, spec, interpret), **kw)
     o_ref, *g_ref = _fwd_and_grads(ref, a["q"], a["kv"], do)
     o_pal, *g_pal = _fwd_and_grads(pal, a["q"], a["kv"], do)
     _close(o_pal, o_ref, 1e-5)
@@ -219,15 +237,14 @@ def test_sparse_pallas_fwd_and_grads_match_reference(name, flavour, interpret):
 @pytest.mark.parametrize("name,flavour", [("prefill_rope", "gpu"), ("odd_chunk", "tpu")])
 def test_sparse_pallas_bf16(name, flavour, interpret):
     spec = arg_specs.TEST_SPECS_BY_NAME[name].with_dtype("bfloat16")
-    cfg = CFGS[flavour]
     a = arg_specs.make_args(spec)
     idx = _indices(spec, a)
     do = _normal(3, (spec.b, spec.t, spec.h, spec.v_dim))
     kw = dict(scale=spec.scale, v_dim=spec.v_dim)
     q32, kv32 = a["q"].astype(jnp.float32), a["kv"].astype(jnp.float32)
     ref = lambda q, kv: reference.sparse_attention(q, kv, idx, **kw)
-    pal = lambda q, kv: ops.sparse_attention(q, kv, idx, impl="pallas", interpret=interpret,
-                                             config=cfg, **kw)
+    pal = lambda q, kv: ops.sparse_attention(q, kv, idx, impl="pallas",
+                                             **_kw(flavour, spec, interpret), **kw)
     o_ref, *g_ref = _fwd_and_grads(ref, q32, kv32, do)
     o, *g_pal = _fwd_and_grads(pal, a["q"], a["kv"], do)
     assert o.dtype == jnp.bfloat16
@@ -245,8 +262,8 @@ def test_sparse_pallas_lse_and_its_gradient(interpret):
 
     def loss(impl):
         def f(q, kv):
-            o, lse = ops.sparse_attention_with_lse(q, kv, idx, impl=impl, interpret=interpret,
-                                                   config=GPU_CFG, **kw)
+            pal_kw = _kw("gpu", spec, interpret) if impl == "pallas" else {}
+            o, lse = ops.sparse_attention_with_lse(q, kv, idx, impl=impl, **pal_kw, **kw)
             return jnp.sum(o * o) + jnp.sum(jnp.tanh(lse))
         return jax.jit(jax.value_and_grad(f, (0, 1)))
 
@@ -265,7 +282,7 @@ def test_config_validation_and_heuristics():
     DSABlockConfig(backend="tpu", attn_block_k=24)  # no power-of-two rule on Mosaic
     cfg = get_config(t=4096, s=4096, topk=2048, heads=16, dim=576)
     assert cfg.attn_block_k <= 2048 and cfg.bwd_chunk_t * 2048 * 576 * 4 <= 256 << 20
-    small = get_config(t=5, s=7, topk=3)
+    small = get_config(t=5, s=7, topk=3, interpret=True)
     assert small.idx_block_t <= 8 and small.idx_block_s <= 16 and small.attn_block_k == 16
     with pytest.raises(ValueError):
         ops.sparse_attention(jnp.zeros((1, 1, 1, 4)), jnp.zeros((1, 1, 4)),
