@@ -29,6 +29,27 @@ def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def clustered_interval(per_task: list[tuple[int, int]], z: float = 1.96) -> tuple[float, float]:
+    """95% interval for pass@1 measured as (n samples, c correct) on each of several tasks.
+
+    Samples of one task are correlated (an easy task passes on every sample), so treating all
+    n * tasks samples as independent trials would understate the uncertainty. This is the Wilson
+    interval at the effective sample size n_eff = p(1-p) / Var(mean of the per-task rates), i.e.
+    the trial count divided by the design effect (capped at the trial count); with one sample
+    per task it is exactly the Wilson interval over tasks.
+    """
+    if not per_task:
+        return 0.0, 1.0
+    rates = np.array([c / n for n, c in per_task], np.float64)
+    trials = int(sum(n for n, _ in per_task))
+    p = float(rates.mean())
+    if len(rates) < 2 or p in (0.0, 1.0):
+        return wilson_interval(p, trials if len(rates) < 2 else len(rates), z)
+    var_mean = float(rates.var()) / len(rates)  # ddof 0: Bernoulli rates give n_eff = n
+    n_eff = trials if var_mean <= 0 else min(trials, p * (1 - p) / var_mean)
+    return wilson_interval(p, max(int(round(n_eff)), 1), z)
+
+
 class MetricsWriter:
     """Scalars to TensorBoard event files (tensorboardX) and one JSON object per line."""
 
