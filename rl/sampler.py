@@ -23,6 +23,7 @@ Not covered: MTP speculative decoding (the MTP head is trained, drafting is not 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -61,9 +62,11 @@ class SampleOutput:
     finished: jax.Array  # [B] bool: ended by EOS or a stop sequence (not by max_new_tokens)
 
 
-def process_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """Apply temperature / top-k / top-p: [B,V] -> log-probs [B,V] of the sampling distribution."""
-    logits = logits.astype(jnp.float32) / cfg.temperature
+def process_logits(logits: jax.Array, cfg: SamplingConfig, temperature=None) -> jax.Array:
+    """Apply temperature / top-k / top-p: [B,V] -> log-probs [B,V] of the sampling distribution.
+    `temperature` (a traced scalar is fine) overrides cfg.temperature; it must be > 0 here."""
+    t = cfg.temperature if temperature is None else temperature
+    logits = logits.astype(jnp.float32) / t
     if cfg.top_k:
         kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -76,13 +79,15 @@ def process_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return jax.nn.log_softmax(logits, axis=-1)
 
 
-def _sample(logits, rng, cfg: SamplingConfig):
-    if cfg.temperature == 0:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tok, jnp.zeros(tok.shape, jnp.float32)
-    logp = process_logits(logits, cfg)
-    tok = jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32)
-    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+def _sample(logits, rng, cfg: SamplingConfig, temperature):
+    """temperature: traced f32 scalar; 0 -> greedy (argmax, log-prob reported as 0)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logp = process_logits(logits, cfg, jnp.maximum(temperature, 1e-6))
+    drawn = jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32)
+    is_greedy = temperature <= 0
+    tok = jnp.where(is_greedy, greedy, drawn)
+    lp = jnp.where(is_greedy, 0.0, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0])
+    return tok, lp
 
 
 def _hits_stop(buf, t, cfg: SamplingConfig):
@@ -96,10 +101,24 @@ def _hits_stop(buf, t, cfg: SamplingConfig):
     return hit
 
 
+# One compiled program per (model config, sampling config without its temperature): every
+# Sampler of the same model shares it (the temperature is a traced argument), so greedy eval,
+# sampled eval and RL rollouts of one batch shape compile once per process.
+_PROGRAMS: dict = {}
+
+
+def _program(model: Model, cfg: SamplingConfig):
+    key = (model.cfg, dataclasses.replace(cfg, temperature=1.0))
+    fn = _PROGRAMS.get(key)
+    if fn is None:
+        fn = _PROGRAMS[key] = jax.jit(functools.partial(_generate_impl, model, key[1]))
+    return fn
+
+
 class Sampler:
     def __init__(self, model: Model, cfg: SamplingConfig):
         self.model, self.cfg = model, cfg
-        self._generate = jax.jit(self._generate_impl)
+        self._generate = _program(model, cfg)
 
     def generate(self, variables, prompts, prompt_lengths, rng) -> SampleOutput:
         """prompts [B,P] int32 right-padded, prompt_lengths [B] (>= 1)."""
@@ -115,44 +134,46 @@ class Sampler:
             raise ValueError(f"prompt width {prompts.shape[1]} + max_new_tokens "
                              f"{self.cfg.max_new_tokens} exceeds model max_seq_len "
                              f"{self.model.cfg.max_seq_len}")
-        return self._generate(variables, prompts, lengths, rng)
+        return self._generate(variables, prompts, lengths, rng,
+                              jnp.float32(self.cfg.temperature))
 
-    def _generate_impl(self, variables, prompts, lengths, rng):
-        cfg, model = self.cfg, self.model
-        B, P = prompts.shape
-        G = cfg.max_new_tokens
-        cache = model.init_cache(B, P + G)
-        logits, cache, _ = model.prefill(variables, prompts, lengths, cache)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,V]
+
+def _generate_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths, rng,
+                   temperature):
+    B, P = prompts.shape
+    G = cfg.max_new_tokens
+    cache = model.init_cache(B, P + G)
+    logits, cache, _ = model.prefill(variables, prompts, lengths, cache)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,V]
+    rng, sub = jax.random.split(rng)
+    tok, lp = _sample(last, sub, cfg, temperature)
+    buf = jnp.zeros((B, G), jnp.int32).at[:, 0].set(tok)
+    lps = jnp.zeros((B, G), jnp.float32).at[:, 0].set(lp)
+    done = (tok == cfg.eos_id) | _hits_stop(buf, 0, cfg)
+    n_gen = jnp.ones((B,), jnp.int32)
+
+    def cond(carry):
+        t, _, _, _, _, done, _, _ = carry
+        return (t < G) & ~jnp.all(done)
+
+    def body(carry):
+        t, tok, buf, lps, cache, done, n_gen, rng = carry
+        active = ~done
+        logits, cache, _ = model.decode_step(variables, tok, cache, active)
         rng, sub = jax.random.split(rng)
-        tok, lp = _sample(last, sub, cfg)
-        buf = jnp.zeros((B, G), jnp.int32).at[:, 0].set(tok)
-        lps = jnp.zeros((B, G), jnp.float32).at[:, 0].set(lp)
-        done = (tok == cfg.eos_id) | _hits_stop(buf, 0, cfg)
-        n_gen = jnp.ones((B,), jnp.int32)
+        nxt, lp = _sample(logits, sub, cfg, temperature)
+        nxt = jnp.where(active, nxt, 0)
+        buf = buf.at[:, t].set(nxt)
+        lps = lps.at[:, t].set(jnp.where(active, lp, 0.0))
+        n_gen = n_gen + active.astype(jnp.int32)
+        done = done | (active & ((nxt == cfg.eos_id) | _hits_stop(buf, t, cfg)))
+        return t + 1, nxt, buf, lps, cache, done, n_gen, rng
 
-        def cond(carry):
-            t, _, _, _, _, done, _, _ = carry
-            return (t < G) & ~jnp.all(done)
-
-        def body(carry):
-            t, tok, buf, lps, cache, done, n_gen, rng = carry
-            active = ~done
-            logits, cache, _ = model.decode_step(variables, tok, cache, active)
-            rng, sub = jax.random.split(rng)
-            nxt, lp = _sample(logits, sub, cfg)
-            nxt = jnp.where(active, nxt, 0)
-            buf = buf.at[:, t].set(nxt)
-            lps = lps.at[:, t].set(jnp.where(active, lp, 0.0))
-            n_gen = n_gen + active.astype(jnp.int32)
-            done = done | (active & ((nxt == cfg.eos_id) | _hits_stop(buf, t, cfg)))
-            return t + 1, nxt, buf, lps, cache, done, n_gen, rng
-
-        carry = (jnp.int32(1), tok, buf, lps, cache, done, n_gen, rng)
-        _, _, buf, lps, _, done, n_gen, _ = jax.lax.while_loop(cond, body, carry)
-        mask = jnp.arange(G)[None] < n_gen[:, None]
-        return SampleOutput(tokens=jnp.where(mask, buf, 0), logprobs=jnp.where(mask, lps, 0.0),
-                            mask=mask, lengths=n_gen, finished=done)
+    carry = (jnp.int32(1), tok, buf, lps, cache, done, n_gen, rng)
+    _, _, buf, lps, _, done, n_gen, _ = jax.lax.while_loop(cond, body, carry)
+    mask = jnp.arange(G)[None] < n_gen[:, None]
+    return SampleOutput(tokens=jnp.where(mask, buf, 0), logprobs=jnp.where(mask, lps, 0.0),
+                        mask=mask, lengths=n_gen, finished=done)
 
 
 def pack(prompts, prompt_lengths, completions, completion_mask, width: int | None = None,
