@@ -34,7 +34,9 @@ def _base(**kw) -> ml_collections.ConfigDict:
     c.dsa = ml_collections.ConfigDict(dict(
         num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, index_n_heads=2, index_head_dim=16, index_rope_dim=8, index_topk=16,
-        rope_theta=10000.0, indexer_stage="sparse", indexer_loss_weight=0.0, impl="auto"))
+        rope_theta=10000.0, indexer_stage="sparse", impl="auto",
+        # the indexer is trained only by its KL loss: at 0 its top-k selection stays random
+        indexer_loss_weight=1.0))
     c.moe = ml_collections.ConfigDict(dict(
         num_experts=4, num_experts_per_tok=2, expert_dim=64, num_shared_experts=1, dense_dim=128,
         first_dense_layers=0, router="sigmoid", norm_topk_prob=True, routed_scaling_factor=1.0,
@@ -51,7 +53,7 @@ def _base(**kw) -> ml_collections.ConfigDict:
 
 def test() -> ml_collections.ConfigDict:
     return _base(name="test", d_model=64, num_layers=2, layer_pattern="KD", max_seq_len=256,
-                 moe=dict(aux_loss_coef=0.01))
+                 moe=dict(aux_loss_coef=0.01), dsa=dict(indexer_loss_weight=0.0))
 
 
 def tiny() -> ml_collections.ConfigDict:
