@@ -55,14 +55,25 @@ def _plot(path, rl_metrics, val_curve):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
+
+    def smooth(xs, w=10):  # trailing mean over the last w steps that have a value
+        xs = np.asarray(xs, float)
+        out = np.full_like(xs, np.nan)
+        for i in range(len(xs)):
+            win = xs[max(0, i - w + 1): i + 1]
+            if np.isfinite(win).any():
+                out[i] = np.nanmean(win)
+        return out
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     steps = [m["step"] for m in rl_metrics]
     for key in sorted({k for m in rl_metrics for k in m if k.startswith("rl/reward/")}):
-        ax[0].plot(steps, [m.get(key, float("nan")) for m in rl_metrics], label=key[10:])
-    ax[0].plot(steps, [m.get("rl/reward_mean", float("nan")) for m in rl_metrics], "k--",
+        ax[0].plot(steps, smooth([m.get(key, float("nan")) for m in rl_metrics]), label=key[10:])
+    ax[0].plot(steps, smooth([m.get("rl/reward_mean", float("nan")) for m in rl_metrics]), "k--",
                label="all")
-    ax[0].set(xlabel="RL step", ylabel="mean reward (training rollouts)", title="reward")
+    ax[0].set(xlabel="RL step", ylabel="mean reward of training rollouts (10-step mean)",
+              title="reward")
     ax[0].legend()
     for d in sorted({d for _, r in val_curve for d in r if not d.startswith("_")}):
         ax[1].plot([s for s, _ in val_curve], [100 * r[d]["pass@1"] for _, r in val_curve],
