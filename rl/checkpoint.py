@@ -10,7 +10,8 @@
     ckpt.close()                                      # waits for the last async save
 
 One checkpoint is one orbax step directory `<directory>/<step>/` with the items
-  state       the TrainState pytree (params, router_state, opt_state, step, skipped)
+  state       the TrainState pytree (params, router_state, opt_state, step, skipped; a
+              CriticTrainState adds the critic's value_params and value_opt_state)
   ref_params  the frozen reference-policy params (only when saved by copy, see below)
   rng         {"key_data": uint32 array} (typed keys go through jax.random.key_data)
   meta        the caller's JSON dict (config, data position, anything else)

@@ -9,7 +9,10 @@ the train state, rng, data-iterator position and (RL) the reference policy; `res
 up at the last good checkpoint and continues exactly (same data order, same rng stream).
 
 RL iteration (one batch of lookahead when rl.overlap_scoring): generate batch i+1 while the
-sandbox scores batch i; then old/ref log-probs, advantages, one jit train step on batch i.
+sandbox scores batch i; then old/ref log-probs (and, for algorithms with a critic such as PPO, the
+value head's old values from the same forward), advantages (GAE with returns for PPO; KL folded
+into the rewards when kl_placement="reward"), one jit train step on batch i. The critic's params
+and optimizer state live in the train state and are checkpointed with it.
 Timings per iteration are split into generate / score-wait / train, and the fraction of scoring
 time hidden behind generation is logged (score_hidden_frac).
 """
@@ -31,6 +34,7 @@ from model.tokenizer import load_tokenizer
 from model.transformer import Model
 from rl.algorithms import algo_from_config
 from rl.checkpoint import Checkpointer
+from rl.critic import CriticConfig, critic_optim_config, init_value_params
 from rl.metrics import MetricsWriter
 from rl.pipeline import RolloutWorker, build_train_batch, evaluate, task_dataset
 from rl.sampler import SamplingConfig
@@ -38,6 +42,7 @@ from rl.train_step import (
     TrainState,
     init_train_state,
     make_logp_fn,
+    make_logp_value_fn,
     make_optimizer,
     make_sft_step,
     make_train_step,
@@ -207,6 +212,23 @@ class _Position:
         self._it.set_state(json.loads(state))
 
 
+def init_rl_state(config, model: Model, algo, init_vars: dict):
+    """The fresh RL train state for `algo`: (state, optimizer, critic, value optimizer). With a
+    critic (algo.needs_values) the state holds a new value head (config.rl.critic, rl/critic.py)
+    and its optimizer state (config.optim with lr * critic.lr_scale); else critic and value
+    optimizer are None."""
+    opt = make_optimizer(config.optim)
+    if not algo.needs_values:
+        return init_train_state(init_vars, opt), opt, None, None
+    critic = CriticConfig.from_config(config.rl.get("critic"))
+    value_opt = make_optimizer(critic_optim_config(config.optim, critic))
+    value_params = init_value_params(critic, model.cfg,
+                                     jax.random.fold_in(jax.random.key(config.seed), 2))
+    state = init_train_state(init_vars, opt, value_params=value_params,
+                             value_optimizer=value_opt)
+    return state, opt, critic, value_opt
+
+
 def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
            on_eval=None) -> TrainState:
     r, model, tok = config.rl, _model(config), load_tokenizer(config.tokenizer)
@@ -223,8 +245,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         init_vars = model.init(jax.random.key(config.seed))
     else:
         raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {r.init_from!r}")
-    opt = make_optimizer(config.optim)
-    state = init_train_state(init_vars, opt)
+    state, opt, critic, value_opt = init_rl_state(config, model, algo, init_vars)
     # frozen reference policy: the initial (SFT) model; its own buffers (the state is donated)
     ref_vars = jax.tree.map(jnp.copy, init_vars)
     rng = jax.random.key(config.seed + 1)
@@ -250,9 +271,26 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         verifier, group_size=1, max_prompt_len=r.max_prompt_len)
     width = r.max_prompt_len + r.max_new_tokens
     step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
-                              mtp_loss_weight=r.mtp_loss_weight)
+                              mtp_loss_weight=r.mtp_loss_weight, critic=critic,
+                              value_optimizer=value_opt)
     logp_fn = make_logp_fn(model)
+    logp_value_fn = make_logp_value_fn(model, critic) if critic is not None else None
     writer = MetricsWriter(workdir)
+
+    def rollout_forward(state):
+        """The rollout-time forward for build_train_batch: old log-probs (and, with a critic,
+        old values from the same forward) under the current policy, ref log-probs if needed."""
+        def forward(tokens, mask):
+            out = {}
+            if logp_value_fn is not None:
+                out["old_logp"], out["old_values"] = logp_value_fn(
+                    state.variables, state.value_params, tokens, mask)
+            else:
+                out["old_logp"] = logp_fn(state.variables, tokens, mask)
+            if algo.needs_ref:
+                out["ref_logp"] = logp_fn(ref_vars, tokens, mask)
+            return out
+        return forward
 
     def do_eval(step):
         res = evaluate(eval_worker, state.variables, val_tasks,
@@ -284,12 +322,9 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         if r.overlap_scoring and i + 1 < r.steps:  # generate i+1 while batch i is scored
             rng, nxt = launch(rng)
         group = pending.result()
-        batch, met = build_train_batch(group, algo, width)
-        t_train = time.perf_counter()
+        t_train = time.perf_counter()  # old/ref log-probs (+ values), advantages, the update
+        batch, met = build_train_batch(group, algo, width, forward=rollout_forward(state))
         jb = {k: jnp.asarray(v) for k, v in batch.items()}
-        jb["old_logp"] = logp_fn(state.variables, jb["tokens"], jb["loss_mask"])
-        if algo.kl_placement != "none":
-            jb["ref_logp"] = logp_fn(ref_vars, jb["tokens"], jb["loss_mask"])
         state, tmet = step_fn(state, jb)
         tmet = jax.device_get(tmet)
         train_s = time.perf_counter() - t_train
@@ -324,11 +359,12 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
 
 def load_rl_variables(config, model: Model, directory: str | None = None) -> dict:
     """The latest good RL checkpoint's variables (workdir/rl/checkpoints or `directory`)."""
-    opt = make_optimizer(config.optim)
-    template = init_train_state(model.init(jax.random.key(0)), opt)
+    algo = algo_from_config(config.rl.algo)  # with a critic the state holds a value head
+    template = jax.eval_shape(
+        lambda: init_rl_state(config, model, algo, model.init(jax.random.key(0)))[0])
     d = directory or os.path.join(config.workdir, "rl", "checkpoints")
     ckpt = Checkpointer(d, keep=config.rl.keep_checkpoints)
-    restored = ckpt.restore_latest(jax.eval_shape(lambda: template))
+    restored = ckpt.restore_latest(template)
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no RL checkpoint under {d}: run scripts/train_rl.py first")

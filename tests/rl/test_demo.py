@@ -32,10 +32,15 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
     from rl.loop import load_rl_variables, load_sft_variables
 
     work = tmp_path / "smoke"
+    # Every phase and artifact of the smoke run, on less work: 10 SFT steps (still logged and
+    # checkpointed twice), 4 held-out tasks per domain and 2 samples per task (the eval chunks
+    # keep the 8-row shape of the RL batch).
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "demo.py"), "--config",
                         os.path.join(ROOT, "configs", "rl.py") + ":smoke",
-                        f"--config.workdir={work}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900)
+                        f"--config.workdir={work}", "--config.sft.steps=10",
+                        "--config.sft.log_every=5", "--config.sft.checkpoint_every=5",
+                        "--config.tasks.test_per_family=4", "--eval_samples=2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out pass@1 (sampled)" in r.stdout and "held-out pass@1 (greedy)" in r.stdout
     res = json.loads((work / "demo_results.json").read_text())
