@@ -8,6 +8,11 @@ this pytest process keeps its single CPU device. The children are functions of t
 (`python tests/model/test_sharding.py CHILD ARGS...`); they share the persistent compilation
 cache under .cache/jax with the rest of the suite. The unsharded reference (variables, batch and
 one train step) is computed once per session by the `reference` child and pickled.
+
+The single-process children (reference, one per mesh, expert-parallel dispatch, checkpoint) are
+independent processes that mostly compile: the `children` fixture starts those of the selected
+tests in the background, two at a time (after the reference where they need it), and each test
+waits for its own child's output.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -41,51 +48,134 @@ def _child_env(devices: int, extra: dict | None = None) -> dict:
     return env
 
 
-def _run_child(name: str, *args, devices: int = 8, timeout: float = 900) -> str:
-    r = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), name,
-                        *map(str, args)], env=_child_env(devices), cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
+def _child_cmd(name: str, *args) -> list[str]:
+    return [sys.executable, str(pathlib.Path(__file__).resolve()), name, *map(str, args)]
+
+
+def _check(name: str, args: tuple, r: subprocess.CompletedProcess) -> str:
     if r.returncode != 0:
         pytest.fail(f"child {name}{args} failed (rc {r.returncode}):\n--- stdout\n"
                     f"{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-8000:]}")
     return r.stdout
 
 
+class _Children:
+    """Children run in the background, at most `parallel` at once; results by key."""
+
+    def __init__(self, parallel: int = 2):
+        self._slots = threading.Semaphore(parallel)
+        self._pool = ThreadPoolExecutor(max_workers=8)
+        self._jobs: dict = {}
+        self._procs: list = []
+        self._closed = False
+
+    def submit(self, key, name: str, *args, after=None, timeout: float = 900):
+        def run():
+            if after is not None:
+                self.result(after)  # raises (fails the dependent test) if that child failed
+            with self._slots:
+                if self._closed:
+                    raise RuntimeError("children closed")
+                proc = subprocess.Popen(_child_cmd(name, *args), env=_child_env(8), cwd=ROOT,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+                self._procs.append(proc)
+                try:
+                    out, err = proc.communicate(timeout=timeout)
+                finally:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+            return name, args, subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+        if key not in self._jobs:
+            self._jobs[key] = self._pool.submit(run)
+
+    def result(self, key) -> str:
+        return _check(*self._jobs[key].result())
+
+    def drain(self):
+        """Waits for every started child (their tests report their outcomes)."""
+        for job in list(self._jobs.values()):
+            try:
+                job.result()
+            except BaseException:  # noqa: B036 (pytest.fail raises a BaseException)
+                pass
+
+    def close(self):
+        self._closed = True
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        self._pool.shutdown(wait=True)
+
+
+def _mesh_args(mesh) -> tuple:
+    return ",".join(map(str, mesh)), "none" if mesh == (8, 1, 1, 1) else "all_to_all"
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("sharding") / "reference.pkl"
-    _run_child("reference", path)
-    return path
+def children(request, tmp_path_factory):
+    """Starts the children of this module's selected tests (see the module docstring)."""
+    base = tmp_path_factory.mktemp("sharding")
+    ch = _Children()
+    ref = base / "reference.pkl"
+    names = {item.name for item in request.session.items if item.path == request.path}
+    meshes = [m for m in MESHES if _mesh_id(m) in names or not names]
+    if not names or meshes or names & {"test_checkpoint_restores_across_meshes",
+                                       "test_two_processes_run_one_sharded_step"}:
+        ch.submit("reference", "reference", ref)
+    if "test_expert_parallel_dispatch_equals_local" in names:
+        ch.submit("moe_ep", "moe_ep")
+    for m in meshes:
+        ch.submit(m, "mesh_step", ref, *_mesh_args(m), after="reference")
+    if "test_checkpoint_restores_across_meshes" in names:
+        ch.submit("checkpoint", "checkpoint", ref, base / "ckpt", after="reference")
+    ch.paths = {"reference": ref, "base": base}
+    yield ch
+    ch.close()
+
+
+def _mesh_id(mesh) -> str:
+    return f"test_sharded_train_step_equals_unsharded[{'x'.join(map(str, mesh))}]"
+
+
+@pytest.fixture(scope="module")
+def reference(children) -> pathlib.Path:
+    children.submit("reference", "reference", children.paths["reference"])
+    children.result("reference")
+    return children.paths["reference"]
 
 
 # =========================================================================== tests (parent side)
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
-def test_sharded_train_step_equals_unsharded(reference, mesh):
+def test_sharded_train_step_equals_unsharded(children, reference, mesh):
     """Forward, loss, gradients, router statistics, aux-free bias update and one AdamW step on
     the mesh equal the single-device ones. (8,1,1,1) runs the local MoE path under GSPMD; the
     meshes with expert/fsdp/tensor > 1 run the all_to_all expert-parallel dispatch."""
-    ep = "none" if mesh == (8, 1, 1, 1) else "all_to_all"
-    out = _run_child("mesh_step", reference, ",".join(map(str, mesh)), ep)
-    assert "OK" in out
+    children.submit(mesh, "mesh_step", reference, *_mesh_args(mesh))  # if not started already
+    mesh_str, ep = _mesh_args(mesh)
+    assert f"OK {mesh_str} {ep}" in children.result(mesh)
 
 
-def test_expert_parallel_dispatch_equals_local():
+def test_expert_parallel_dispatch_equals_local(children):
     """Layer level: all_to_all and ragged (emulated collective) dispatch equal the local
     dispatch (values and gradients); capacity drops equal a per-shard numpy model; the real
     ragged_all_to_all is refused on CPU."""
-    out = _run_child("moe_ep")
-    assert "OK" in out
+    children.submit("moe_ep", "moe_ep")
+    assert "OK moe_ep" in children.result("moe_ep")
 
 
-def test_checkpoint_restores_across_meshes(reference, tmp_path):
-    out = _run_child("checkpoint", reference, tmp_path / "ckpt")
-    assert "OK" in out
+def test_checkpoint_restores_across_meshes(children, reference):
+    children.submit("checkpoint", "checkpoint", reference, children.paths["base"] / "ckpt")
+    assert "OK checkpoint" in children.result("checkpoint")
 
 
-def test_two_processes_run_one_sharded_step(reference, tmp_path):
+def test_two_processes_run_one_sharded_step(children, reference, tmp_path):
     """Two local processes (4 CPU devices each) joined by jax.distributed (gloo collectives)
     run one sharded train step on a (2,1,2,2) mesh spanning both; both agree with the
     single-process reference."""
+    children.drain()  # the two workers get the machine to themselves
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -236,7 +326,7 @@ def _setup_child():
     sys.path.insert(0, str(ROOT))
     from model._xla_env import configure_xla_env
 
-    configure_xla_env()  # before jax is imported (as tests/conftest.py does)
+    configure_xla_env(fast_compile=True)  # before jax is imported (as tests/conftest.py does)
     import jax
 
     cache = ROOT / ".cache" / "jax"

@@ -24,6 +24,17 @@ def setup():
     return model, model.init(jax.random.key(0))
 
 
+@pytest.fixture(scope="module")
+def logp_fn(setup):
+    """One jitted trainer log-prob function for every test here."""
+    return make_logp_fn(setup[0])
+
+
+# One sampler program (rl/sampler.py compiles one per sampling config without its temperature)
+# serves the greedy, sampled and EOS-reference generations below: 8 new tokens, no EOS id.
+N_NEW = 8
+
+
 def _prompts():
     prompts = jnp.array([[1, 40, 41, 42, 43], [1, 50, 51, 0, 0], [1, 60, 0, 0, 0]], jnp.int32)
     return prompts, jnp.array([5, 3, 2])
@@ -38,47 +49,48 @@ def test_greedy_sampler_matches_recomputation(setup):
     # recompute without a cache: one teacher-forced forward over prompt + completion; greedy
     # means every generated token is the argmax at the position before it
     tokens, mask = pack(prompts, lengths, out.tokens, out.mask)
-    logits = model.apply(variables, jnp.asarray(tokens), with_mtp=False).logits
+    logits = jax.jit(lambda v, t: model.apply(v, t, with_mtp=False).logits)(
+        variables, jnp.asarray(tokens))
     pred = np.asarray(jnp.argmax(logits[:, :-1], axis=-1))
     np.testing.assert_array_equal(pred[mask[:, 1:]], np.asarray(tokens)[:, 1:][mask[:, 1:]])
 
 
-def test_sampled_logprobs_match_trainer_and_are_reproducible(setup):
+def test_sampled_logprobs_match_trainer_and_are_reproducible(setup, logp_fn):
     model, variables = setup
     prompts, lengths = _prompts()
-    sampler = Sampler(model, SamplingConfig(max_new_tokens=10, temperature=1.0))
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=N_NEW, temperature=1.0, eos_id=-1))
     a = sampler.generate(variables, prompts, lengths, jax.random.key(7))
     b = sampler.generate(variables, prompts, lengths, jax.random.key(7))
     np.testing.assert_array_equal(a.tokens, b.tokens)
     c = sampler.generate(variables, prompts, lengths, jax.random.key(8))
     assert not np.array_equal(a.tokens, c.tokens)
     tokens, mask, rollout = pack(prompts, lengths, a.tokens, a.mask, extras=(a.logprobs,))
-    trainer = make_logp_fn(model)(variables, jnp.asarray(tokens), jnp.asarray(mask))
+    trainer = logp_fn(variables, jnp.asarray(tokens), jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(trainer)[mask], rollout[mask], atol=2e-4)
 
 
 def test_eos_stop_sequences_and_top_k(setup):
     model, variables = setup
     prompts, lengths = _prompts()
-    greedy = Sampler(model, SamplingConfig(max_new_tokens=6, temperature=0.0, eos_id=-1))
+    greedy = Sampler(model, SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=-1))
     ref = np.asarray(greedy.generate(variables, prompts, lengths, jax.random.key(0)).tokens)
     # make the 3rd greedy token of row 0 the EOS id: row 0 stops there, others go on
     eos = int(ref[0, 2])
-    out = Sampler(model, SamplingConfig(max_new_tokens=6, temperature=0.0, eos_id=eos)).generate(
-        variables, prompts, lengths, jax.random.key(0))
-    first = [int(np.argmax(ref[b] == eos)) if (ref[b] == eos).any() else 6 for b in range(3)]
+    out = Sampler(model, SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=eos)
+                  ).generate(variables, prompts, lengths, jax.random.key(0))
+    first = [int(np.argmax(ref[b] == eos)) if (ref[b] == eos).any() else N_NEW for b in range(3)]
     for b in range(3):
-        n = min(first[b] + 1, 6)
+        n = min(first[b] + 1, N_NEW)
         assert int(out.lengths[b]) == n
         np.testing.assert_array_equal(np.asarray(out.tokens[b, :n]), ref[b, :n])
-        assert bool(out.finished[b]) == (first[b] < 6)
+        assert bool(out.finished[b]) == (first[b] < N_NEW)
     stop = tuple(int(t) for t in ref[1, 1:3])
-    out = Sampler(model, SamplingConfig(max_new_tokens=6, temperature=0.0, eos_id=-1,
+    out = Sampler(model, SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=-1,
                                         stop_sequences=(stop,))).generate(
         variables, prompts, lengths, jax.random.key(0))
     assert int(out.lengths[1]) <= 3 and bool(out.finished[1])
     # top_k=1 sampling is greedy
-    out = Sampler(model, SamplingConfig(max_new_tokens=6, temperature=1.0, top_k=1, eos_id=-1)
+    out = Sampler(model, SamplingConfig(max_new_tokens=N_NEW, temperature=1.0, top_k=1, eos_id=-1)
                   ).generate(variables, prompts, lengths, jax.random.key(3))
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     np.testing.assert_allclose(np.asarray(out.logprobs), 0.0, atol=1e-6)
@@ -93,13 +105,13 @@ def test_sampler_rejects_bad_input(setup):
         s.generate(variables, jnp.ones((1, 4), jnp.int32), jnp.array([4]), jax.random.key(0))
 
 
-def _batch(model, variables, n=4, seed=0):
+def _batch(logp_fn, variables, n=4, seed=0):
     rng = np.random.default_rng(seed)
     prompts = rng.integers(3, 200, (n, 6)).astype(np.int32)
     comps = rng.integers(3, 200, (n, 8)).astype(np.int32)
     cmask = np.arange(8)[None] < rng.integers(3, 9, (n, 1))
     tokens, mask = pack(prompts, np.full(n, 6), comps, cmask, width=16)
-    logp = make_logp_fn(model)(variables, jnp.asarray(tokens), jnp.asarray(mask))
+    logp = logp_fn(variables, jnp.asarray(tokens), jnp.asarray(mask))
     adv = rng.normal(size=(n, 1)).astype(np.float32)
     return {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask),
             "advantages": jnp.asarray(adv), "old_logp": logp, "ref_logp": logp,
@@ -115,11 +127,11 @@ def grpo_step1(setup):
                                       donate=False)
 
 
-def test_micro_batches_equal_full_batch(setup, grpo_step1):
+def test_micro_batches_equal_full_batch(setup, grpo_step1, logp_fn):
     # (GSPO's sequence-level ratio and every other preset run under jax.grad in test_algorithms)
     model, variables = setup
     opt, algo, step1 = grpo_step1
-    batch = _batch(model, variables)
+    batch = _batch(logp_fn, variables)
     s1, m1 = step1(init_train_state(variables, opt), batch)
     s2, m2 = make_train_step(model, algo, opt, micro_batches=2, mtp_loss_weight=0.1, donate=False)(
         init_train_state(variables, opt), batch)
@@ -136,10 +148,10 @@ def test_micro_batches_equal_full_batch(setup, grpo_step1):
     assert biases and any(float(jnp.max(jnp.abs(b))) > 0 for b in biases)
 
 
-def test_nonfinite_update_is_skipped(setup, grpo_step1):
+def test_nonfinite_update_is_skipped(setup, grpo_step1, logp_fn):
     model, variables = setup
     opt, _, step1 = grpo_step1
-    batch = _batch(model, variables)
+    batch = _batch(logp_fn, variables)
     batch["advantages"] = batch["advantages"].at[0, 0].set(jnp.nan)
     new, met = step1(init_train_state(variables, opt), batch)
     assert int(new.skipped) == 1 and int(new.step) == 0 and float(met["update_finite"]) == 0
