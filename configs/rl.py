@@ -55,8 +55,10 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rl = ml_collections.ConfigDict(dict(
         steps=100, prompts_per_batch=8, group_size=4, max_prompt_len=72, max_new_tokens=48,
         temperature=1.0, top_p=1.0, top_k=0, micro_batches=1, mtp_loss_weight=0.1,
-        overlap_scoring=True, log_every=1, checkpoint_every=25, keep_checkpoints=3,
+        speculative="none", overlap_scoring=True, log_every=1, checkpoint_every=25, keep_checkpoints=3,
         init_from="sft"))  # "sft": the SFT checkpoint in workdir/sft; "scratch": random init
+    # rl.speculative="mtp": rollouts and evals draft with the MTP head and verify two tokens per
+    # trunk pass (rl/sampler.py; same output distribution, greedy identical)
     c.rl.algo = _algo(algo)
     # the value head of algorithms with a critic (rl.algo.needs_values: ppo); see
     # rl/critic.py:CriticConfig. detached: the value loss does not train the policy trunk;

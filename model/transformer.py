@@ -16,8 +16,9 @@ The cache is a plain pytree: {"lengths": [B] int32 tokens held per row, "layers"
 cache, ...)}; KDA layers hold a conv window and a [B,H,K,V] f32 state, DSA layers the latent KV
 and indexer keys for every position < max_len.
 
-Not covered here: MTP speculative decoding (drafting with the MTP head during decode) lives in
-rl/sampler.py; the MTP block itself is only run in training/scoring forwards.
+MTP speculative decoding (rl/sampler.py) uses `verify` (a few tokens at once; KDA layers return
+their state after each prefix) + `commit` (keep n tokens per row) on this cache, and
+`mtp_draft` over a separate cache for the first MTP module (`init_draft_cache`).
 """
 
 from __future__ import annotations
@@ -67,13 +68,14 @@ class Block(nn.Module):
     moe: bool
 
     @nn.compact
-    def __call__(self, x, *, valid, positions, cache=None, offset=None):
+    def __call__(self, x, *, valid, positions, cache=None, offset=None, step_caches=False):
         c = self.cfg
         dt, pdt = _dtype(c.dtype), _dtype(c.param_dtype)
         layer_cls, sub = ATTENTION[self.kind]
         attn = layer_cls(getattr(c, sub), c.d_model, c.norm_eps, dt, pdt, name="attn")
         h = RMSNorm(c.norm_eps, pdt, name="attn_norm")(x)
-        a, new_cache, aux = attn(h, valid=valid, positions=positions, cache=cache, offset=offset)
+        a, new_cache, aux = attn(h, valid=valid, positions=positions, cache=cache, offset=offset,
+                                 step_caches=step_caches)
         x = x + a
         h = RMSNorm(c.norm_eps, pdt, name="ffn_norm")(x)
         if self.moe:
@@ -101,9 +103,11 @@ class Transformer(nn.Module):
         self.mtp_norms = [RMSNorm(c.norm_eps, pdt, name=f"mtp_{k}_norm")
                           for k in range(c.mtp.depth)]
 
-    def __call__(self, tokens, valid=None, cache=None, with_mtp=True):
+    def __call__(self, tokens, valid=None, cache=None, with_mtp=True, step_caches=False):
         """tokens [B,T] int32; valid [B,T] bool (default all). With a cache: chunked prefill /
-        decode, rows start at cache["lengths"]. Returns (ModelOutput, new cache or None)."""
+        decode, rows start at cache["lengths"]. Returns (ModelOutput, new cache or None).
+        step_caches: the layers return per-prefix cache candidates (speculative verification)
+        and the lengths stay put; `Model.commit` keeps n tokens per row."""
         B, T = tokens.shape
         if valid is None:
             valid = jnp.ones((B, T), bool)
@@ -114,7 +118,8 @@ class Transformer(nn.Module):
         new_layers, auxes = [], []
         for i, blk in enumerate(self.blocks):
             lc = None if cache is None else cache["layers"][i]
-            x, nc, aux = blk(x, valid=valid, positions=positions, cache=lc, offset=offset)
+            x, nc, aux = blk(x, valid=valid, positions=positions, cache=lc, offset=offset,
+                             step_caches=step_caches)
             new_layers.append(nc)
             auxes.append(aux)
         hidden = x
@@ -147,9 +152,26 @@ class Transformer(nn.Module):
         )
         new_cache = None
         if cache is not None:
-            new_cache = {"lengths": cache["lengths"] + jnp.sum(valid, axis=1).astype(jnp.int32),
+            added = 0 if step_caches else jnp.sum(valid, axis=1).astype(jnp.int32)
+            new_cache = {**cache, "lengths": cache["lengths"] + added,
                          "layers": tuple(new_layers)}
         return out, new_cache
+
+    def mtp_draft(self, hidden, next_tokens, valid, cache):
+        """The first MTP module over its own cache (speculative drafting).
+
+        hidden [B,T,D] trunk outputs at positions cache["lengths"] + t, next_tokens [B,T] the
+        tokens that follow them, valid [B,T]. Returns (logits [B,T,V] for the token after
+        next_tokens, new cache with lengths advanced by the valid count)."""
+        B, T = next_tokens.shape
+        offset = cache["lengths"]
+        positions = offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B,T]
+        h = self.mtp_combine[0](hidden, self.embed.encode(next_tokens))
+        h, mc, _ = self.mtp_blocks[0](h, valid=valid, positions=positions, cache=cache["mtp"],
+                                      offset=offset)
+        logits = self.embed.decode(self.mtp_norms[0](h))
+        return logits, {**cache, "lengths": offset + jnp.sum(valid, axis=1).astype(jnp.int32),
+                        "mtp": mc}
 
 
 def moe_layer_names(cfg: ModelConfig) -> list[str]:
@@ -183,17 +205,47 @@ class Model:
         return out
 
     def init_cache(self, batch: int, max_len: int) -> dict[str, Any]:
-        c = self.cfg
-        dt = _dtype(c.dtype)
-        layers = tuple(ATTENTION[k][0].init_cache(getattr(c, ATTENTION[k][1]), batch, max_len, dt)
-                       for k in c.layer_kinds())
+        layers = tuple(self._layer_cache(k, batch, max_len) for k in self.cfg.layer_kinds())
         return {"lengths": jnp.zeros((batch,), jnp.int32), "layers": layers}
+
+    def init_draft_cache(self, batch: int, max_len: int) -> dict[str, Any]:
+        """Cache of the first MTP module's block, for `mtp_draft` (speculative decoding)."""
+        if not self.cfg.mtp.depth:
+            raise ValueError("speculative drafting needs an MTP module: set mtp.depth >= 1")
+        return {"lengths": jnp.zeros((batch,), jnp.int32),
+                "mtp": self._layer_cache(self.cfg.mtp.layer_kind, batch, max_len)}
+
+    def _layer_cache(self, kind: str, batch: int, max_len: int):
+        cls, sub = ATTENTION[kind]
+        return cls.init_cache(getattr(self.cfg, sub), batch, max_len, _dtype(self.cfg.dtype))
 
     def prefill(self, variables, tokens, lengths, cache):
         """tokens [B,T] right-padded, lengths [B]. Returns (logits [B,T,V], cache, hidden)."""
         valid = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
         out, cache = self.net.apply(variables, tokens, valid, cache)
         return out.logits, cache, out.hidden
+
+    def verify(self, variables, tokens, cache, active=None):
+        """Speculative verification: tokens [B,T] (the last sampled token, then drafts) at each
+        row's position; active [B] (default all). Returns (logits [B,T,V], step cache, hidden
+        [B,T,D]); `commit(step_cache, n)` then keeps the first n[b] tokens of row b."""
+        valid = jnp.ones(tokens.shape, bool)
+        if active is not None:
+            valid = valid & active[:, None]
+        out, step_cache = self.net.apply(variables, tokens, valid, cache, step_caches=True)
+        return out.logits, step_cache, out.hidden
+
+    def commit(self, step_cache, n):
+        """The cache after the first n[b] (0..T) verified tokens of each row."""
+        layers = tuple(ATTENTION[k][0].select_step_cache(lc, n)
+                       for k, lc in zip(self.cfg.layer_kinds(), step_cache["layers"]))
+        return {**step_cache, "lengths": step_cache["lengths"] + n.astype(jnp.int32),
+                "layers": layers}
+
+    def mtp_draft(self, variables, hidden, next_tokens, valid, draft_cache):
+        """See `Transformer.mtp_draft`: MTP-1 logits [B,T,V] and the advanced draft cache."""
+        return self.net.apply(variables, hidden, next_tokens, valid, draft_cache,
+                              method=Transformer.mtp_draft)
 
     def decode_step(self, variables, tokens, cache, active=None):
         """tokens [B] (the last sampled token per row); active [B] bool rows to advance

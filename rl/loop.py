@@ -263,7 +263,8 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         from sandbox.verifiers import Verifier
         verifier = Verifier(executor=pool)
     sampling = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                              top_p=r.top_p, top_k=r.top_k, eos_id=tok.eos_id)
+                              top_p=r.top_p, top_k=r.top_k, eos_id=tok.eos_id,
+                              speculative=r.speculative)
     worker = RolloutWorker(model, tok, sampling, verifier, group_size=r.group_size,
                            max_prompt_len=r.max_prompt_len)
     eval_worker = RolloutWorker(model, tok, dataclasses.replace(

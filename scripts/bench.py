@@ -8,6 +8,7 @@ tests). Each area owns its benchmark next to its code; this file only dispatches
   mxfp4    MXFP4 vs bf16 bytes and matmul time (decode M=8, prefill M=2048)
   sandbox  isolated runs/s and latency vs a plain subprocess, and through the HTTP server
   rl       sampler with cache vs recompute, train step time, RL iteration split
+  spec     MTP speculative vs plain decoding: tokens/s, acceptance, greedy outputs identical
   moe      expert-parallel dispatch vs local dispatch on 8 host devices
 """
 
@@ -28,6 +29,7 @@ BENCHMARKS = {
     "mxfp4": "pallas_kernels.mxfp4.bench",
     "sandbox": "sandbox.bench",
     "rl": "rl.bench",
+    "spec": "rl.bench_spec",
     "moe": "model.bench_moe",
 }
 

@@ -115,7 +115,7 @@ def main(_):
     try:
         test = [t for t, _ in load_task_splits(config)["test"]]
         base = SamplingConfig(max_new_tokens=config.rl.max_new_tokens, temperature=0.0,
-                              eos_id=tok.eos_id)
+                              eos_id=tok.eos_id, speculative=config.rl.speculative)
         w_greedy = RolloutWorker(model, tok, base, verifier, group_size=1,
                                  max_prompt_len=config.rl.max_prompt_len)
         w_sampled = RolloutWorker(model, tok, dataclasses.replace(base, temperature=1.0),

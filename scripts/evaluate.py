@@ -97,7 +97,8 @@ def main(_):
                 variables = load_rl_variables(config, model, path)
             ks = tuple(int(k) for k in _K.value.split(","))
             sampling = SamplingConfig(max_new_tokens=config.rl.max_new_tokens,
-                                      temperature=_TEMP.value, eos_id=tok.eos_id)
+                                      temperature=_TEMP.value, eos_id=tok.eos_id,
+                                      speculative=config.rl.speculative)
             worker = RolloutWorker(model, tok, dataclasses.replace(sampling), verifier,
                                    group_size=_N.value, max_prompt_len=config.rl.max_prompt_len)
             res = evaluate(worker, variables, tasks, jax.random.key(0), n_samples=_N.value,

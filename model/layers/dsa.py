@@ -67,11 +67,14 @@ class DSALayer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, *, valid, positions, cache=None, offset=None):
+    def __call__(self, x, *, valid, positions, cache=None, offset=None, step_caches=False):
         """x [B,T,D], valid [B,T], positions [B,T]; with a cache, offset [B] = tokens already in it.
+        step_caches: the cache rows are per position, so one cache serves every prefix of the new
+        tokens (rows past a row's committed length are rewritten before any query attends them).
 
         Returns (out [B,T,D], new cache or None, aux {"indexer_kl": scalar} when trained).
         """
+        del step_caches
         c = self.cfg
         B, T, _ = x.shape
         H, L, R, N = c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim
@@ -139,6 +142,11 @@ class DSALayer(nn.Module):
                                            jax.lax.stop_gradient(kv), scores, key_mask, valid,
                                            scale)
         return out, new_cache, aux
+
+    @staticmethod
+    def select_step_cache(step_cache: dict, n: jax.Array) -> dict:
+        del n  # positional rows: nothing to choose (see step_caches above)
+        return step_cache
 
     @staticmethod
     def init_cache(cfg: DSAConfig, batch: int, max_len: int, dtype) -> dict:

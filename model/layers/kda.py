@@ -48,11 +48,13 @@ class KDALayer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, *, valid, positions=None, cache=None, offset=None):
+    def __call__(self, x, *, valid, positions=None, cache=None, offset=None, step_caches=False):
         """x: [B,T,D]; valid: [B,T] bool. Returns (out [B,T,D], new cache or None, aux {}).
 
         positions and offset are unused (KDA carries position in its state); they keep the
-        attention-layer signature uniform.
+        attention-layer signature uniform. step_caches (with a cache; speculative verification
+        of a few tokens): the returned cache holds the candidates after 0..T of the new tokens,
+        {"conv": [T+1,B,W-1,C], "state": [T+1,B,H,K,V]}; `select_step_cache` keeps one per row.
         """
         del positions, offset
         c = self.cfg
@@ -66,6 +68,9 @@ class KDALayer(nn.Module):
             nn.initializers.normal(W ** -0.5), ("conv", "heads")), (W, C), self.param_dtype)
         lengths = jnp.sum(valid, axis=1).astype(jnp.int32)  # [B]
         window = cache["conv"] if cache is not None else jnp.zeros((B, W - 1, C), qkv.dtype)
+        if step_caches:  # the conv window after each prefix 0..T of the new inputs
+            xp = jnp.concatenate([window.astype(qkv.dtype), qkv], axis=1)  # [B,W-1+T,C]
+            step_windows = jnp.stack([xp[:, j:j + W - 1] for j in range(T + 1)])
         qkv, new_window = causal_depthwise_conv(qkv, conv_w.astype(qkv.dtype), window, lengths)
         qkv = nn.silu(qkv)
         q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
@@ -93,7 +98,16 @@ class KDALayer(nn.Module):
         beta = jnp.where(valid[:, :, None], beta, 0.0)
 
         state = cache["state"] if cache is not None else None
-        if cache is not None and T == 1:
+        if cache is not None and step_caches:  # T is small: one recurrent step per token
+            states, outs = [state], []
+            for j in range(T):
+                o_j, s_j = kda_ops.kda_step(q[:, j], k[:, j], v[:, j], g[:, j], beta[:, j],
+                                            states[-1])
+                outs.append(o_j)
+                states.append(s_j)
+            o, new_state = jnp.stack(outs, axis=1), jnp.stack(states)  # [B,T,H,V], [T+1,B,H,K,V]
+            new_window = step_windows
+        elif cache is not None and T == 1:
             o, new_state = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
             o = o[:, None]
         else:
@@ -112,6 +126,12 @@ class KDALayer(nn.Module):
         new_cache = None if cache is None else {"conv": new_window.astype(cache["conv"].dtype),
                                                 "state": new_state}
         return out, new_cache, {}
+
+    @staticmethod
+    def select_step_cache(step_cache: dict, n: jax.Array) -> dict:
+        """From step_caches candidates keep, per row b, the one after n[b] new tokens."""
+        rows = jnp.arange(n.shape[0])
+        return {key: val[n, rows] for key, val in step_cache.items()}
 
     @staticmethod
     def init_cache(cfg: KDAConfig, batch: int, max_len: int, dtype) -> dict:
