@@ -6,8 +6,10 @@ Public entry points live on `Model`, a thin stateless facade over the Linen modu
     variables = model.init(jax.random.key(0))             # {"params": ..., "router_state": ...}
     out = model.apply(variables, tokens)                   # training: ModelOutput
     cache = model.init_cache(batch=B, max_len=S)
-    logits, cache = model.prefill(variables, tokens, lengths, cache)   # right-padded prompts
-    logits, cache = model.decode_step(variables, next_tokens, cache)   # [B] -> [B,V]
+    logits, cache, hidden = model.prefill(variables, tokens, lengths, cache)  # right-padded
+    logits, cache, hidden = model.decode_step(variables, next_tokens, cache)  # [B] -> [B,V]
+    logits, steps, hidden = model.verify(variables, tokens_2, cache)   # [B,T] -> [B,T,V]
+    cache = model.commit(steps, n_keep)                                # keep n_keep[b] tokens
 
 Layer kinds come from `ModelConfig.layer_kinds()` and the `ATTENTION` table (letter -> layer class
 and the name of its sub-config); nothing below branches on the model type.
@@ -182,6 +184,9 @@ def moe_layer_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
+_INIT_PROGRAMS: dict = {}  # (ModelConfig, seq_len) -> jitted init
+
+
 class Model:
     """Stateless facade: every method is a pure function of (variables, inputs[, cache])."""
 
@@ -190,9 +195,19 @@ class Model:
         self.net = Transformer(cfg)
 
     def init(self, rng: jax.Array, *, seq_len: int = 8) -> dict[str, Any]:
-        tokens = jnp.zeros((1, seq_len), jnp.int32)
-        variables = self.net.init({"params": rng}, tokens)
-        return nn.meta.unbox(variables)
+        """Fresh variables, from one compiled program per (config, seq_len): op-by-op
+        initialisation costs about twice as much in a fresh process (13 s vs 6.5 s for the test
+        preset on 2 CPU cores) and cannot use the persistent compilation cache."""
+        key = (self.cfg, seq_len)
+        fn = _INIT_PROGRAMS.get(key)
+        if fn is None:
+            net = self.net
+
+            def init_fn(rng):
+                return nn.meta.unbox(net.init({"params": rng}, jnp.zeros((1, seq_len), jnp.int32)))
+
+            fn = _INIT_PROGRAMS[key] = jax.jit(init_fn)
+        return fn(rng)
 
     def abstract_init(self, *, seq_len: int = 8):
         """Shapes/dtypes of the variables without allocating (jax.eval_shape); boxed with their
