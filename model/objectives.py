@@ -52,3 +52,34 @@ def lm_loss(out, tokens, loss_mask, cfg: ModelConfig) -> tuple[jax.Array, dict]:
         metrics["indexer_kl"] = out.indexer_kl
     metrics["loss"] = total
     return total, metrics
+
+
+def counting_tokens(key: jax.Array, n: int, length: int, span: int = 50) -> jax.Array:
+    """A synthetic task an LM and its MTP head learn in a few dozen steps: n rows counting
+    upward from random starts, token = 3 + (start + t) % span. [n,length] int32."""
+    starts = jax.random.randint(key, (n, 1), 0, span)
+    return ((starts + jnp.arange(length)[None]) % span + 3).astype(jnp.int32)
+
+
+def fit_lm_on_batch(model, variables, tokens, *, steps: int, lr: float):
+    """Full-batch AdamW on `lm_loss` over `tokens` [B,T] (every token a target), one jitted step
+    (for tests, benchmarks and notebooks). Returns (variables, per-step metrics)."""
+    import optax
+
+    cfg = model.cfg
+    mask = jnp.ones_like(tokens, bool)
+    opt = optax.adamw(lr)
+
+    @jax.jit
+    def step(params, state):
+        def loss_fn(p):
+            return lm_loss(model.apply({**variables, "params": p}, tokens), tokens, mask, cfg)
+        (_, met), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        up, state = opt.update(g, state, params)
+        return optax.apply_updates(params, up), state, met
+
+    params, state, history = variables["params"], opt.init(variables["params"]), []
+    for _ in range(steps):
+        params, state, met = step(params, state)
+        history.append(met)
+    return {**variables, "params": params}, history

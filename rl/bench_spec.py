@@ -48,36 +48,18 @@ def _demo_model(workdir: str, batch: int):
 
 
 def _counting_model(batch: int, quick: bool):
-    import optax
-
     from configs import models
     from model.config import ModelConfig
-    from model.objectives import lm_loss
+    from model.objectives import counting_tokens, fit_lm_on_batch
     from model.transformer import Model
 
-    cfg = ModelConfig.from_dict(models.get_config("test" if quick else "tiny"))
-    model = Model(cfg)
-    variables = model.init(jax.random.key(0))
-    span, L = 50, 96
-    tokens = ((jax.random.randint(jax.random.key(5), (32, 1), 0, span) + jnp.arange(L)[None])
-              % span + 3).astype(jnp.int32)
-    mask = jnp.ones_like(tokens, bool)
-    opt = optax.adamw(3e-3)
-
-    @jax.jit
-    def step(params, state):
-        def loss_fn(p):
-            return lm_loss(model.apply({**variables, "params": p}, tokens), tokens, mask, cfg)
-        (_, met), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        up, state = opt.update(g, state, params)
-        return optax.apply_updates(params, up), state, met
-
-    params, state = variables["params"], opt.init(variables["params"])
-    for _ in range(60 if quick else 300):
-        params, state, met = step(params, state)
-    prompts = ((jax.random.randint(jax.random.key(9), (batch, 1), 0, span) + jnp.arange(16)[None])
-               % span + 3).astype(jnp.int32)
-    return (model, {**variables, "params": params}, prompts, jnp.full((batch,), 16, jnp.int32),
+    model = Model(ModelConfig.from_dict(models.get_config("test" if quick else "tiny")))
+    variables, history = fit_lm_on_batch(model, model.init(jax.random.key(0)),
+                                         counting_tokens(jax.random.key(5), 32, 96),
+                                         steps=60 if quick else 300, lr=3e-3)
+    met = history[-1]
+    prompts = counting_tokens(jax.random.key(9), batch, 16)
+    return (model, variables, prompts, jnp.full((batch,), 16, jnp.int32),
             24 if quick else 64, -1,
             f"{'test' if quick else 'tiny'} preset trained here on counting "
             f"(ce {float(met['ce']):.3f}, mtp_ce {float(met['mtp_ce']):.3f})")

@@ -306,9 +306,9 @@ def _generate_speculative_impl(model: Model, cfg: SamplingConfig, variables, pro
         ndraft = _sample_rows(nq, k_draft, greedy)
         ntok = jnp.where(accept, x2, x1)
         stats = stats + jnp.stack([jnp.sum(active), jnp.sum(active & accept)]).astype(jnp.int32)
-        keep = active  # finished rows keep their carry
-        return (jnp.where(keep, ntok, tok), jnp.where(keep, ndraft, draft),
-                jnp.where(keep[:, None], nq, q), buf, lps, new_done, n_gen + n_new, cache,
+        # finished rows keep their carry
+        return (jnp.where(active, ntok, tok), jnp.where(active, ndraft, draft),
+                jnp.where(active[:, None], nq, q), buf, lps, new_done, n_gen + n_new, cache,
                 dcache, rng, stats)
 
     carry = (tok, draft, q, buf, lps, done, n_gen, cache, dcache, rng, stats)

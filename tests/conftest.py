@@ -38,35 +38,15 @@ def counting_model():
     Returns a namespace: model, variables, history (per-step metrics)."""
     import types
 
-    import jax.numpy as jnp
-    import optax
-
     from configs import models
     from model.config import ModelConfig
-    from model.objectives import lm_loss
+    from model.objectives import counting_tokens, fit_lm_on_batch
     from model.transformer import Model
 
     c = models.get_config("test")
     c.dsa.indexer_loss_weight = 0.1
-    cfg = ModelConfig.from_dict(c)
-    model = Model(cfg)
-    variables = model.init(jax.random.key(0))
-    starts = jax.random.randint(jax.random.key(5), (16, 1), 0, 50)
-    tokens = (starts + jnp.arange(32)[None]) % 50 + 3
-    mask = jnp.ones_like(tokens, bool)
-    opt = optax.adamw(3e-3)
-
-    @jax.jit
-    def step(params, state):
-        def loss_fn(p):
-            return lm_loss(model.apply({**variables, "params": p}, tokens), tokens, mask, cfg)
-        (_, met), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        up, state = opt.update(g, state, params)
-        return optax.apply_updates(params, up), state, met
-
-    params, state, history = variables["params"], opt.init(variables["params"]), []
-    for _ in range(40):
-        params, state, met = step(params, state)
-        history.append(met)
-    return types.SimpleNamespace(model=model, variables={**variables, "params": params},
-                                 history=history)
+    model = Model(ModelConfig.from_dict(c))
+    variables, history = fit_lm_on_batch(model, model.init(jax.random.key(0)),
+                                         counting_tokens(jax.random.key(5), 16, 32),
+                                         steps=40, lr=3e-3)
+    return types.SimpleNamespace(model=model, variables=variables, history=history)

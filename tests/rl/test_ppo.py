@@ -167,12 +167,17 @@ def test_old_values_and_returns_match_gae_by_hand(ppo):
         build_train_batch(group, algo, ppo["width"])
 
 
-def test_value_loss_falls_with_finite_gradients(ppo):
+def _state_and_batch(ppo, seed):
+    """A fresh PPO state with a random value head, and a train batch built with its values."""
     state = ppo["fresh_state"]()
-    vp = _random_head(state.value_params, 3)
-    state = state.replace(value_params=vp)
+    state = state.replace(value_params=_random_head(state.value_params, seed))
     batch, _ = build_train_batch(_group(ppo["config"]), ppo["algo"], ppo["width"],
                                  forward=_forward(ppo, state))
+    return state, batch
+
+
+def test_value_loss_falls_with_finite_gradients(ppo):
+    state, batch = _state_and_batch(ppo, 3)
     mask = batch["loss_mask"]
     jb = {k: jnp.asarray(x) for k, x in batch.items()}
     mets = []
@@ -196,11 +201,7 @@ def test_value_loss_falls_with_finite_gradients(ppo):
 
 
 def test_detached_critic_leaves_the_policy_gradient_alone(ppo):
-    state = ppo["fresh_state"]()
-    vp = _random_head(state.value_params, 4)
-    state = state.replace(value_params=vp)
-    batch, _ = build_train_batch(_group(ppo["config"]), ppo["algo"], ppo["width"],
-                                 forward=_forward(ppo, state))
+    state, batch = _state_and_batch(ppo, 4)
     batch["advantages"] = np.zeros_like(batch["advantages"])  # the value loss is the only term
     before = jax.device_get((state.params, state.value_params))
     new, met = ppo["step"](state, {k: jnp.asarray(x) for k, x in batch.items()})
@@ -216,7 +217,7 @@ def test_detached_critic_leaves_the_policy_gradient_alone(ppo):
 
     def grad_h(detached):
         c = CriticConfig(detached=detached)
-        return jax.grad(lambda x: jnp.sum(token_values(c, vp, x) ** 2))(h)
+        return jax.grad(lambda x: jnp.sum(token_values(c, before[1], x) ** 2))(h)
 
     assert float(jnp.max(jnp.abs(grad_h(True)))) == 0.0
     assert float(jnp.max(jnp.abs(grad_h(False)[:, :-1]))) > 0.0

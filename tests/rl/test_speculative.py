@@ -16,16 +16,10 @@ import pytest
 
 from configs import models
 from model.config import ModelConfig
+from model.objectives import counting_tokens
 from model.transformer import Model
 from rl.sampler import Sampler, SamplingConfig, pack, verify_draft
 from rl.train_step import make_logp_fn
-
-VOCAB_SPAN = 50  # the counting task of tests/conftest.py: token = 3 + (start + t) % 50
-
-
-def _counting(key, n, length):
-    starts = jax.random.randint(key, (n, 1), 0, VOCAB_SPAN)
-    return ((starts + jnp.arange(length)[None]) % VOCAB_SPAN + 3).astype(jnp.int32)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +43,7 @@ def bad_drafts(trained):
 
 def _prompts():
     """Two counting prompts (drafts mostly right) and one random one (drafts mostly wrong)."""
-    count = np.asarray(_counting(jax.random.key(9), 2, 6))
+    count = np.asarray(counting_tokens(jax.random.key(9), 2, 6))
     rand = np.asarray(jax.random.randint(jax.random.key(3), (1, 6), 3, 250))
     prompts = np.concatenate([count, rand]).astype(np.int32)
     lengths = np.array([6, 4, 5], np.int32)
