@@ -376,6 +376,17 @@ class SandboxPool:
     def reset_stats(self) -> None:
         self._stats.reset()
 
+    def health(self) -> dict[str, Any]:
+        """Slot health (for the server's /health): {"workers": n, "up": k, "down": [slot indices],
+        "restarts": r}. A slot is down while it has no live worker process (it died, or its
+        replacement failed to start; the next task for that slot tries again); all are down once
+        the pool is closed."""
+        down = [i for i, w in enumerate(self._workers)
+                if self._closed or w is None or w.proc is None or w.proc.poll() is not None]
+        with self._stats.lock:
+            restarts = self._stats.restarts
+        return {"workers": self.n, "up": self.n - len(down), "down": down, "restarts": restarts}
+
     def worker_pids(self) -> list[int | None]:
         return [w.pid if w is not None else None for w in self._workers]
 
