@@ -9,9 +9,13 @@
 `SandboxClient` speaks the SandboxFusion-compatible `POST /run_code` (so it also works against a
 SandboxFusion deployment; this project's server adds exact statuses as extension fields) and this
 project's `POST /run_sequence` for multi-step jobs. Concurrency is bounded by a thread pool of
-`max_concurrency`; requests rotate over the URLs; transient failures (connection errors, timeouts,
-HTTP 429/502/503/504) are retried on the next URL with exponential backoff, and a request that
-still fails comes back as a `sandbox_error` result (never an exception, never lost).
+`max_concurrency`; requests rotate over the URLs. A server that is full answers 429 with
+Retry-After: the client waits that long (plus up to 25% jitter, on that URL; another URL is tried
+at once if one is not resting) and sends again, for up to `busy_timeout_s` in all, without using up
+`retries`. Other transient failures (connection errors, timeouts, HTTP 500/502/503/504) are
+retried `retries` times on the next URL with exponential backoff (or the server's Retry-After). A
+request that still fails comes back as a `sandbox_error` result (never an exception, never lost).
+With `token` (or env KIMI_SANDBOX_TOKEN) every request carries `Authorization: Bearer <token>`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import base64
 import http.client
 import itertools
 import json
+import os
 import random
 import socket
 import threading
@@ -32,12 +37,37 @@ from typing import Any
 from .result import ExecutionResult, normalize_request
 
 RETRY_HTTP = {429, 500, 502, 503, 504}
+TOKEN_ENV = "KIMI_SANDBOX_TOKEN"
 
 
 class RemoteError(RuntimeError):
-    def __init__(self, msg: str, transient: bool) -> None:
+    def __init__(self, msg: str, transient: bool, status: int | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(msg)
         self.transient = transient
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After as seconds (delay-seconds or an HTTP date); None if absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        secs = float(value)
+    except ValueError:
+        secs = None
+    if secs is None:
+        try:
+            from email.utils import parsedate_to_datetime
+
+            secs = parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError, IndexError):
+            return None
+    if secs != secs or secs == float("inf"):  # NaN, inf
+        return None
+    return max(0.0, secs)
 
 
 def sf_response_to_result(resp: dict[str, Any]) -> ExecutionResult:
@@ -91,10 +121,19 @@ def req_to_native(req: dict[str, Any]) -> dict[str, Any]:
 
 class SandboxClient:
     """Remote sandbox executor with the SandboxPool interface (submit, run, map, run_batch,
-    submit_sequence, run_sequence, stats, close)."""
+    submit_sequence, run_sequence, stats, close).
+
+    max_concurrency: requests in flight (one thread and one keep-alive connection each).
+    retries / backoff_s: transient failures other than 429 (exponential backoff, or Retry-After).
+    busy_timeout_s: how long in all a request keeps waiting through 429s (Retry-After honoured).
+    timeout_pad_s: added to a run's timeout_s for the socket timeout (queueing, transfer).
+    token: bearer token for servers started with one (default: env KIMI_SANDBOX_TOKEN).
+    stats(): requests, retries, busy_retries, reconnects, failures, by_status, latency_ms.
+    """
 
     def __init__(self, urls: str | Iterable[str], *, max_concurrency: int = 16, retries: int = 3,
-                 backoff_s: float = 0.1, timeout_pad_s: float = 30.0) -> None:
+                 backoff_s: float = 0.1, timeout_pad_s: float = 30.0, busy_timeout_s: float = 600.0,
+                 token: str | None = None) -> None:
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ValueError("SandboxClient needs at least one URL")
@@ -105,13 +144,19 @@ class SandboxClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_pad_s = timeout_pad_s
+        self.busy_timeout_s = busy_timeout_s
+        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self.max_concurrency = max_concurrency
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sandbox-client")
         self._rr = itertools.count(random.randrange(len(self.urls)))
         self._down_until = [0.0] * len(self.urls)  # a URL that refused a connection rests a while
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._stats = {"requests": 0, "retries": 0, "reconnects": 0, "failures": 0, "by_status": {}}
+        self._stats = {"requests": 0, "retries": 0, "busy_retries": 0, "reconnects": 0, "failures": 0,
+                       "by_status": {}}
         self._lat: list[float] = []
 
     # ---- transport ---------------------------------------------------------------------------
@@ -144,8 +189,7 @@ class SandboxClient:
         for attempt in (0, 1):  # one silent reconnect for a stale keep-alive connection
             try:
                 c = self._conn(i, timeout)
-                c.request("POST", base + path, body=data,
-                          headers={"Content-Type": "application/json"})
+                c.request("POST", base + path, body=data, headers=self._headers)
                 resp = c.getresponse()
                 raw = resp.read()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
@@ -162,8 +206,10 @@ class SandboxClient:
                 if resp.getheader("Connection", "").lower() == "close":
                     self._drop(i)
                 msg = raw[:300].decode(errors="replace")
-                raise RemoteError(f"{self.urls[i]}{path}: HTTP {resp.status}: {msg}",
-                                  transient=resp.status in RETRY_HTTP)
+                hint = " (set token= or env KIMI_SANDBOX_TOKEN)" if resp.status == 401 else ""
+                raise RemoteError(f"{self.urls[i]}{path}: HTTP {resp.status}: {msg}{hint}",
+                                  transient=resp.status in RETRY_HTTP, status=resp.status,
+                                  retry_after_s=parse_retry_after(resp.getheader("Retry-After")))
             try:
                 return json.loads(raw)
             except ValueError as e:
@@ -180,26 +226,45 @@ class SandboxClient:
                 return i
         return start % n  # all resting: try anyway
 
+    def _rest(self) -> float:
+        """Seconds until the first URL stops resting (0 if one is available now)."""
+        now = time.monotonic()
+        return max(0.0, min(self._down_until) - now)
+
     def _post(self, path: str, body: dict, timeout: float) -> dict:
-        last: RemoteError | None = None
-        for attempt in range(self.retries + 1):
+        attempt = 0  # transient failures other than 429
+        busy_deadline = time.monotonic() + self.busy_timeout_s
+        while True:
             i = self._pick()
             try:
                 out = self._post_once(i, path, body, timeout)
                 self._down_until[i] = 0.0
                 return out
             except RemoteError as e:
-                last = e
                 if isinstance(e.__cause__, ConnectionRefusedError):
                     self._down_until[i] = time.monotonic() + 2.0
                 if not e.transient:
-                    break
-                if attempt < self.retries:
+                    raise
+                if e.status == 429:  # full: wait as told (jittered), not counted against retries
+                    wait = (e.retry_after_s if e.retry_after_s is not None else 1.0) * (1 + 0.25 * random.random())
+                    self._down_until[i] = max(self._down_until[i], time.monotonic() + wait)
+                    wait = self._rest()  # another URL may be free now
+                    if time.monotonic() + wait > busy_deadline:
+                        raise RemoteError(f"{e} (still busy after {self.busy_timeout_s:g}s of 429s)",
+                                          transient=False, status=429) from e
                     with self._lock:
-                        self._stats["retries"] += 1
-                    time.sleep(self.backoff_s * (2 ** attempt) * (0.5 + random.random()))
-        assert last is not None
-        raise last
+                        self._stats["busy_retries"] += 1
+                    time.sleep(wait)
+                    continue
+                if attempt >= self.retries:
+                    raise
+                wait = self.backoff_s * (2 ** attempt) * (0.5 + random.random())
+                if e.retry_after_s is not None:
+                    wait = max(wait, min(e.retry_after_s, 60.0))
+                attempt += 1
+                with self._lock:
+                    self._stats["retries"] += 1
+                time.sleep(wait)
 
     def _record(self, results: list[ExecutionResult], t0: float) -> None:
         with self._lock:

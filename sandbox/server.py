@@ -1,235 +1,568 @@
-"""HTTP service over a SandboxPool (stdlib only): `python -m sandbox.server --port 8080`.
+"""HTTP service over a SandboxPool: Starlette + pydantic behind uvicorn.
+
+    python -m sandbox.server --port 8080 [--host 127.0.0.1] [--workers N] [--token T]
 
 Endpoints
-  POST /run_code      SandboxFusion-compatible. Request:
-                        {"code": str, "language": "python"|"bash", "run_timeout": s (10),
-                         "memory_limit_MB": int (-1 = default 512), "stdin": str,
-                         "files": {path: base64}, "fetch_files": [path],
-                         "compile_timeout": ignored,
-                         extensions: "output_limit_bytes": int, "max_procs": int}
-                      Response:
-                        {"status": "Success"|"Failed"|"SandboxError", "message": str,
-                         "compile_result": null,
-                         "run_result": {"status": "Finished"|"Error"|"TimeLimitExceeded",
-                                        "execution_time": s, "return_code": int|null,
-                                        "stdout": str, "stderr": str},
-                         "files": {path: base64},
-                         extensions: "sandbox_status": one of sandbox.STATUSES,
-                                     "memory_peak_mb", "stdout_truncated", "stderr_truncated"}
-                      Success = the program exited 0; Failed = it ran but failed (non-zero exit,
-                      time limit, memory, output limit); SandboxError = the sandbox failed.
-  POST /run_sequence  {"steps": [native run requests]} -> {"results": [native results]}: steps
+  POST /run_code      SandboxFusion-compatible (sandbox/http_models.py: RunCodeRequest,
+                      result_to_sf): {"code", "language", "run_timeout", "memory_limit_MB", "stdin",
+                      "files": {path: base64 | null}, "fetch_files", "compile_timeout"} (+ extensions
+                      "output_limit_bytes", "max_procs", "collect_limit_bytes") -> {"status":
+                      Success|Failed|SandboxError, "message", "compile_result": null, "run_result":
+                      {"status", "execution_time", "return_code", "stdout", "stderr"}, "files",
+                      "executor_pod_name"} (+ "sandbox_status", "memory_peak_mb", "*_truncated").
+  POST /run_sequence  {"steps": [native requests]} -> {"results": [ExecutionResult dicts]}: the steps
                       share one working directory (terminal tasks).
-  POST /run           one native request ({"code", "language", "stdin", "files" (base64),
-                      "timeout_s", "memory_mb", "output_limit_bytes", "collect", "max_procs"})
-                      -> ExecutionResult.to_dict() (files base64)
-  GET  /health        {"status": "ok", "workers": N}
-  GET  /stats         pool.stats()
-Bad requests get HTTP 400 with {"status": "SandboxError", "message": ...}.
+  POST /run           one native request (SandboxPool.run arguments, files base64) ->
+                      ExecutionResult.to_dict().
+  GET  /health        200 {"status": "ok"|"degraded", "workers", "up", "down": [slots], ...} (all
+                      of SandboxPool.health()); 503 with "status": "down" when no slot is up.
+                      /v1/ping answers "pong" (SandboxFusion's liveness probe).
+  GET  /stats         pool.stats() plus "server": this server's counters (429s, cancellations, ...).
+
+Behaviour under load and abuse (ServerConfig fields; each a command-line flag):
+  - bounded queue: at most `workers + max_queue` run requests are admitted at once; beyond that
+    the answer is 429 with Retry-After (seconds, from the queue length and the mean run time),
+    before the body is read. The project's client (sandbox/client.py) retries 429s honouring it.
+  - a client that disconnects while its run is queued gets that run cancelled (it never
+    executes); a run already executing finishes (bounded by its own timeout), its result dropped.
+  - body: at most `max_body_bytes` (413, from Content-Length before reading, or while reading a
+    chunked body), all of it within `request_timeout_s` (408); the request line and headers too
+    (408, sandbox/http_protocol.py), at most `max_header_bytes` (431).
+  - connections: idle ones closed after `idle_timeout_s` (from open, and between requests); at
+    most `max_connections` open (503).
+  - output: stdout and stderr each at most `max_output_bytes` per run, every fetched file too
+    (the caller's output_limit_bytes / collect_limit_bytes may be lower; a higher one is lowered
+    to the cap and the result's message says so), at most `max_fetch_files` files (422 beyond)
+    and `max_steps` sequence steps (422); so a response is bounded.
+  - errors are JSON {"status": "SandboxError", "message": ...}: 400 the body is not JSON (or the
+    request could not be parsed), 422 the JSON does not validate (with FastAPI-style "detail", as
+    SandboxFusion answers), 401 bad or missing token, 404/405 no such route, 503 pool closed.
+  - auth: with a token (`--token` or env KIMI_SANDBOX_TOKEN) every endpoint but /health and
+    /v1/ping needs `Authorization: Bearer <token>`. Binding beyond loopback without a token is
+    refused unless `--insecure-no-token` is given.
+Not covered: TLS (put a TLS-terminating proxy in front), several server processes over one pool.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
+import asyncio
+import hmac
+import ipaddress
 import json
+import math
+import os
 import signal
 import socket
+import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import uvicorn
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .http_models import (
+    NativeRunRequest,
+    RunCodeRequest,
+    RunSequenceRequest,
+    note_output_cap,
+    result_to_sf,
+)
+from .http_protocol import ConnectionLimits, guarded_protocol
 from .pool import SandboxPool
 from .result import ExecutionResult, InvalidRequest
 
-MAX_BODY = 64 << 20
-LANG_ALIASES = {"python": "python", "python3": "python", "py": "python", "bash": "bash", "sh": "bash"}
+TOKEN_ENV = "KIMI_SANDBOX_TOKEN"
+RUN_PATHS = frozenset({"/run_code", "/run", "/run_sequence"})
+OPEN_PATHS = frozenset({"/health", "/v1/ping"})
+_OFFLOAD_BYTES = 256 << 10  # bodies / results larger than this are (de)serialised in a thread
 
 
-def _b64_files(files: dict | None) -> dict[str, bytes]:
-    out = {}
-    for k, v in (files or {}).items():
-        if not isinstance(v, str):
-            raise InvalidRequest(f"files[{k!r}] must be base64 text")
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits of one server (see the module docstring); validated on construction."""
+
+    max_queue: int = 64  # run requests waiting for a slot beyond one per slot; more -> 429
+    max_body_bytes: int = 16 << 20
+    max_output_bytes: int = 1 << 20  # per stream and per fetched file
+    max_fetch_files: int = 64
+    max_steps: int = 64
+    request_timeout_s: float = 30.0  # request head, and body, each within this
+    idle_timeout_s: float = 5.0
+    max_header_bytes: int = 64 << 10
+    max_connections: int = 4096
+    backlog: int = 2048
+    shutdown_grace_s: float = 30.0  # in-flight requests get this long on stop; then cancelled
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        ints = {"max_queue": 0, "max_body_bytes": 1024, "max_output_bytes": 1, "max_fetch_files": 0,
+                "max_steps": 1, "max_header_bytes": 1024, "max_connections": 1, "backlog": 1}
+        for name, lo in ints.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo:
+                raise ValueError(f"ServerConfig.{name} must be an int >= {lo}, got {v!r}")
+        if self.max_output_bytes > 1 << 30:
+            raise ValueError(f"ServerConfig.max_output_bytes must be <= 1 GiB, got {self.max_output_bytes}")
+        for name in ("request_timeout_s", "idle_timeout_s", "shutdown_grace_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"ServerConfig.{name} must be a positive number of seconds, got {v!r}")
+        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16
+                                       or not self.token.isprintable() or " " in self.token):
+            raise ValueError("ServerConfig.token must be a printable string of at least 16 characters "
+                             "without spaces (e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
+
+
+@dataclass
+class ServerState:
+    """Counters and the admission count (touched only from the event loop thread)."""
+
+    admitted: int = 0
+    exec_ewma_s: float = 0.05
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def bump(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, detail: Any = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.detail, self.headers = status, message, detail, headers or {}
+
+
+def _json_bytes(obj: Any) -> bytes:
+    # ensure_ascii: any str (even one with a lone surrogate) encodes
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_json_bytes(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def error_response(status: int, message: str, detail: Any = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    body: dict[str, Any] = {"status": "SandboxError", "message": message}
+    if detail is not None:
+        body["detail"] = detail
+    return json_response(body, status, headers)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, token: str | None, insecure_no_token: bool) -> None:
+    """Refuses a non-loopback bind without a token unless explicitly told otherwise."""
+    if token or insecure_no_token or is_loopback(host):
+        return
+    raise ValueError(f"refusing to serve on {host!r} (beyond loopback) without a token: anyone who "
+                     f"can reach it could run code here. Set --token (or env {TOKEN_ENV}), bind "
+                     f"--host 127.0.0.1, or pass --insecure-no-token to accept the risk")
+
+
+# ---- ASGI guard: auth, admission (429), body size and deadline -----------------------------------
+
+
+class Guard:
+    """Pure ASGI middleware in front of the app (runs before any body is read)."""
+
+    def __init__(self, app, pool: SandboxPool, cfg: ServerConfig, state: ServerState) -> None:
+        self.app, self.pool, self.cfg, self.state = app, pool, cfg, state
+        self._token = cfg.token.encode() if cfg.token else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st = self.state
+        st.bump("requests")
+        path = scope["path"]
+        headers = dict(scope["headers"])
+        if self._token is not None and path not in OPEN_PATHS:
+            auth = headers.get(b"authorization", b"")
+            scheme, _, given = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self._token):
+                st.bump("unauthorized")
+                return await error_response(
+                    401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+                    "(SandboxClient(token=...) or env " + TOKEN_ENV + ")",
+                    headers={"www-authenticate": "Bearer", "connection": "close"})(scope, receive, send)
+        if scope["method"] != "POST" or path not in RUN_PATHS:
+            return await self.app(scope, receive, send)
+        cl = headers.get(b"content-length")
+        if cl is not None and (not cl.isdigit() or int(cl) > self.cfg.max_body_bytes):
+            st.bump("body_too_large")  # (the HTTP parser already refuses a non-numeric length)
+            return await self._too_large(scope, receive, send)
+        capacity = self.pool.n + self.cfg.max_queue
+        if st.admitted >= capacity:
+            st.bump("rejected_busy")
+            ra = self.retry_after()
+            return await error_response(
+                429, f"the sandbox queue is full ({capacity} requests admitted); retry after {ra}s",
+                headers={"retry-after": str(ra)})(scope, receive, send)
+        st.admitted += 1
         try:
-            out[k] = base64.b64decode(v, validate=True)
-        except (ValueError, TypeError) as e:
-            raise InvalidRequest(f"files[{k!r}] is not valid base64: {e}") from e
-    return out
+            body = await self._read_body(scope, receive, send)
+            if body is None:
+                return
+            sent = False
+
+            async def replay():
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()  # after the body: waits for http.disconnect
+
+            await self.app(scope, replay, send)
+        finally:
+            st.admitted -= 1
+
+    def retry_after(self) -> int:
+        queued = max(1, self.state.admitted - self.pool.n)
+        return int(min(30, max(1, math.ceil(queued * self.state.exec_ewma_s / self.pool.n))))
+
+    async def _too_large(self, scope, receive, send) -> None:
+        await error_response(413, f"request body over this server's cap of {self.cfg.max_body_bytes} "
+                             "bytes (sandbox.server --max-body-bytes)",
+                             headers={"connection": "close"})(scope, receive, send)
+
+    async def _read_body(self, scope, receive, send) -> bytes | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.request_timeout_s
+        chunks: list[bytes] = []
+        n = 0
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                self.state.bump("body_timeouts")
+                await error_response(408, f"request body not received within {self.cfg.request_timeout_s:g}s",
+                                     headers={"connection": "close"})(scope, receive, send)
+                return None
+            if msg["type"] == "http.disconnect":
+                self.state.bump("gone_before_body")
+                return None
+            chunk = msg.get("body", b"")
+            n += len(chunk)
+            if n > self.cfg.max_body_bytes:
+                self.state.bump("body_too_large")
+                await self._too_large(scope, receive, send)
+                return None
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)
 
 
-def sf_request_to_kwargs(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """SandboxFusion /run_code request -> (code, run kwargs)."""
-    if not isinstance(body.get("code"), str):
-        raise InvalidRequest("'code' (string) is required")
-    lang = LANG_ALIASES.get(str(body.get("language", "python")).lower())
-    if lang is None:
-        raise InvalidRequest(f"unsupported language {body.get('language')!r} (python, bash)")
-    kw: dict[str, Any] = {"language": lang}
-    rt = body.get("run_timeout")
-    kw["timeout_s"] = float(rt) if rt not in (None, "") else 10.0
-    mem = body.get("memory_limit_MB")
-    kw["memory_mb"] = int(mem) if mem not in (None, "", -1) and int(mem) > 0 else 512
-    if body.get("stdin") is not None:
-        kw["stdin"] = body["stdin"]
-    if body.get("files"):
-        kw["files"] = _b64_files(body["files"])
-    if body.get("fetch_files"):
-        kw["collect"] = list(body["fetch_files"])
-    for ext in ("output_limit_bytes", "max_procs", "collect_limit_bytes"):
-        if body.get(ext) is not None:
-            kw[ext] = int(body[ext])
-    return body["code"], kw
+# ---- the application ---------------------------------------------------------------------------
 
 
-def result_to_sf(r: ExecutionResult) -> dict[str, Any]:
-    if r.status == "sandbox_error":
-        top, run_status = "SandboxError", "Error"
-    else:
-        top = "Success" if r.status == "ok" else "Failed"
-        run_status = "TimeLimitExceeded" if r.status == "timeout" else "Finished"
-    return {
-        "status": top,
-        "message": r.message,
-        "compile_result": None,
-        "run_result": {"status": run_status, "execution_time": round(r.wall_s, 6),
-                       "return_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr},
-        "executor_pod_name": socket.gethostname(),
-        "files": {k: base64.b64encode(v).decode() for k, v in r.files.items()},
-        "sandbox_status": r.status,
-        "memory_peak_mb": r.memory_peak_mb,
-        "stdout_truncated": r.stdout_truncated,
-        "stderr_truncated": r.stderr_truncated,
-    }
+def _parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    if not raw.strip():
+        raise ApiError(400, "empty request body: send a JSON object")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON (UTF-8): {e}") from e
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        errs = e.errors(include_url=False, include_context=False, include_input=False)
+        msg = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in errs)
+        detail = [{"loc": ["body", *err["loc"]], "msg": err["msg"], "type": err["type"]} for err in errs]
+        raise ApiError(422, f"invalid request: {msg}", detail) from e
 
 
-def native_request_to_kwargs(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    if not isinstance(body.get("code"), str):
-        raise InvalidRequest("'code' (string) is required")
-    kw = {k: body[k] for k in ("language", "stdin", "timeout_s", "memory_mb", "output_limit_bytes",
-                               "collect", "collect_limit_bytes", "max_procs") if body.get(k) is not None}
-    if body.get("files"):
-        kw["files"] = _b64_files(body["files"])
-    return body["code"], kw
+async def _parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.body()
+    if len(raw) > _OFFLOAD_BYTES:
+        return await asyncio.to_thread(_parse, raw, model)
+    return _parse(raw, model)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms delayed-ACK stall
-    server_version = "kimi-sandbox/1.0"
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
-    def log_message(self, fmt, *args):  # quiet by default
-        if self.server.verbose:
-            super().log_message(fmt, *args)
 
-    def _send(self, code: int, obj: Any) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+class _ClientGone(Exception):
+    pass
 
-    def _body(self) -> dict:
-        n = int(self.headers.get("Content-Length") or 0)
-        if n > MAX_BODY:
-            raise InvalidRequest(f"request body over {MAX_BODY} bytes")
-        raw = self.rfile.read(n) if n else b""
+
+def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState):
+    """The ASGI application (Guard in front of the Starlette routes)."""
+
+    def submit(fn: Callable[[], Future]) -> Future:
         try:
-            body = json.loads(raw or b"{}")
-        except ValueError as e:
-            raise InvalidRequest(f"invalid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise InvalidRequest("request body must be a JSON object")
-        return body
-
-    def do_GET(self):  # noqa: N802
-        pool: SandboxPool = self.server.pool
-        if self.path in ("/health", "/v1/ping", "/"):
-            self._send(200, {"status": "ok", "workers": pool.n})
-        elif self.path == "/stats":
-            self._send(200, pool.stats())
-        else:
-            self._send(404, {"status": "SandboxError", "message": f"no route {self.path}"})
-
-    def do_POST(self):  # noqa: N802
-        pool: SandboxPool = self.server.pool
-        try:
-            body = self._body()
-            if self.path == "/run_code":
-                code, kw = sf_request_to_kwargs(body)
-                self._send(200, result_to_sf(pool.run(code, **kw)))
-            elif self.path == "/run":
-                code, kw = native_request_to_kwargs(body)
-                self._send(200, pool.run(code, **kw).to_dict())
-            elif self.path == "/run_sequence":
-                steps = body.get("steps")
-                if not isinstance(steps, list) or not steps:
-                    raise InvalidRequest("'steps' must be a non-empty list")
-                parsed = []
-                for s in steps:
-                    code, kw = native_request_to_kwargs(s)
-                    parsed.append({"code": code, **kw})
-                self._send(200, {"results": [r.to_dict() for r in pool.run_sequence(parsed)]})
-            else:
-                self._send(404, {"status": "SandboxError", "message": f"no route {self.path}"})
+            return fn()
         except (InvalidRequest, ValueError, TypeError) as e:
-            self._send(400, {"status": "SandboxError", "message": str(e)})
-        except RuntimeError as e:  # pool closed
-            self._send(503, {"status": "SandboxError", "message": str(e)})
+            raise ApiError(422, f"invalid request: {e}") from e
+        except RuntimeError as e:  # the pool is closed
+            raise ApiError(503, f"sandbox pool unavailable: {e}") from e
+
+    async def execute(request: Request, fn: Callable[[], Future]):
+        """Submits to the pool and waits for the result, or for the client to leave (then a run
+        still queued is cancelled and never executes)."""
+        fut = submit(fn)
+        done_f = asyncio.wrap_future(fut)
+        gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({done_f, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # server shutdown past its grace period
+            fut.cancel()
+            gone.cancel()
+            raise
+        if done_f.done():
+            gone.cancel()
+            return done_f.result()
+        if fut.cancel():
+            state.bump("cancelled_client_gone")
+        else:  # already executing: let it finish so the admission count stays true
+            state.bump("finished_client_gone")
+            try:
+                await done_f
+            except Exception:  # noqa: BLE001 - nobody is listening any more
+                pass
+        raise _ClientGone()
+
+    def learn(results: list[ExecutionResult]) -> None:
+        for r in results:
+            state.exec_ewma_s = 0.9 * state.exec_ewma_s + 0.1 * (r.wall_s + 0.005)
+
+    async def respond(obj: Any, size_hint: int) -> Response:
+        if size_hint > _OFFLOAD_BYTES:
+            data = await asyncio.to_thread(_json_bytes, obj)
+            return Response(data, media_type="application/json")
+        return json_response(obj)
+
+    def size_of(rs: list[ExecutionResult]) -> int:
+        return sum(len(r.stdout) + len(r.stderr) + sum(len(v) for v in r.files.values()) for r in rs)
+
+    async def run_code(request: Request) -> Response:
+        req = await _parse_body(request, RunCodeRequest)
+        code, kw = _kwargs(req)
+        try:
+            r = await execute(request, lambda: pool.submit(code, **kw))
+        except _ClientGone:
+            return Response(status_code=499)
+        learn([r])
+        note_output_cap(r, req.output_limit_bytes, cfg.max_output_bytes)
+        return await respond(result_to_sf(r), size_of([r]))
+
+    async def run_native(request: Request) -> Response:
+        req = await _parse_body(request, NativeRunRequest)
+        code, kw = _kwargs(req)
+        try:
+            r = await execute(request, lambda: pool.submit(code, **kw))
+        except _ClientGone:
+            return Response(status_code=499)
+        learn([r])
+        note_output_cap(r, req.output_limit_bytes, cfg.max_output_bytes)
+        return await respond(r.to_dict(), size_of([r]))
+
+    async def run_sequence(request: Request) -> Response:
+        req = await _parse_body(request, RunSequenceRequest)
+        if len(req.steps) > cfg.max_steps:
+            raise ApiError(422, f"{len(req.steps)} steps; this server runs at most {cfg.max_steps} "
+                           "per sequence (sandbox.server --max-steps)")
+        steps = []
+        for s in req.steps:
+            code, kw = _kwargs(s)
+            steps.append({"code": code, **kw})
+        try:
+            rs = await execute(request, lambda: pool.submit_sequence(steps))
+        except _ClientGone:
+            return Response(status_code=499)
+        learn(rs)
+        for r, s in zip(rs, req.steps):
+            note_output_cap(r, s.output_limit_bytes, cfg.max_output_bytes)
+        return await respond({"results": [r.to_dict() for r in rs]}, size_of(rs))
+
+    def _kwargs(req) -> tuple[str, dict]:
+        try:
+            return req.to_run_kwargs(cfg.max_output_bytes, cfg.max_fetch_files)
+        except (InvalidRequest, ValueError) as e:
+            raise ApiError(422, f"invalid request: {e}") from e
+
+    async def health(request: Request) -> Response:
+        h = pool.health()  # workers, up, down (+ whatever else the pool reports per slot)
+        up = h["up"]
+        status = "ok" if up == h["workers"] else ("degraded" if up else "down")
+        return json_response({"status": status, **h}, 200 if up else 503,
+                             None if up else {"retry-after": "5"})
+
+    async def ping(request: Request) -> Response:
+        return json_response("pong")
+
+    async def stats(request: Request) -> Response:
+        s = await asyncio.to_thread(pool.stats)
+        s["server"] = {**state.counters, "admitted": state.admitted,
+                       "capacity": pool.n + cfg.max_queue, "exec_ewma_ms": round(state.exec_ewma_s * 1000, 2),
+                       "config": {k: v for k, v in asdict(cfg).items() if k != "token"},
+                       "auth": cfg.token is not None}
+        return json_response(s)
+
+    async def on_api_error(request: Request, exc: ApiError) -> Response:
+        state.bump(f"http_{exc.status}")
+        return error_response(exc.status, exc.message, exc.detail, exc.headers)
+
+    async def on_http_exc(request: Request, exc: HTTPException) -> Response:
+        state.bump(f"http_{exc.status_code}")
+        msg = {404: f"no route {request.url.path}", 405: f"{request.method} not allowed on {request.url.path}"}
+        return error_response(exc.status_code, msg.get(exc.status_code, str(exc.detail)), headers=exc.headers)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        state.bump("http_500")
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+    app = Starlette(
+        routes=[Route("/run_code", run_code, methods=["POST"]), Route("/run", run_native, methods=["POST"]),
+                Route("/run_sequence", run_sequence, methods=["POST"]),
+                Route("/health", health, methods=["GET"]), Route("/", health, methods=["GET"]),
+                Route("/v1/ping", ping, methods=["GET"]), Route("/stats", stats, methods=["GET"])],
+        exception_handlers={ApiError: on_api_error, HTTPException: on_http_exc, Exception: on_error})
+    return Guard(app, pool, cfg, state)
 
 
-class SandboxServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer bound to a pool; `serve_in_thread()` for tests and embedding."""
+# ---- server ------------------------------------------------------------------------------------
 
-    daemon_threads = True
-    allow_reuse_address = True
 
-    def __init__(self, pool: SandboxPool, host: str = "127.0.0.1", port: int = 0,
-                 verbose: bool = False) -> None:
-        self.pool = pool
-        self.verbose = verbose
-        super().__init__((host, port), _Handler)
+def _bind(host: str, port: int) -> socket.socket:
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class SandboxServer:
+    """The HTTP service bound to a pool. `serve_in_thread()` for tests and embedding, `stop()`.
+
+    host/port: where to listen (port 0 picks a free one; `url` tells which). `config` or keyword
+    overrides of ServerConfig fields set the limits and the token. Raises ValueError for a
+    non-loopback host without a token unless insecure_no_token=True.
+    """
+
+    def __init__(self, pool: SandboxPool, host: str = "127.0.0.1", port: int = 0, *,
+                 config: ServerConfig | None = None, insecure_no_token: bool = False,
+                 verbose: bool = False, **overrides: Any) -> None:
+        if config is None:
+            config = ServerConfig(**overrides)
+        elif overrides:
+            import dataclasses
+
+            config = dataclasses.replace(config, **overrides)
+        check_bind(host, config.token, insecure_no_token)
+        self.pool, self.config, self.host = pool, config, host
+        self.state = ServerState()
+        self.sock = _bind(host, port)
+        self.port = self.sock.getsockname()[1]
+        protocol = guarded_protocol(ConnectionLimits(config.request_timeout_s, config.max_header_bytes,
+                                                     config.max_connections), self.state.counters)
+        self._uv = uvicorn.Server(uvicorn.Config(
+            build_app(pool, config, self.state), http=protocol, lifespan="off", loop="auto",
+            timeout_keep_alive=config.idle_timeout_s, backlog=config.backlog,
+            timeout_graceful_shutdown=config.shutdown_grace_s, proxy_headers=False,
+            server_header=False, access_log=verbose, log_level="info" if verbose else "warning"))
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{h}:{self.port}"
 
-    def serve_in_thread(self) -> SandboxServer:
-        self._thread = threading.Thread(target=self.serve_forever, daemon=True, name="sandbox-http")
+    def serve_in_thread(self, timeout_s: float = 60.0) -> SandboxServer:
+        self._thread = threading.Thread(target=self._uv.run, kwargs={"sockets": [self.sock]},
+                                        daemon=True, name="sandbox-http")
         self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._uv.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("sandbox HTTP server failed to start (see the log above)")
+            time.sleep(0.01)
         return self
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
+        """Stops accepting, lets in-flight requests finish (up to shutdown_grace_s), returns."""
+        self._uv.should_exit = True
         if self._thread is not None:
             self._thread.join()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
+    d = ServerConfig()
     p = argparse.ArgumentParser(description="Sandbox HTTP server (SandboxFusion-compatible /run_code)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--workers", type=int, default=None, help="sandbox slots (default: CPU count)")
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                   help=f"bearer token required on every endpoint but /health (default: env {TOKEN_ENV})")
+    p.add_argument("--insecure-no-token", action="store_true",
+                   help="allow a non-loopback --host without a token (anyone reaching it can run code)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--max-output-bytes", type=int, default=d.max_output_bytes)
+    p.add_argument("--max-fetch-files", type=int, default=d.max_fetch_files)
+    p.add_argument("--max-steps", type=int, default=d.max_steps)
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s)
+    p.add_argument("--max-connections", type=int, default=d.max_connections)
     p.add_argument("--verbose", action="store_true")
-    args = p.parse_args(argv)
+    a = p.parse_args(argv)
+    try:
+        cfg = ServerConfig(max_queue=a.max_queue, max_body_bytes=a.max_body_bytes,
+                           max_output_bytes=a.max_output_bytes, max_fetch_files=a.max_fetch_files,
+                           max_steps=a.max_steps, request_timeout_s=a.request_timeout,
+                           idle_timeout_s=a.idle_timeout, max_connections=a.max_connections,
+                           token=a.token)
+        check_bind(a.host, cfg.token, a.insecure_no_token)  # before the (slow) pool start
+    except ValueError as e:
+        print(f"sandbox.server: {e}", file=sys.stderr)
+        return 2
 
-    def _term(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _term)
-    with SandboxPool(workers=args.workers) as pool:
-        srv = SandboxServer(pool, args.host, args.port, verbose=args.verbose)
-        print(f"sandbox server on {srv.url} with {pool.n} workers", flush=True)
-        try:
-            srv.serve_forever()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            srv.server_close()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with SandboxPool(workers=a.workers) as pool:
+        srv = SandboxServer(pool, a.host, a.port, config=cfg, insecure_no_token=a.insecure_no_token,
+                            verbose=a.verbose).serve_in_thread()
+        auth = "bearer token required" if cfg.token else "no token"
+        print(f"sandbox server on {srv.url} with {pool.n} workers ({auth})", flush=True)
+        while not stop.wait(0.5):
+            if not srv.alive:
+                print("sandbox.server: the HTTP server stopped unexpectedly", file=sys.stderr)
+                return 1
+        srv.stop()
+        pool.close(cancel_pending=True)
     return 0
 
 

@@ -1,4 +1,8 @@
-"""HTTP server (SandboxFusion-compatible /run_code) and the client with retries."""
+"""HTTP server (SandboxFusion-compatible /run_code) and the client with retries.
+
+Formats, endpoints, the client over HTTP and the command line. Limits, abuse and load (429s,
+timeouts, caps, malformed bodies, disconnects, auth) are in test_sandbox_http_limits.py.
+"""
 
 import base64
 import json
@@ -29,9 +33,9 @@ def server(pool):
     srv.stop()
 
 
-def post(url, body, expect=200):
+def post(url, body, expect=200, headers=None):
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             assert r.status == expect
@@ -62,19 +66,47 @@ def test_run_code_sandboxfusion_format(server):
 
 
 def test_bad_requests(server):
-    assert post(server.url + "/run_code", {"code": "1", "language": "cobol"}, expect=400)["status"] == "SandboxError"
-    assert "absolute" in post(server.url + "/run_code", {"code": "1", "files": {"/etc/x": "eA=="}}, expect=400)["message"]
-    assert post(server.url + "/run_code", {"language": "python"}, expect=400)["status"] == "SandboxError"
+    # schema errors are 422 with SandboxFusion's (FastAPI's) "detail" list
+    out = post(server.url + "/run_code", {"code": "1", "language": "cobol"}, expect=422)
+    assert out["status"] == "SandboxError" and out["detail"][0]["loc"] == ["body", "language"]
+    assert "absolute" in post(server.url + "/run_code", {"code": "1", "files": {"/etc/x": "eA=="}}, expect=422)["message"]
+    out = post(server.url + "/run_code", {"language": "python"}, expect=422)
+    assert out["detail"][0]["loc"] == ["body", "code"] and out["detail"][0]["type"] == "missing"
+    out = post(server.url + "/run_code", {"code": "1", "run_timout": 5}, expect=422)  # a typo is not ignored
+    assert "run_timout" in out["message"]
+    assert post(server.url + "/run_code", {"code": "1", "run_timeout": -1}, expect=422)["detail"][0]["loc"] == ["body", "run_timeout"]
+    assert "base64" in post(server.url + "/run", {"code": "1", "files": {"a": "%%%"}}, expect=422)["message"]
+    assert post(server.url + "/run_sequence", {"steps": []}, expect=422)["status"] == "SandboxError"
     assert post(server.url + "/nope", {}, expect=404)["status"] == "SandboxError"
     with urllib.request.urlopen(server.url + "/health") as r:
-        assert json.loads(r.read())["status"] == "ok"
+        h = json.loads(r.read())
+        assert (h["status"], h["workers"], h["up"], h["down"]) == ("ok", 2, 2, [])
+    with urllib.request.urlopen(server.url + "/v1/ping") as r:
+        assert json.loads(r.read()) == "pong"
     with urllib.request.urlopen(server.url + "/stats") as r:
-        assert "runs_per_s" in json.loads(r.read())
+        s = json.loads(r.read())
+        assert "runs_per_s" in s and s["server"]["http_422"] >= 7 and s["server"]["admitted"] == 0
+    out = post(server.url + "/run_code", {"code": "print(1)"})  # and it still runs code
+    assert out["run_result"]["stdout"] == "1\n"
+
+
+def test_files_null_and_output_truncation(server):
+    # SandboxFusion clients send {path: null} for "no content": skipped, not a 400
+    out = post(server.url + "/run_code", {
+        "code": "import os; print(sorted(os.listdir('.')))",
+        "files": {"skipped.txt": None, "kept.txt": base64.b64encode(b"k").decode()}})
+    assert out["status"] == "Success" and out["run_result"]["stdout"] == "['kept.txt']\n"
+    # output over the limit comes back as its first bytes, flagged
+    out = post(server.url + "/run_code", {"code": "print('x' * 5000)", "output_limit_bytes": 100})
+    assert out["run_result"]["stdout"] == "x" * 100 and out["stdout_truncated"] is True
+    assert out["sandbox_status"] == "output_limit" and out["status"] == "Failed"
 
 
 def test_native_endpoints(server):
     out = post(server.url + "/run", {"code": "print(2)", "timeout_s": 5})
     assert out["status"] == "ok" and out["stdout"] == "2\n"
+    out = post(server.url + "/run", {"code": "print(open('f').read())", "files": {"f": "aGk=", "g": None}})
+    assert out["stdout"] == "hi\n"
     out = post(server.url + "/run_sequence", {"steps": [
         {"code": "echo x > f", "language": "bash"}, {"code": "cat f", "language": "bash"}]})
     assert [r["stdout"] for r in out["results"]] == ["", "x\n"]
@@ -170,28 +202,39 @@ def test_connect_returns_one_interface(server):
         assert local.run("print(1)").stdout == "1\n"
 
 
-def test_server_command_line():
+def test_server_command_line(secret_token):
+    # beyond loopback without a token: refused before anything starts
+    bad = subprocess.run([sys.executable, "-m", "sandbox.server", "--host", "0.0.0.0", "--port", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "KIMI_SANDBOX_TOKEN"})
+    assert bad.returncode == 2 and "refusing to serve on '0.0.0.0'" in bad.stderr and "--token" in bad.stderr
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
+    # the token comes from the environment here (not visible in ps)
     proc = subprocess.Popen([sys.executable, "-m", "sandbox.server", "--port", str(port), "--workers", "1"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "KIMI_SANDBOX_TOKEN": secret_token})
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
             try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:  # open without a token
                     if r.status == 200:
                         break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise
                 time.sleep(0.1)
-        out = post(url + "/run_code", {"code": "print('cli')", "language": "python"})
+        assert post(url + "/run_code", {"code": "print('cli')"}, expect=401)["status"] == "SandboxError"
+        out = post(url + "/run_code", {"code": "print('cli')", "language": "python"},
+                   headers={"Authorization": f"Bearer {secret_token}"})
         assert out["run_result"]["stdout"] == "cli\n"
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    assert proc.returncode == 0, proc.stdout.read()
+    out = proc.stdout.read().decode()
+    assert proc.returncode == 0, out
+    assert "bearer token required" in out and secret_token not in out
