@@ -193,6 +193,7 @@ def run(quick: bool = False) -> dict:
                       f"429s retried {b['busy_retries']}, wall {b['wall_s']}s",
         "http_raw_burst_dropped": h["raw_burst"]["dropped"],
         "http_abandoned_executed": f"{h['abandoned']['executed_anyway']} of {h['abandoned']['abandoned_requests']}",
+        "http_retry_storm_executions": f"{h['retry_storm']['executions']} for {h['retry_storm']['requests']} requests",
         "isolated_over_plain_throughput": round(s["runs_per_s"] / p["runs_per_s"], 2),
         "humaneval_isolated_s": out["humaneval"]["isolated_s"],
         "humaneval_plain_s": out["humaneval"]["plain_subprocess_s"],

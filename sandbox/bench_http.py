@@ -11,6 +11,8 @@ side by side in one run, for a trivial program (`pass`):
              at 50): lost (not answered with a real result), 429s retried, wall
   abandoned  K requests whose clients close their connection while the work is queued behind two
              busy slots: how many of them executed (the server's pool counter, /stats)
+  retry_storm  80 requests of a 0.2 s program at 16 clients whose socket timeout is shorter than
+             the queue wait (they give up and resend): executions vs requests
 
 With 2 workers and 16 clients, Little's law bounds the latency from below: 16 / runs_per_s, so
 `pool16` is the floor the HTTP numbers are read against. Not covered: TLS, several servers.
@@ -209,6 +211,25 @@ def abandoned(url: str, k: int) -> dict:
     return {"abandoned_requests": k, "executed_anyway": executed}
 
 
+def retry_storm(url: str, n: int, clients: int = 16) -> dict:
+    """n requests of a 0.2 s program at `clients` concurrent clients whose socket timeout (1.5 s)
+    is shorter than the queue wait, so clients give up and resend: executions vs requests."""
+    from sandbox.client import SandboxClient
+
+    before = _pool_counters(url)["completed"]
+    with SandboxClient(url, max_concurrency=clients, timeout_pad_s=0.5, retries=3, backoff_s=0.05) as c:
+        rs = c.run_batch([{"code": "import time; time.sleep(0.2)", "timeout_s": 1.0}] * n)
+        st = c.stats()
+    deadline = time.monotonic() + 120
+    while True:
+        s = _pool_counters(url)
+        if s.get("in_flight", 0) == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return {"requests": n, "executions": s["completed"] - before, "answered_ok": sum(r.ok for r in rs),
+            "client_retries": st.get("retries"), "client_failures": st.get("failures")}
+
+
 def run_http(quick: bool = False, workers: int = 2, cwd: str = ROOT, pool=None) -> dict[str, Any]:
     """All HTTP measurements against a server started from `cwd` (a checkout of this repo)."""
     from sandbox.client import SandboxClient
@@ -227,6 +248,7 @@ def run_http(quick: bool = False, workers: int = 2, cwd: str = ROOT, pool=None) 
         out["raw_burst"] = raw_burst(url, cb)
         out["burst"] = burst(url, nb, cb)
         out["abandoned"] = abandoned(url, 10 if quick else 40)
+        out["retry_storm"] = retry_storm(url, 20 if quick else 80)
         try:
             out["server_stats"] = get_json(url + "/stats")
         except OSError as e:
