@@ -11,6 +11,8 @@ clients); the 1,000-at-200 numbers are in the benchmark (python scripts/bench.py
 """
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -275,7 +277,7 @@ def test_health_reports_slots_that_are_down():
     with SandboxPool(workers=2) as p:
         srv = SandboxServer(p).serve_in_thread()
         try:
-            p._workers[1].proc.kill()
+            os.kill(p.worker_pids()[1], signal.SIGKILL)
             wait_for(lambda: p.health()["down"] == [1])
             st, _, body = raw(srv.port, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
             assert st == 200 and body["status"] == "degraded" and body["up"] == 1 and body["down"] == [1]
