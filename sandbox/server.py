@@ -477,6 +477,10 @@ class SandboxServer:
         self.pool, self.config, self.host = pool, config, host
         self.state = ServerState()
         self.sock = _bind(host, port)
+        bound = self.sock.getsockname()[0]
+        if not (config.token or insecure_no_token or is_loopback(bound)):  # e.g. a remapped name
+            self.sock.close()
+            check_bind(bound, None, False)
         self.port = self.sock.getsockname()[1]
         protocol = guarded_protocol(ConnectionLimits(config.request_timeout_s, config.max_header_bytes,
                                                      config.max_connections), self.state.counters)
