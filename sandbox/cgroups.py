@@ -2,8 +2,13 @@
 
 Layout (nested under the caller's own cgroup, so the caller's limits still apply):
 
-  v1: <mount of controller>/<caller's path for that controller>/kimi-sandbox/u<UID>   for memory, pids
-  v2: <cgroup2 mount>/<caller's path>/kimi-sandbox/u<UID>   (memory and pids enabled on the way)
+  v1: <mount of controller>/<caller's path for that controller>/kimi-sandbox/u<UID>   for memory,
+      pids and (when mounted and writable) cpu
+  v2: <cgroup2 mount>/<caller's path>/kimi-sandbox/u<UID>   (memory, pids and, when delegated,
+      cpu enabled on the way)
+
+memory and pids are required; cpu is optional (the CPU quota per sandbox). Where it is missing,
+`CgroupLayout.cpu` is False and `describe()` says why.
 
 A slot's cgroup is created once and reused for every run of that slot: attaching a process to a
 freshly created cgroup costs 6-16 ms per v1 hierarchy; a warm one costs tens of microseconds.
@@ -20,6 +25,8 @@ import time
 
 GROUP = "kimi-sandbox"
 CONTROLLERS = ("memory", "pids")
+OPTIONAL = ("cpu",)
+CPU_PERIOD_US = 100_000
 
 
 def _read(path: str) -> str:
@@ -86,6 +93,8 @@ class CgroupLayout:
         self.v1_parents: dict[str, str] = {}  # controller -> dir that holds kimi-sandbox/
         self.v2_parent: str | None = None
         self.nested_under = "caller"
+        self.cpu = False
+        self.cpu_reason = ""
         self._detect()
 
     def _detect(self) -> None:
@@ -97,13 +106,20 @@ class CgroupLayout:
         v1 = {}
         for fstype, mnt, opts in mounts:
             if fstype == "cgroup":
-                for c in CONTROLLERS:
+                for c in CONTROLLERS + OPTIONAL:
                     if c in opts and c not in v1 and c in mine:
                         v1[c] = os.path.join(mnt, mine[c].lstrip("/"))
         if all(c in v1 for c in CONTROLLERS):
-            ok = all(os.path.isdir(p) and os.access(p, os.W_OK) for p in v1.values())
+            ok = all(os.path.isdir(v1[c]) and os.access(v1[c], os.W_OK) for c in CONTROLLERS)
             if ok:
                 self.version = "v1"
+                cpu = v1.get("cpu")
+                if cpu and os.path.isdir(cpu) and os.access(cpu, os.W_OK) and \
+                        os.path.exists(os.path.join(cpu, "cpu.cfs_quota_us")):
+                    self.cpu = True
+                else:
+                    v1.pop("cpu", None)
+                    self.cpu_reason = "cgroup v1 has no writable cpu controller with CFS quota"
                 self.v1_parents = v1
                 return
         v2mnt = [mnt for fstype, mnt, _ in mounts if fstype == "cgroup2"]
@@ -132,6 +148,7 @@ class CgroupLayout:
                     errors.append(f"{cand}: {e}")
                     continue
                 self.version, self.v2_parent, self.nested_under = "v2", cand, where
+                self._v2_enable_cpu(cand, avail)
                 return
             self.reason = "cgroup v2: " + "; ".join(errors)
             if v1:
@@ -169,6 +186,18 @@ class CgroupLayout:
         _write(os.path.join(leaf, "cgroup.procs"), str(os.getpid()))
         _write(ctl_path, " ".join("+" + c for c in need))
 
+    def _v2_enable_cpu(self, base: str, avail: list[str]) -> None:
+        if "cpu" not in avail:
+            self.cpu_reason = f"{base} does not delegate the cpu controller"
+            return
+        ctl = os.path.join(base, "cgroup.subtree_control")
+        try:
+            if "cpu" not in _read(ctl).split():
+                _write(ctl, "+cpu")
+            self.cpu = True
+        except OSError as e:
+            self.cpu_reason = f"cannot enable cpu in {ctl}: {e}"
+
     # ---- per slot -------------------------------------------------------------------------
     def slot_dirs(self, uid: int) -> dict[str, str]:
         name = f"u{uid}"
@@ -191,6 +220,8 @@ class CgroupLayout:
             "reason": self.reason,
             "parents": self.v1_parents if self.version == "v1" else self.v2_parent,
             "nested_under": self.nested_under if self.version else None,
+            "cpu_quota": self.cpu,
+            "cpu_reason": self.cpu_reason,
         }
 
 
@@ -249,7 +280,10 @@ class SlotCgroup:
         self.dirs = layout.slot_dirs(uid)
         self._mem: int | None = None
         self._pids: int | None = None
+        self._cpu: float | None | bool = False  # False = never written
         self._oom_seen = 0
+        self._base = 0  # memory charged to the cgroup when the current run started
+        self._peak_fd: int | None = None
         for attempt in range(5):  # another pool may remove an empty group dir concurrently
             try:
                 self._make_dirs()
@@ -264,6 +298,13 @@ class SlotCgroup:
                     _write(os.path.join(u, fname), val)
                 except OSError:
                     pass
+            try:  # since Linux 6.12 a write resets the peak seen through this same fd
+                self._peak_fd = os.open(os.path.join(u, "memory.peak"), os.O_RDWR | os.O_CLOEXEC)
+                os.write(self._peak_fd, b"reset")
+            except OSError:
+                if self._peak_fd is not None:
+                    os.close(self._peak_fd)
+                self._peak_fd = None
         self._oom_seen = self._read_oom()
 
     def _make_dirs(self) -> None:
@@ -272,7 +313,8 @@ class SlotCgroup:
             if self.version == "v2":
                 ctl = os.path.join(gd, "cgroup.subtree_control")
                 have = _read(ctl).split()
-                need = [c for c in CONTROLLERS if c not in have]
+                need = [c for c in CONTROLLERS + (OPTIONAL if self.layout.cpu else ())
+                        if c not in have]
                 if need:
                     _write(ctl, " ".join("+" + c for c in need))
         for d in self.dirs.values():
@@ -291,7 +333,15 @@ class SlotCgroup:
     def _pids_dir(self) -> str:
         return self.dirs["pids"] if self.version == "v1" else self.dirs["unified"]
 
-    def set_limits(self, memory_bytes: int, max_pids: int) -> None:
+    def _cpu_dir(self) -> str | None:
+        if not self.layout.cpu:
+            return None
+        return self.dirs.get("cpu") if self.version == "v1" else self.dirs["unified"]
+
+    def set_limits(self, memory_bytes: int, max_pids: int, cpu_quota: float | None = None) -> None:
+        """Limits for the next run (written only when they change); then resets the memory peak
+        and notes the memory already charged (page cache of earlier runs), so that
+        run_peak_bytes() measures this run only."""
         md = self._mem_dir()
         if memory_bytes != self._mem:
             if self.version == "v1":
@@ -313,16 +363,67 @@ class SlotCgroup:
         if max_pids != self._pids:
             _write(os.path.join(self._pids_dir(), "pids.max"), str(max_pids))
             self._pids = max_pids
+        cd = self._cpu_dir()
+        if cd is not None and cpu_quota != self._cpu:
+            quota = int(cpu_quota * CPU_PERIOD_US) if cpu_quota is not None else None
+            if self.version == "v1":
+                _write(os.path.join(cd, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+                _write(os.path.join(cd, "cpu.cfs_quota_us"), str(quota if quota else -1))
+            else:
+                _write(os.path.join(cd, "cpu.max"), f"{quota or 'max'} {CPU_PERIOD_US}")
+            self._cpu = cpu_quota
         if self.version == "v1":
             try:
                 _write(os.path.join(md, "memory.max_usage_in_bytes"), "0")
             except OSError:
                 pass
-        else:
-            try:  # resettable since Linux 6.12; harmless to try
-                _write(os.path.join(md, "memory.peak"), "reset")
+        elif self._peak_fd is not None:
+            try:
+                os.write(self._peak_fd, b"reset")
             except OSError:
                 pass
+        self._base = self._usage()
+
+    def trim(self, keep_bytes: int = 64 << 20) -> None:
+        """Between runs (no process in the cgroup): if more than 2*keep_bytes of page cache is
+        still charged to the slot (a run read many files), reclaim it down to keep_bytes, so the
+        next run's memory_peak_mb is not understated by cache reclaimed under its limit. Keeps
+        the hot part (the interpreter's own pages)."""
+        if self._usage() <= 2 * keep_bytes:
+            return
+        md = self._mem_dir()
+        try:
+            if self.version == "v1":
+                lim = os.path.join(md, "memory.limit_in_bytes")
+                prev = _read(lim).strip()
+                try:
+                    _write(lim, str(keep_bytes))
+                except OSError:
+                    pass  # EBUSY: could not shrink that far; what was reclaimed stays reclaimed
+                _write(lim, prev)
+            else:
+                _write(os.path.join(md, "memory.reclaim"), str(self._usage() - keep_bytes))
+        except OSError:
+            pass
+
+    def cpu_quota_written(self) -> float | None:
+        """The quota in CPUs currently set on the slot cgroup (None: no quota or no controller)."""
+        cd = self._cpu_dir()
+        if cd is None:
+            return None
+        if self.version == "v1":
+            q = int(_read(os.path.join(cd, "cpu.cfs_quota_us")))
+            p = int(_read(os.path.join(cd, "cpu.cfs_period_us")))
+            return None if q < 0 else q / p
+        q, p = _read(os.path.join(cd, "cpu.max")).split()
+        return None if q == "max" else int(q) / int(p)
+
+    def _usage(self) -> int:
+        fname = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
+        try:
+            return int(_read(os.path.join(self._mem_dir(), fname)).split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
 
     def _read_oom(self) -> int:
         md = self._mem_dir()
@@ -343,12 +444,22 @@ class SlotCgroup:
         return hit
 
     def memory_peak_bytes(self) -> int | None:
-        md = self._mem_dir()
-        fname = "memory.max_usage_in_bytes" if self.version == "v1" else "memory.peak"
+        """The cgroup's memory peak since the last reset (None where it cannot be reset: cgroup
+        v2 before Linux 6.12, whose memory.peak is the lifetime maximum)."""
         try:
-            return int(_read(os.path.join(md, fname)).split()[0])
+            if self.version == "v1":
+                return int(_read(os.path.join(self._mem_dir(), "memory.max_usage_in_bytes")).split()[0])
+            if self._peak_fd is None:
+                return None
+            return int(os.pread(self._peak_fd, 64, 0).split()[0])
         except (OSError, ValueError, IndexError):
             return None
+
+    def run_peak_bytes(self) -> int | None:
+        """Memory this run added at its peak: the peak minus what was already charged when it
+        started (cached pages of earlier runs stay charged to the slot's cgroup)."""
+        peak = self.memory_peak_bytes()
+        return None if peak is None else max(0, peak - self._base)
 
     def pids(self) -> list[int]:
         return _pids_in(self._pids_dir())
@@ -360,6 +471,9 @@ class SlotCgroup:
         return ok
 
     def remove(self) -> None:
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
         for d in self.dirs.values():
             remove_dir(d)
         remove_group_dirs(self.layout)

@@ -79,9 +79,45 @@ class SandboxConfig:
     tmp_mb: int = 64  # /tmp and /dev/shm tmpfs size each
     max_procs: int = 64  # pids cgroup limit (processes + threads) and RLIMIT_NPROC backstop
     nofile: int = 1024
+    # CPUs per sandbox (cgroup cpu.max in v2, cpu.cfs_quota_us in v1); None = no quota. Needs the
+    # cpu controller; where it is missing the isolation report says so (and require_cgroups
+    # raises).
+    cpu_quota: float | None = 1.0
+    # RLIMIT_AS in MB. None = automatic: no address-space limit where the memory cgroup enforces
+    # memory_mb (threads and malloc arenas reserve far more address space than they use), and
+    # memory_mb + 4096 where there is no memory cgroup (then the only memory limit).
+    address_space_mb: int | None = None
     require_cgroups: bool = False  # raise instead of warning when no memory/pids cgroup exists
     extra_ro_binds: tuple[tuple[str, str], ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # extra variables (not for isolated runs)
+
+    def __post_init__(self) -> None:
+        if self.cpu_quota is not None and not (isinstance(self.cpu_quota, (int, float))
+                                               and 0.01 <= self.cpu_quota <= 1024):
+            raise ValueError(f"cpu_quota must be None or a number of CPUs in [0.01, 1024], "
+                             f"got {self.cpu_quota!r}")
+        if self.address_space_mb is not None and not (isinstance(self.address_space_mb, int)
+                                                      and self.address_space_mb >= 64):
+            raise ValueError(f"address_space_mb must be None or an int >= 64, got "
+                             f"{self.address_space_mb!r}")
+
+
+class SlotBroken(RuntimeError):
+    """The slot cannot guarantee a clean next run (its working directory could not be reset, or
+    a process of it could not be killed). The worker answers the current run, then is replaced."""
+
+
+# Isolated runs (check scripts over files a completion wrote): the program arrives on an fd from
+# a root-only, unlinked file, so its text is on no path inside the sandbox; the interpreter
+# ignores /work and the environment for its own start-up and search path.
+_ISOLATED_PY_BOOT = ("import sys\nwith open(int(sys.argv.pop(1)), 'rb') as _kimi_f:\n"
+                     "    _kimi_code = compile(_kimi_f.read(), '<check>', 'exec')\n"
+                     "del _kimi_f\nexec(_kimi_code)\n")
+_ISOLATED_SH_BOOT = ('IFS= read -r -d "" __kimi_src <&"$1"; eval "exec $1<&-"; set --; '
+                     'eval "$__kimi_src"')
+_ISOLATED_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+                 "USER": "sandbox", "LOGNAME": "sandbox", "PYTHONSAFEPATH": "1",
+                 "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,6 +390,8 @@ class Slot:
         self.layout: cgroups.CgroupLayout | None = None
         self.features: dict = {}
         self._closed = False
+        self.broken: str | None = None  # why this slot must not run again (see SlotBroken)
+        self.resets = 0
         self.none_mode = cfg.isolation == "none"
         self._given_layout = layout
         if cfg.isolation not in ("bwrap", "none"):
@@ -420,8 +458,7 @@ class Slot:
         self.work_tmpfs = False
         if self.root:
             try:
-                _mount_tmpfs(self.workdir, f"size={cfg.work_mb}m,nr_inodes={cfg.work_inodes},"
-                             f"mode=0700,uid={self.uid},gid={self.uid}")
+                self._mount_work()
                 self.work_tmpfs = True
             except OSError:
                 os.chown(self.workdir, self.uid, self.uid)
@@ -436,9 +473,15 @@ class Slot:
                 raise IsolationUnavailable(f"no memory/pids cgroups: {reason}")
             warnings.warn(f"sandbox: no memory/pids cgroups ({reason}); limits fall back to "
                           "rlimits (RLIMIT_AS; RLIMIT_NPROC as root)", RuntimeWarning, stacklevel=3)
+        elif cfg.cpu_quota is not None and not self.layout.cpu:
+            if cfg.require_cgroups:
+                raise IsolationUnavailable(f"no cpu cgroup for cpu_quota: {self.layout.cpu_reason}")
+            warnings.warn(f"sandbox: no CPU quota per sandbox ({self.layout.cpu_reason})",
+                          RuntimeWarning, stacklevel=3)
         self.seccomp_prog = seccomp.build_filter()
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._static_args = self._bwrap_static_args()
+        self._env = {False: self._env_args(False), True: self._env_args(True)}
         self.features = {
             "isolation": "bwrap",
             "bwrap": self.bwrap,
@@ -453,6 +496,11 @@ class Slot:
             "work_tmpfs": self.work_tmpfs,
             "tmp_tmpfs_mb": cfg.tmp_mb,
             "max_procs": cfg.max_procs,
+            "cpu_quota": cfg.cpu_quota if self.cg is not None and self.layout.cpu else None,
+            "address_space_limit": "off (memory cgroup)" if (self.cg is not None and
+                                                             cfg.address_space_mb is None)
+            else (f"{cfg.address_space_mb} MB" if cfg.address_space_mb else "memory_mb + 4096 MB"),
+            "fresh_work_mount_per_run": self.work_tmpfs,
         }
         # Probe once: catches missing user namespaces, broken mounts, etc. with bwrap's own words.
         probe = self._run_bwrap(normalize_request("", language="bash", timeout_s=20.0, memory_mb=256))
@@ -511,10 +559,18 @@ class Slot:
               "--ro-bind", self.progdir, "/sandbox",
               "--remount-ro", "/",
               "--chdir", "/work", "--clearenv"]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8",
-               "TMPDIR": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "PYTHONPATH": "/work",
-               "PYTHONHASHSEED": "0"}
-        env.update(cfg.env)
+        return a
+
+    def _env_args(self, isolated: bool) -> list[str]:
+        """The program's whole environment (bwrap starts from --clearenv)."""
+        if isolated:
+            env = dict(_ISOLATED_ENV)
+        else:
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8",
+                   "TMPDIR": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "PYTHONPATH": "/work",
+                   "PYTHONHASHSEED": "0"}
+            env.update(self.cfg.env)
+        a = []
         for k, v in env.items():
             a += ["--setenv", k, v]
         return a
@@ -524,6 +580,8 @@ class Slot:
 
     # ---- files --------------------------------------------------------------------------------
     def _place_files(self, files: dict[str, bytes]) -> None:
+        """Writes request files into /work without following links or blocking on FIFOs that an
+        earlier step of a sequence may have left (OSError says which path)."""
         if not files:
             return
         root_fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -543,9 +601,15 @@ class Slot:
                         nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
                         os.close(dfd)
                         dfd = nfd
-                    ffd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                                  0o644, dir_fd=dfd)
                     try:
+                        ffd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                                      | os.O_NOCTTY | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+                    except OSError as e:
+                        raise OSError(e.errno, f"{rel}: {e.strerror}") from None
+                    try:
+                        if not stat.S_ISREG(os.fstat(ffd).st_mode):
+                            raise OSError(errno.EEXIST, f"{rel}: exists and is not a regular file")
+                        os.ftruncate(ffd, 0)
                         view = memoryview(content)
                         while view:
                             n = os.write(ffd, view)
@@ -554,6 +618,10 @@ class Slot:
                             os.fchown(ffd, self.uid, self.uid)
                     finally:
                         os.close(ffd)
+                except OSError as e:
+                    if rel in str(e):
+                        raise
+                    raise OSError(e.errno, f"{rel}: {e.strerror}") from None
                 finally:
                     os.close(dfd)
         finally:
@@ -601,22 +669,59 @@ class Slot:
                     os.close(f)
         return out, notes
 
-    def _reset_workdir(self) -> None:
+    # ---- the working directory: a fresh mount per run or sequence ---------------------------
+    def _mount_work(self) -> None:
+        _mount_tmpfs(self.workdir, f"size={self.cfg.work_mb}m,nr_inodes={self.cfg.work_inodes},"
+                     f"mode=0700,uid={self.uid},gid={self.uid}")
+
+    def _work_is_fresh(self) -> bool:
+        """/work is empty (and, with a host tmpfs, is its own mount, owned by the slot uid)."""
         try:
-            _clear_dir(self.workdir)
-        except OSError:
             if self.work_tmpfs:
-                _umount(self.workdir)
-                _mount_tmpfs(self.workdir, f"size={self.cfg.work_mb}m,nr_inodes={self.cfg.work_inodes},"
-                             f"mode=0700,uid={self.uid},gid={self.uid}")
+                st, parent = os.lstat(self.workdir), os.lstat(self.slot_dir)
+                if st.st_dev == parent.st_dev or st.st_uid != self.uid or \
+                        stat.S_IMODE(st.st_mode) != 0o700:
+                    return False
+            with os.scandir(self.workdir) as it:
+                return next(it, None) is None
+        except OSError:
+            return False
+
+    def _reset_workdir(self) -> None:
+        """Gives /work a fresh, empty filesystem; raises SlotBroken if it cannot.
+
+        With a host tmpfs (root) the old mount is detached lazily and a new one mounted: nothing a
+        program left (a tree 10,000 deep, FIFOs, unreadable or oddly named files, a full disk, no
+        inodes left) is ever walked. Without one (not root) the old directory is renamed away and
+        removed by `rm -rf` (iterative, any depth) after its permissions are restored, unless the
+        quick in-process removal already succeeded.
+        """
+        self.resets += 1
+        try:
+            if self.work_tmpfs:
+                for _ in range(8):  # detach every mount stacked there (normally exactly one)
+                    if _libc.umount2(self.workdir.encode(), MNT_DETACH) != 0:
+                        break
+                self._mount_work()
             else:
-                shutil.rmtree(self.workdir, ignore_errors=True)
-                os.makedirs(self.workdir, mode=0o700, exist_ok=True)
-                if self.root:
-                    os.chown(self.workdir, self.uid, self.uid)
-        if self.work_tmpfs:
-            os.chmod(self.workdir, 0o700)
-            os.chown(self.workdir, self.uid, self.uid)
+                try:  # the common case, in-process; anything odd -> rename away, rm -rf
+                    _clear_dir(self.workdir)
+                except (OSError, RecursionError):
+                    trash = f"{self.workdir}.old{self.resets}"
+                    os.rename(self.workdir, trash)
+                    os.mkdir(self.workdir, 0o700)
+                    if self.root:
+                        os.chown(self.workdir, self.uid, self.uid)
+                    subprocess.run(["chmod", "-R", "u+rwx", trash], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, timeout=120)
+                    subprocess.run(["rm", "-rf", "--one-file-system", trash],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            self.broken = f"cannot reset the working directory: {e}"
+            raise SlotBroken(self.broken) from e
+        if not self._work_is_fresh():
+            self.broken = "the working directory is not empty after a reset"
+            raise SlotBroken(self.broken)
 
     # ---- running ----------------------------------------------------------------------------
     def run(self, req: dict) -> ExecutionResult:
@@ -628,13 +733,29 @@ class Slot:
 
         Each step is its own sandbox (no process survives from one step to the next), so a check
         script run as a later step sees the files an earlier step left but nothing else of it.
+        A step whose files cannot be placed over what an earlier step left (a link, a FIFO, a
+        directory, a full disk) is not run and comes back as "error" saying why.
+
+        Raises SlotBroken (after resetting what it can) when the slot cannot guarantee a clean
+        next run; `self.broken` then says why, and the slot must not be used again.
         """
         if self._closed:
             raise RuntimeError("slot is closed")
+        if self.broken:
+            raise SlotBroken(self.broken)
+        if not self._work_is_fresh():
+            self._reset_workdir()
         results = []
         try:
-            for req in reqs:
-                self._place_files(req.get("files") or {})
+            for k, req in enumerate(reqs):
+                try:
+                    self._place_files(req.get("files") or {})
+                except OSError as e:
+                    who = "left by an earlier step" if k else "in a fresh working directory"
+                    r = ExecutionResult(status="error" if k else "sandbox_error",
+                                        message=f"could not place files ({who}): {e.strerror or e}")
+                    results.append(r)
+                    continue
                 if self.none_mode:
                     r = self._run_none(req)
                 else:
@@ -646,12 +767,43 @@ class Slot:
                         r.message = "; ".join(filter(None, [r.message] + notes))
                 results.append(r)
         finally:
-            self._reset_workdir()
+            try:
+                self._reset_workdir()
+            except SlotBroken:
+                pass  # self.broken says why: the owner replaces this slot after this answer
         return results
 
-    def _write_prog(self, req: dict) -> list[str]:
+    def _write_prog(self, req: dict) -> tuple[list[str], int | None]:
+        """The program's argv, and for isolated runs the fd its text is read from (else None).
+
+        Normal runs: the program is /sandbox/main.py|sh (read-only bind, mode 0644). Isolated runs:
+        the text goes to a root-only (0600) file in the slot's program directory that is opened
+        and unlinked at once; the fd is passed down and read by a short boot program given on the
+        command line (`-c`), which closes it before the check starts. Under a root launcher the
+        check's text is then on no path inside the sandbox, and re-opening the fd through /proc
+        is refused (the file belongs to root), so nothing a completion left in /work (a symlink
+        to the program, say) lets the check or its children read the check's own source.
+        """
         cfg = self.cfg
-        if req["language"] == "python":
+        py = req["language"] == "python"
+        if req.get("isolated"):
+            path = os.path.join(self.progdir, ".check")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+                data = memoryview(req["code"].encode("utf-8", "surrogateescape"))
+                while data:
+                    data = data[os.write(fd, data):]
+                os.lseek(fd, 0, os.SEEK_SET)
+            except BaseException:
+                os.close(fd)
+                raise
+            finally:
+                os.unlink(path)
+            if py:
+                return [cfg.python, "-I", "-S", "-B", "-c", _ISOLATED_PY_BOOT, str(fd)], fd
+            return [cfg.bash, "--norc", "--noprofile", "-c", _ISOLATED_SH_BOOT, "check", str(fd)], fd
+        if py:
             name, argv = "main.py", [cfg.python, *cfg.python_flags]
         else:
             name, argv = "main.sh", [cfg.bash, "--noprofile", "--norc"]
@@ -661,7 +813,7 @@ class Slot:
         with open(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
             f.write(req["code"])
         inner = "/sandbox/" + name if not self.none_mode else path
-        return argv + [inner]
+        return argv + [inner], None
 
     def _stdin_fd(self, data: bytes | None) -> tuple[int, bool]:
         if data is None:
@@ -681,13 +833,18 @@ class Slot:
         cfg = self.cfg
         max_procs = req.get("max_procs") or cfg.max_procs
         mem = req["memory_mb"] << 20
-        # RLIMIT_AS: generous behind the memory cgroup (threads reserve stacks); the only memory
-        # limit when there are no cgroups.
-        as_bytes = mem + max(mem, 256 << 20) if self.cg is not None else mem + (64 << 20)
+        # RLIMIT_AS (see SandboxConfig.address_space_mb): off behind the memory cgroup, which
+        # judges what a program uses, not what its threads and malloc arenas reserve.
+        if cfg.address_space_mb is not None:
+            as_bytes = cfg.address_space_mb << 20
+        else:
+            as_bytes = None if self.cg is not None else mem + (4096 << 20)
         cpu = int(timeout_s) + 1
-        lim = [(R.RLIMIT_CORE, 0, 0), (R.RLIMIT_CPU, cpu, cpu + 1), (R.RLIMIT_AS, as_bytes, as_bytes),
+        lim = [(R.RLIMIT_CORE, 0, 0), (R.RLIMIT_CPU, cpu, cpu + 1),
                (R.RLIMIT_FSIZE, cfg.work_mb << 20, cfg.work_mb << 20),
                (R.RLIMIT_NOFILE, cfg.nofile, cfg.nofile)]
+        if as_bytes is not None:
+            lim.append((R.RLIMIT_AS, as_bytes, as_bytes))
         if self.root:  # RLIMIT_NPROC counts every process of the real uid: only for the slot uid
             lim.append((R.RLIMIT_NPROC, max_procs + 8, max_procs + 8))
         return lim
@@ -752,8 +909,9 @@ class Slot:
         timeout_s = req["timeout_s"]
         if self.cg is not None:
             max_procs = req.get("max_procs") or self.cfg.max_procs
-            self.cg.set_limits(req["memory_mb"] << 20, max_procs + 2)  # + bwrap monitor and init
-        cmd = self._write_prog(req)
+            # + bwrap monitor and init; resets the peak and notes the usage it starts from
+            self.cg.set_limits(req["memory_mb"] << 20, max_procs + 2, self.cfg.cpu_quota)
+        cmd, prog_fd = self._write_prog(req)
         sc_r, sc_w = os.pipe2(os.O_CLOEXEC)
         os.write(sc_w, self.seccomp_prog)  # < pipe buffer: never blocks
         os.close(sc_w)
@@ -761,7 +919,9 @@ class Slot:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         stdin_fd, own_stdin = self._stdin_fd(req.get("stdin"))
-        tail = self._static_args + ["--seccomp", str(sc_r), "--json-status-fd", str(st_w), "--"] + cmd
+        tail = (self._static_args + self._env[bool(req.get("isolated"))]
+                + ["--seccomp", str(sc_r), "--json-status-fd", str(st_w), "--"] + cmd)
+        passed = (sc_r, st_w) if prog_fd is None else (sc_r, st_w, prog_fd)
         if self.in_child_launch:
             argv, preexec = tail, self._child_setup_fn(req, timeout_s)
         else:
@@ -769,16 +929,20 @@ class Slot:
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=out_w, stderr=err_w,
-                                    pass_fds=(sc_r, st_w), env={}, cwd="/", close_fds=True,
+                                    pass_fds=passed, env={}, cwd="/", close_fds=True,
                                     start_new_session=True, preexec_fn=preexec)
         except (OSError, subprocess.SubprocessError) as e:
             for fd in (sc_r, st_r, st_w, out_r, out_w, err_r, err_w):
                 os.close(fd)
             if own_stdin:
                 os.close(stdin_fd)
+            if prog_fd is not None:
+                os.close(prog_fd)
             return ExecutionResult.sandbox_error(f"cannot launch sandbox: {e}")
         for fd in (sc_r, st_w, out_w, err_w):
             os.close(fd)
+        if prog_fd is not None:
+            os.close(prog_fd)
         if own_stdin:
             os.close(stdin_fd)
         return self._supervise(proc, req, t0, out_r, err_r, st_r, timeout_s)
@@ -891,7 +1055,9 @@ class Slot:
             rc = proc.returncode
             exit_code = rc if rc >= 0 else 128 - rc
         oom = self.cg.oom_killed_since_last() if self.cg is not None else False
-        peak = self.cg.memory_peak_bytes() if self.cg is not None else None
+        peak = self.cg.run_peak_bytes() if self.cg is not None else None
+        if self.cg is not None:
+            self.cg.trim()
         stdout, stderr = _decode(bytes(bufs[out_r])), _decode(bytes(bufs[err_r]))
         res = ExecutionResult(status="ok", exit_code=exit_code, stdout=stdout, stderr=stderr,
                               wall_s=wall, stdout_truncated=trunc[out_r],
@@ -902,7 +1068,8 @@ class Slot:
         return res
 
     def _reap_sandbox(self, pidfd: int | None) -> None:
-        """Waits until the sandbox's pid 1 (hence its whole pid namespace) is gone; reaps it."""
+        """Waits until the sandbox's pid 1 (hence its whole pid namespace) is gone; reaps it.
+        A slot whose processes cannot all be killed is marked broken (never reused)."""
         if pidfd is not None:
             r, _, _ = select.select([pidfd], [], [], 10.0)
             if not r:
@@ -916,11 +1083,11 @@ class Slot:
             except (ChildProcessError, OSError):
                 pass
         if self.cg is not None:
-            if self.cg.pids():
-                self.cg.kill_all()
+            if self.cg.pids() and not self.cg.kill_all():
+                self.broken = f"processes of the slot cgroup survive SIGKILL: {self.cg.pids()[:10]}"
         elif self.root and self.uid:
-            if pids_of_uid(self.uid):
-                kill_uid(self.uid)
+            if pids_of_uid(self.uid) and not kill_uid(self.uid):
+                self.broken = f"processes of uid {self.uid} survive SIGKILL"
 
     @staticmethod
     def _classify(res: ExecutionResult, killed_for, oom, req, started, launcher_rc) -> None:
@@ -949,17 +1116,25 @@ class Slot:
 
     # ---- isolation="none" -------------------------------------------------------------------
     def _run_none(self, req: dict) -> ExecutionResult:
-        cmd = self._write_prog(req)
+        cmd, prog_fd = self._write_prog(req)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         st_r, st_w = os.pipe2(os.O_CLOEXEC)
         os.close(st_w)  # no status channel: EOF at once
         stdin_fd, own = self._stdin_fd(req.get("stdin"))
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.workdir, "LANG": "C.UTF-8",
-               "PYTHONPATH": self.workdir}
+        if req.get("isolated"):
+            env = dict(_ISOLATED_ENV)
+        else:
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.workdir, "LANG": "C.UTF-8",
+                   "PYTHONPATH": self.workdir}
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=out_w, stderr=err_w, env=env,
-                                cwd=self.workdir, close_fds=True, start_new_session=True)
+        try:
+            proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=out_w, stderr=err_w, env=env,
+                                    cwd=self.workdir, close_fds=True, start_new_session=True,
+                                    pass_fds=() if prog_fd is None else (prog_fd,))
+        finally:
+            if prog_fd is not None:
+                os.close(prog_fd)
         os.close(out_w)
         os.close(err_w)
         if own:

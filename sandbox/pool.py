@@ -4,7 +4,10 @@ Each worker is a separate process (`sandbox.worker`) owning one `Slot` (its own 
 working directory); a manager thread per worker feeds it from one shared queue. Results come back
 as futures; `map`/`run_batch` return them in submission order. A worker that dies (killed, crashed,
 hung past its task's deadline) is replaced and the task it was running is reported as
-`sandbox_error`, never lost.
+`sandbox_error`, never lost. A slot that cannot guarantee a clean next run (its working directory
+could not be reset, a process survived) answers its current task and is replaced by a fresh one
+(new process, uid, mount and cgroup), never reused. `health()` reports slots up, down and
+replaced (the HTTP server's /health reads it).
 
 Typical use (the RL side):
 
@@ -31,7 +34,7 @@ from typing import Any
 
 from . import worker as _wire
 from .executor import IsolationUnavailable, SandboxConfig, UnisolatedWarning
-from .result import ExecutionResult, normalize_request
+from .result import ExecutionResult, InvalidRequest, normalize_request, normalize_step
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUN_KEYS = ("language", "stdin", "files", "timeout_s", "memory_mb", "output_limit_bytes",
@@ -52,6 +55,7 @@ class _Worker:
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
         self.busy_since: float | None = None
+        self.runs = 0
         self._start(sweep)
 
     def _start(self, sweep: bool) -> None:
@@ -147,7 +151,9 @@ class _Stats:
         self.queue = collections.deque(maxlen=window)  # submit -> start
         self.first_submit: float | None = None
         self.last_done: float | None = None
-        self.restarts = 0
+        self.restarts = 0  # workers that crashed or hung
+        self.replaced = 0  # slots retired because they could not guarantee a clean next run
+        self.spawn_failures = 0
 
     def submit(self, n: int = 1) -> float:
         now = time.monotonic()
@@ -194,6 +200,7 @@ class _Stats:
                 "in_flight": in_flight,
                 "by_status": dict(self.by_status),
                 "worker_restarts": self.restarts,
+                "slots_replaced": self.replaced,
                 "runs_per_s": round(self.completed / span, 2) if span > 0 else None,
                 "latency_ms": ms(lat),
                 "exec_ms": ms(ex),
@@ -243,6 +250,9 @@ class SandboxPool:
         self._in_flight = 0
         self._closed = False
         self._workers: list[_Worker | None] = [None] * self.n
+        self._down_reason: list[str | None] = [None] * self.n
+        self._down_since: list[float | None] = [None] * self.n
+        self._last_replacement: str | None = None
         self._threads: list[threading.Thread] = []
         ready = [threading.Event() for _ in range(self.n)]
         errors: list[BaseException | None] = [None] * self.n
@@ -272,55 +282,156 @@ class SandboxPool:
             return
         ready.set()
         while True:
+            if self._workers[i] is None and not self._respawn(i):
+                # down: leave the queue to slots that are up; take a task only when none is up,
+                # so that callers get a sandbox_error instead of waiting for ever
+                with self._cv:
+                    if self._closed and not self._q:
+                        break
+                    if not self._q or any(w is not None for w in self._workers):
+                        self._cv.wait(timeout=self._respawn_wait(i))
+                        continue
+                    item = self._q.popleft()
+                self._fail(item, f"no sandbox slot is up: {self._down_reason[i]}")
+                continue
             with self._cv:
                 while not self._q and not self._closed:
                     self._cv.wait()
                 if not self._q:
                     break
                 item = self._q.popleft()
-            fut, msg, n_results, t_sub, budget = item
-            if not fut.set_running_or_notify_cancel():
-                with self._cv:
-                    self._in_flight -= 1
-                continue
-            t_start = time.monotonic()
-            w = self._workers[i]
-            try:
-                if w is None:
-                    w = self._workers[i] = self._spawn(i, sweep=False)
-                w.busy_since = t_start
-                reply = w.call(msg, timeout=budget + self.hang_grace_s)
-                results = reply["results"]
-            except (WorkerDied, OSError, RuntimeError) as e:
-                results = [ExecutionResult.sandbox_error(f"sandbox worker crashed: {e}",
-                                                         wall_s=time.monotonic() - t_start)
-                           for _ in range(n_results)]
-                self._replace(i)
-            finally:
-                if self._workers[i] is not None:
-                    self._workers[i].busy_since = None
-            for r in results:
-                r.worker = i
-            self._stats.done(t_sub, t_start, results)
-            with self._cv:
-                self._in_flight -= 1
-            fut.set_result(results if msg["op"] == "seq" else results[0])
+            self._run_item(i, item)
         w = self._workers[i]
         if w is not None:
             w.close()
             self._workers[i] = None
 
-    def _replace(self, i: int) -> None:
+    def _run_item(self, i: int, item: tuple) -> None:
+        fut, msg, n_results, t_sub, budget = item
+        if not fut.set_running_or_notify_cancel():
+            with self._cv:
+                self._in_flight -= 1
+            return
+        t_start = time.monotonic()
+        w = self._workers[i]
+        broken = None
+        try:
+            w.busy_since = t_start
+            reply = w.call(msg, timeout=budget + self.hang_grace_s)
+            results = reply["results"]
+            broken = reply.get("broken")
+            w.runs += 1
+        except Exception as e:  # noqa: BLE001 - WorkerDied, a broken pipe, a malformed reply
+            results = [ExecutionResult.sandbox_error(f"sandbox worker crashed: {e}",
+                                                     wall_s=time.monotonic() - t_start)
+                       for _ in range(n_results)]
+            self._replace(i, f"worker crashed: {e}", crashed=True)
+        finally:
+            if self._workers[i] is not None:
+                self._workers[i].busy_since = None
+        if broken:
+            self._replace(i, f"slot broken: {broken}", crashed=False)
+        for r in results:
+            r.worker = i
+        self._stats.done(t_sub, t_start, results)
+        with self._cv:
+            self._in_flight -= 1
+        fut.set_result(results if msg["op"] == "seq" else results[0])
+
+    def _fail(self, item: tuple, message: str) -> None:
+        fut, msg, n_results, t_sub, _ = item
+        if not fut.set_running_or_notify_cancel():
+            with self._cv:
+                self._in_flight -= 1
+            return
+        now = time.monotonic()
+        results = [ExecutionResult.sandbox_error(message) for _ in range(n_results)]
+        self._stats.done(t_sub, now, results)
+        with self._cv:
+            self._in_flight -= 1
+        fut.set_result(results if msg["op"] == "seq" else results[0])
+
+    def _replace(self, i: int, reason: str, crashed: bool) -> None:
+        """Retires worker i (killed if still running) and starts a fresh one in its place."""
         old = self._workers[i]
-        if old is not None:
-            old.kill()
         self._workers[i] = None
+        if old is not None:
+            if crashed:
+                old.kill()
+            else:
+                old.close(timeout=30.0)  # a broken slot exits on its own after answering
         with self._stats.lock:
-            self._stats.restarts += 1
+            if crashed:
+                self._stats.restarts += 1
+            else:
+                self._stats.replaced += 1
+            self._last_replacement = reason
+        self._respawn(i)
+
+    def _respawn(self, i: int) -> bool:
         try:
             self._workers[i] = self._spawn(i, sweep=True)
-        except BaseException:  # noqa: BLE001 - retried on the next task
+            self._down_reason[i] = None
+            self._down_since[i] = None
+            return True
+        except BaseException as e:  # noqa: BLE001 - the slot stays down; retried with backoff
             self._workers[i] = None
+            self._down_reason[i] = f"{type(e).__name__}: {e}"
+            self._down_since[i] = self._down_since[i] or time.monotonic()
+            with self._stats.lock:
+                self._stats.spawn_failures += 1
+            return False
+
+    def _respawn_wait(self, i: int) -> float:
+        down_for = time.monotonic() - (self._down_since[i] or time.monotonic())
+        return min(30.0, 1.0 + down_for / 4)
+
+    def health(self) -> dict[str, Any]:
+        """Slot health (the HTTP server's /health reads it):
+
+        {"workers": N, "up": k, "down": [indices of slots that are down], "busy": b,
+         "restarts": workers that crashed or hung, "replaced": slots retired because they could
+         not guarantee a clean next run (reset failure, surviving process), "spawn_failures":
+         failed (re)starts, "last_replacement": reason or None,
+         "slots": [{"index", "state": "idle" | "busy" | "down", "pid", "uid", "runs",
+                    "down_reason"}]}
+
+        A slot is down while it has no live worker process (it died, or its restart failed: it is
+        retried with backoff while the other slots take the work); all are down once the pool is
+        closed. "up" == "workers" means every slot can take work.
+        """
+        slots = []
+        for i, w in enumerate(self._workers):
+            alive = (not self._closed and w is not None and w.proc is not None
+                     and w.proc.poll() is None)
+            state = "down" if not alive else ("busy" if w.busy_since is not None else "idle")
+            slots.append({"index": i, "state": state, "pid": w.pid if w is not None else None,
+                          "uid": w.info.get("uid") if w is not None else None,
+                          "runs": w.runs if w is not None else 0,
+                          "down_reason": None if alive else (self._down_reason[i] or
+                                                              ("closed" if self._closed else None))})
+        down = [s["index"] for s in slots if s["state"] == "down"]
+        with self._stats.lock:
+            return {"workers": self.n, "up": self.n - len(down), "down": down,
+                    "busy": sum(s["state"] == "busy" for s in slots),
+                    "restarts": self._stats.restarts, "replaced": self._stats.replaced,
+                    "spawn_failures": self._stats.spawn_failures,
+                    "last_replacement": self._last_replacement, "slots": slots}
+
+    def _check_fits(self, req: dict) -> dict:
+        """Caller mistakes against this pool's machine settings raise InvalidRequest (files that
+        cannot fit the working directory would otherwise fail inside the worker)."""
+        files = req["files"]
+        total = sum(len(v) for v in files.values())
+        if total > self.config.work_mb << 20:
+            raise InvalidRequest(f"files total {total} bytes; the working directory holds "
+                                 f"{self.config.work_mb} MiB (SandboxConfig.work_mb)")
+        dirs = {"/".join(p.split("/")[:k]) for p in files for k in range(1, p.count("/") + 1)}
+        if len(files) + len(dirs) > self.config.work_inodes - 16:
+            raise InvalidRequest(f"{len(files)} files in {len(dirs)} directories: the working "
+                                 f"directory has {self.config.work_inodes} inodes "
+                                 "(SandboxConfig.work_inodes)")
+        return req
 
     # ---- API --------------------------------------------------------------------------------
     def _enqueue(self, msg: dict, n_results: int, budget: float) -> Future:
@@ -335,8 +446,9 @@ class SandboxPool:
         return fut
 
     def submit(self, code: str, **kw: Any) -> Future:
-        """Schedules one run; returns a Future[ExecutionResult]. Invalid requests raise here."""
-        req = normalize_request(code, **kw)
+        """Schedules one run; returns a Future[ExecutionResult]. Invalid requests raise
+        InvalidRequest here (see result.normalize_request)."""
+        req = self._check_fits(normalize_request(code, **kw))
         return self._enqueue({"op": "run", "req": req}, 1, req["timeout_s"])
 
     def run(self, code: str, **kw: Any) -> ExecutionResult:
@@ -345,10 +457,11 @@ class SandboxPool:
     def submit_sequence(self, steps: list[dict]) -> Future:
         """Runs steps (dicts of `run` arguments, with "code") one after the other in one slot,
         sharing the working directory; returns a Future[list[ExecutionResult]]."""
-        reqs = [normalize_request(s["code"], **{k: v for k, v in s.items() if k != "code"})
-                for s in steps]
-        if not reqs:
-            raise ValueError("submit_sequence needs at least one step")
+        if not isinstance(steps, (list, tuple)) or not steps:
+            raise InvalidRequest("submit_sequence needs a non-empty list of steps")
+        if len(steps) > 64:
+            raise InvalidRequest(f"{len(steps)} steps: at most 64 per sequence")
+        reqs = [self._check_fits(normalize_step(s)) for s in steps]
         return self._enqueue({"op": "seq", "reqs": reqs}, len(reqs),
                              sum(r["timeout_s"] for r in reqs))
 
@@ -362,8 +475,8 @@ class SandboxPool:
 
     def run_batch(self, requests: Iterable[dict]) -> list[ExecutionResult]:
         """Runs request dicts ({"code": ..., plus any `run` argument}); results in input order."""
-        futs = [self.submit(r["code"], **{k: v for k, v in r.items() if k != "code"})
-                for r in requests]
+        reqs = [self._check_fits(normalize_step(r)) for r in requests]  # all checked first
+        futs = [self._enqueue({"op": "run", "req": q}, 1, q["timeout_s"]) for q in reqs]
         return [f.result() for f in futs]
 
     def stats(self) -> dict[str, Any]:
@@ -375,17 +488,6 @@ class SandboxPool:
 
     def reset_stats(self) -> None:
         self._stats.reset()
-
-    def health(self) -> dict[str, Any]:
-        """Slot health (for the server's /health): {"workers": n, "up": k, "down": [slot indices],
-        "restarts": r}. A slot is down while it has no live worker process (it died, or its
-        replacement failed to start; the next task for that slot tries again); all are down once
-        the pool is closed."""
-        down = [i for i, w in enumerate(self._workers)
-                if self._closed or w is None or w.proc is None or w.proc.poll() is not None]
-        with self._stats.lock:
-            restarts = self._stats.restarts
-        return {"workers": self.n, "up": self.n - len(down), "down": down, "restarts": restarts}
 
     def worker_pids(self) -> list[int | None]:
         return [w.pid if w is not None else None for w in self._workers]

@@ -7,18 +7,23 @@
 Families (fields in sandbox/tasks/schema.py):
 
   python_tests  HumanEval/MBPP unit tests. The solution is prompt + completion (or the completion's
-                fenced code block when it defines the entry point itself). A harness inside the
-                sandbox runs the solution, then each top-level statement of `check` (or of the
-                test file) that contains an assert as one case, recording pass/fail and time per
-                case. Results go to stdout tagged with a random nonce that the harness reads
-                from a file and deletes before the solution runs, so a solution that exits early
-                (exit(0), os._exit, SystemExit) or prints fake results does not pass.
+                fenced code block when it defines the entry point itself). It runs in one sandbox
+                on the arguments the test will call it with (no test code, no expected value
+                there); its results cross as plain data (sandbox/plaindata.py) to a fresh,
+                isolated sandbox where the ORIGINAL test runs against a replay of them, each
+                top-level statement of `check` (or of the test file) that contains an assert being
+                one case. See sandbox/python_tests.py for the protocol and why an always-equal
+                object, patched builtins, frame/gc inspection, early exit or fake output earn 0.
   stdio         one sandbox run per case with the case's input on stdin; stdout is compared with
                 the expected output after `normalize_output` (see its docstring for the rule).
   math          math-verify equivalence of the completion's final answer and the gold answer,
                 in isolated worker processes with a timeout (sandbox.mathverify).
   terminal      a sandbox sequence over one working directory: [setup], the model's commands
-                (bash), then the check script in a fresh sandbox; check exit code 0 = solved.
+                (bash), then the check script in a fresh sandbox started with `isolated=True`
+                (python -I -S -B or bash --norc --noprofile, PATH=/usr/bin:/bin, HOME=/tmp,
+                program text on no path), so nothing the commands wrote into /work reaches the
+                interpreter, its search path or its environment; check exit code 0 = solved.
+                Expected outputs belong in the check, never in `files` (which the model sees).
 
 details always has: family, score, status ("pass", "fail", or the sandbox status that prevented a
 verdict such as "timeout"/"sandbox_error"), cases (list of per-case dicts with passed and
@@ -29,13 +34,12 @@ and `submit_sequence(steps)` returning futures works.
 
 from __future__ import annotations
 
-import ast
-import json
 import re
-import secrets
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
+from . import python_tests
 from .result import ExecutionResult
 from .tasks.schema import Task
 
@@ -116,10 +120,11 @@ def _short(s: str, n: int = 300) -> str:
 
 
 class Pending:
-    """A verification in flight: `result()` blocks until its sandbox runs are done."""
+    """A verification in flight: `result()` blocks until its sandbox runs are done. Built from a
+    function computing (score, details) or from a Future of it."""
 
-    def __init__(self, finish: Callable[[], tuple[float, dict]]) -> None:
-        self._finish = finish
+    def __init__(self, finish: Callable[[], tuple[float, dict]] | Future) -> None:
+        self._finish = finish.result if isinstance(finish, Future) else finish
         self._value: tuple[float, dict] | None = None
 
     def result(self) -> tuple[float, dict]:
@@ -136,84 +141,6 @@ def _done(score: float, details: dict) -> Pending:
 # --------------------------------------------------------------------------------------------
 # python unit tests
 
-_HARNESS = r'''
-import ast as _ast, json as _json, os as _os, sys as _sys, time as _time, traceback as _tb
-
-def _kimi_harness(SOLUTION, TEST, ENTRY):
-    _write, _perf = _os.write, _time.perf_counter
-    with open("/work/.kimi_nonce") as f:
-        nonce = f.read().strip()
-    _os.unlink("/work/.kimi_nonce")
-
-    def emit(obj):
-        _write(1, ("\n" + nonce + " " + _json.dumps(obj) + "\n").encode())
-
-    def err(e):
-        return (type(e).__name__ + ": " + str(e))[:500]
-
-    tree = _ast.parse(TEST)
-    check = next((n for n in tree.body if isinstance(n, _ast.FunctionDef) and n.name == "check"), None)
-    host = check.body if check is not None else tree.body
-    n_cases = 0
-
-    def wrap(stmt, i):
-        call = lambda name, args: _ast.Expr(_ast.Call(_ast.Name(name, _ast.Load()), args, []))
-        return _ast.Try(
-            body=[call("__kimi_start", [_ast.Constant(i)]), stmt,
-                  call("__kimi_case", [_ast.Constant(i), _ast.Constant(True), _ast.Constant(None)])],
-            handlers=[_ast.ExceptHandler(_ast.Name("BaseException", _ast.Load()), "__kimi_e",
-                      [call("__kimi_case", [_ast.Constant(i), _ast.Constant(False), _ast.Name("__kimi_e", _ast.Load())])])],
-            orelse=[], finalbody=[])
-
-    new = []
-    for stmt in host:
-        if not isinstance(stmt, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)) and \
-                any(isinstance(n, _ast.Assert) for n in _ast.walk(stmt)):
-            new.append(wrap(stmt, n_cases))
-            n_cases += 1
-        else:
-            new.append(stmt)
-    host[:] = new
-    _ast.fix_missing_locations(tree)
-    emit({"event": "cases", "n": n_cases})
-    g = {"__name__": "__solution__", "__builtins__": __builtins__}
-    try:
-        exec(compile(SOLUTION, "solution.py", "exec"), g)
-    except BaseException as e:
-        emit({"event": "solution_error", "error": err(e), "trace": _tb.format_exc()[-1500:]})
-        return
-    starts = {}
-
-    def _start(i):
-        starts[i] = _perf()
-
-    def _case(i, ok, e):
-        emit({"event": "case", "i": i, "passed": bool(ok), "error": None if ok else err(e),
-              "time_s": round(_perf() - starts.get(i, _perf()), 6)})
-
-    g["__kimi_start"], g["__kimi_case"] = _start, _case
-    try:
-        exec(compile(tree, "test.py", "exec"), g)
-        if check is not None:
-            if ENTRY not in g:
-                emit({"event": "check_error", "error": "entry point %r is not defined" % ENTRY})
-                return
-            g["check"](g[ENTRY])
-    except BaseException as e:
-        emit({"event": "check_error", "error": err(e), "trace": _tb.format_exc()[-1500:]})
-        return
-    emit({"event": "done"})
-'''
-
-
-def _parses(src: str) -> bool:
-    try:
-        ast.parse(src)
-        return True
-    except (SyntaxError, ValueError):
-        return False
-
-
 def _import_lines(src: str) -> str:
     return "\n".join(ln for ln in src.splitlines() if re.match(r"\s*(import|from)\s+\w", ln)
                      and not ln.startswith((" ", "\t")))
@@ -222,71 +149,19 @@ def _import_lines(src: str) -> str:
 def build_solution(task: Task, completion: str) -> str:
     """prompt + completion, or the completion's own code when it defines the entry point."""
     code = extract_code(completion, "python")
-    prompt_is_code = not task.meta.get("prompt_is_text") and bool(task.prompt.strip()) and _parses(task.prompt)
     defines = bool(task.entry_point) and re.search(
         rf"^\s*def\s+{re.escape(task.entry_point)}\s*\(", code, re.M) is not None
-    if not prompt_is_code:
+    if not python_tests.prompt_is_code(task):
         return code
     if defines and "```" in completion:
         return _import_lines(task.prompt) + "\n" + code
     return task.prompt + code
 
 
-def build_python_tests_program(task: Task, solution: str, nonce: str) -> tuple[str, dict]:
-    program = _HARNESS + f"\n_kimi_harness({solution!r}, {task.test!r}, {task.entry_point!r})\n"
-    return program, {".kimi_nonce": nonce}
-
-
-def _parse_harness(stdout: str, nonce: str) -> list[dict]:
-    out = []
-    tag = nonce + " "
-    for line in stdout.splitlines():
-        if line.startswith(tag):
-            try:
-                out.append(json.loads(line[len(tag):]))
-            except ValueError:
-                pass
-    return out
-
-
 def _start_python_tests(task: Task, completion: str, ctx: Verifier) -> Pending:
-    nonce = secrets.token_hex(16)
-    program, files = build_python_tests_program(task, build_solution(task, completion), nonce)
-    fut = ctx.executor.submit(program, files=files, timeout_s=task.timeout_s,
-                              memory_mb=task.memory_mb)
-
-    def finish():
-        r: ExecutionResult = fut.result()
-        events = _parse_harness(r.stdout, nonce)
-        n = next((e["n"] for e in events if e.get("event") == "cases"), None)
-        cases = [{"passed": e["passed"], "error": e["error"], "time_s": e["time_s"]}
-                 for e in events if e.get("event") == "case"]
-        done = any(e.get("event") == "done" for e in events)
-        problem = next((e for e in events if e.get("event") in ("solution_error", "check_error")), None)
-        n = n if n is not None else len(cases)
-        passed = sum(c["passed"] for c in cases)
-        all_ok = done and problem is None and passed == n and r.status == "ok"
-        if task.scoring == "fraction":
-            score = passed / n if n else float(all_ok)
-        else:
-            score = 1.0 if all_ok else 0.0
-        if all_ok:
-            status = "pass"
-        elif r.status not in ("ok", "error"):
-            status = r.status
-        else:
-            status = "fail"
-        details = {"family": "python_tests", "score": score, "status": status,
-                   "cases": cases, "n_cases": n, "n_passed": passed, "completed": done,
-                   "sandbox_status": r.status, "exit_code": r.exit_code, "wall_s": r.wall_s}
-        if problem is not None:
-            details["error"] = problem.get("error")
-            details["error_kind"] = problem["event"]
-        if not events and r.stderr:
-            details["stderr"] = _short(r.stderr, 1000)
-        return score, details
-
-    return Pending(finish)
+    """See sandbox/python_tests.py: the solution runs in one sandbox on the test's arguments only,
+    the original test judges the returned plain data in another."""
+    return Pending(python_tests.start(task, build_solution(task, completion), ctx.executor))
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,7 +237,7 @@ def _start_terminal(task: Task, completion: str, ctx: Verifier) -> Pending:
     steps.append({"code": commands, "language": "bash",
                   "files": {} if task.setup else task.files,
                   "timeout_s": task.timeout_s, "memory_mb": task.memory_mb})
-    steps.append({"code": task.check, "language": task.check_language,
+    steps.append({"code": task.check, "language": task.check_language, "isolated": True,
                   "timeout_s": task.timeout_s, "memory_mb": task.memory_mb})
     fut = ctx.executor.submit_sequence(steps)
 
@@ -484,7 +359,7 @@ def _start_answer_check(task: Task, completion: str, ctx: Verifier) -> Pending:
     if not task.check or task.check_language not in ("bash", "python"):
         return _done(0.0, {"family": "answer_check", "score": 0.0, "status": "invalid_task",
                            "cases": [], "wall_s": 0.0})
-    fut = ctx.executor.submit(task.check, language=task.check_language,
+    fut = ctx.executor.submit(task.check, language=task.check_language, isolated=True,
                               files={**task.files, "answer.txt": completion},
                               timeout_s=task.timeout_s, memory_mb=task.memory_mb)
 

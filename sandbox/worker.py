@@ -6,6 +6,10 @@ this package, never untrusted input). Runs are launched with vfork+exec through 
 which measured cheaper than forking the worker to set up in the child. It is the
 child subreaper of its sandboxes (the sandbox's pid 1 is reaped here, by pid, never by
 waitpid(-1)), and it dies with the pool (parent-death signal, and EOF on its request pipe).
+
+A slot that cannot guarantee a clean next run (`Slot.broken`: its working directory could not be
+reset, a process could not be killed) answers the current request with `"broken": reason` and
+the worker exits; the pool replaces it with a fresh worker and slot (new uid, new mount).
 """
 
 from __future__ import annotations
@@ -57,7 +61,13 @@ def main() -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    from .executor import IsolationUnavailable, Slot, set_child_subreaper, set_parent_death_signal
+    from .executor import (
+        IsolationUnavailable,
+        Slot,
+        SlotBroken,
+        set_child_subreaper,
+        set_parent_death_signal,
+    )
     from .result import ExecutionResult
 
     ppid = os.getppid()
@@ -94,13 +104,22 @@ def main() -> int:
                     reply = {"ok": True, "info": slot.info()}
                 else:
                     reply = {"ok": False, "error": f"unknown op {op!r}"}
+            except SlotBroken as e:
+                n = len(msg.get("reqs") or [None])
+                reply = {"ok": True, "results": [ExecutionResult.sandbox_error(
+                    f"sandbox slot broken before the run: {e}") for _ in range(n)]}
             except Exception as e:  # noqa: BLE001 - a failed run is a sandbox_error, not a crash
                 n = len(msg.get("reqs") or [None])
+                slot.broken = slot.broken or f"worker error {type(e).__name__}: {e}"  # unknown state
                 reply = {"ok": True,
                          "results": [ExecutionResult.sandbox_error(
                              f"worker error: {type(e).__name__}: {e}") for _ in range(n)],
                          "traceback": traceback.format_exc()}
+            if slot.broken:
+                reply["broken"] = slot.broken
             write_msg(wfd, reply)
+            if slot.broken:
+                break
     finally:
         slot.close()
     return 0

@@ -46,3 +46,19 @@ def no_leftovers():
 @pytest.fixture
 def secret_token():
     return "kimi-secret-" + os.urandom(8).hex()
+
+
+def assert_clean_next(pool, probes_per_slot: int = 2):
+    """After an adversarial program: the pool's next runs (several per slot, so every slot is
+    probed) are ok in an empty working directory, and every slot is up."""
+    rs = pool.map(["import os; print(sorted(os.listdir('.')))"] * (probes_per_slot * pool.n))
+    bad = [r for r in rs if r.status != "ok" or r.stdout != "[]\n"]
+    assert not bad, bad[:2]
+    h = pool.health()
+    assert h["up"] == h["workers"], h
+
+
+@pytest.fixture
+def clean_next():
+    """assert_clean_next(pool) as a fixture."""
+    return assert_clean_next

@@ -290,7 +290,9 @@ def test_symlink_tricks(pool, no_leftovers, tmp_path):
     rs = pool.run_sequence([{"code": f"ln -s {keep} planted.txt", "language": "bash"},
                             {"code": "cat planted.txt", "language": "bash", "files": {"planted.txt": "overwrite"}}])
     assert keep.read_text() == "keep me"
-    assert rs[1].status == "sandbox_error"
+    # the program caused it: "error" (not run), never sandbox_error (which a trainer may skip)
+    assert rs[1].status == "error" and rs[1].exit_code is None, rs[1]
+    assert "left by an earlier step" in rs[1].message and "planted.txt" in rs[1].message
     no_leftovers(pool)
 
 

@@ -1,0 +1,218 @@
+"""Plain data: the strict codec for values that cross from the process that ran a completion to
+the process that judges it (sandbox/python_tests.py).
+
+Covered types, each checked with an exact `type(x) is T` (a subclass is refused, whatever it
+overrides): None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, nested
+at most MAX_DEPTH deep with at most MAX_NODES values and MAX_CHARS characters/bytes in all.
+Encoding never calls a method of a value it has not first checked to be one of those exact
+builtin types, so an object with a custom `__eq__`, `__hash__`, `__bool__`, `__iter__`,
+`__repr__` or `__reduce__` is refused, not consulted. Decoding accepts only the JSON the encoder
+writes (anything else raises PlainDataError) and builds fresh builtin objects, so what comes out
+can carry no behaviour.
+
+JSON form: null, true, false, strings and arrays stand for None, bool, str and list; a JSON
+integer is an int (written only for |x| < 2**53); a JSON number with a fraction or exponent is a
+finite float; every other value is an object with exactly one key:
+  {"int": "<hex>"}  {"float": "nan" | "inf" | "-inf"}  {"complex": [re, im]}
+  {"bytes": "<hex>"}  {"tuple": [...]}  {"dict": [[k, v], ...]}  {"set": [...]}
+  {"frozenset": [...]}
+Set elements are sorted by their JSON text, so equal sets encode equally (`key_of` relies on it).
+
+A call is encoded as [[args...], [[name, value], ...]] with keyword arguments sorted by name.
+
+Not covered: any other type (functions, generators, ranges, user classes, numpy arrays); a dict
+key or set element of an unhashable type cannot occur in a real dict or set anyway.
+
+This file is also embedded verbatim into the programs that run inside the sandbox, so it uses
+the standard library only and defines nothing at import time beyond functions and constants.
+"""
+
+import json as _pd_json
+import math as _pd_math
+
+MAX_DEPTH = 100
+MAX_NODES = 1_000_000
+MAX_CHARS = 64 << 20
+_SAFE_INT = 1 << 53
+_TAGS = ("int", "float", "complex", "bytes", "tuple", "dict", "set", "frozenset")
+
+
+class PlainDataError(ValueError):
+    """A value (or a JSON text) that is not plain data in the sense of this module."""
+
+
+def encode(value):
+    """The JSON-able form of `value`; raises PlainDataError for anything not covered."""
+    budget = [MAX_NODES, MAX_CHARS]
+    return _enc(value, 0, budget)
+
+
+def _enc(x, depth, budget):
+    if depth > MAX_DEPTH:
+        raise PlainDataError(f"nested deeper than {MAX_DEPTH} (or cyclic)")
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise PlainDataError(f"more than {MAX_NODES} values")
+    t = type(x)
+    if x is None or t is bool:
+        return x
+    if t is int:
+        if -_SAFE_INT < x < _SAFE_INT:
+            return x
+        budget[1] -= x.bit_length() // 4 + 1
+        if budget[1] < 0:
+            raise PlainDataError(f"more than {MAX_CHARS} characters")
+        return {"int": int.__format__(x, "x")}
+    if t is float:
+        if x != x:
+            return {"float": "nan"}
+        if x in (_pd_math.inf, -_pd_math.inf):
+            return {"float": "inf" if x > 0 else "-inf"}
+        return x
+    if t is str:
+        budget[1] -= len(x)
+        if budget[1] < 0:
+            raise PlainDataError(f"more than {MAX_CHARS} characters")
+        return x
+    if t is bytes:
+        budget[1] -= 2 * len(x)
+        if budget[1] < 0:
+            raise PlainDataError(f"more than {MAX_CHARS} characters")
+        return {"bytes": bytes.hex(x)}
+    if t is complex:
+        return {"complex": [_enc(x.real, depth + 1, budget), _enc(x.imag, depth + 1, budget)]}
+    if t is list:
+        return [_enc(v, depth + 1, budget) for v in list.__iter__(x)]
+    if t is tuple:
+        return {"tuple": [_enc(v, depth + 1, budget) for v in tuple.__iter__(x)]}
+    if t is dict:
+        return {"dict": [[_enc(k, depth + 1, budget), _enc(v, depth + 1, budget)]
+                         for k, v in dict.items(x)]}
+    if t is set or t is frozenset:
+        items = [_enc(v, depth + 1, budget) for v in t.__iter__(x)]
+        items.sort(key=_text)
+        return {t.__name__: items}
+    raise PlainDataError(f"a value of type {_type_name(t)} is not plain data")
+
+
+def _type_name(t):
+    name = type.__dict__["__name__"].__get__(t)  # never a metaclass's own __name__
+    return name if type(name) is str else "?"
+
+
+def _text(enc):
+    return _pd_json.dumps(enc, separators=(",", ":"))
+
+
+def dumps(value):
+    """encode() as compact JSON text (ASCII only)."""
+    return _text(encode(value))
+
+
+def decode(enc):
+    """The value for a JSON-able form made by `encode`; raises PlainDataError otherwise."""
+    return _dec(enc, 0)
+
+
+def _dec(e, depth):
+    if depth > MAX_DEPTH:
+        raise PlainDataError(f"nested deeper than {MAX_DEPTH}")
+    t = type(e)
+    if e is None or t is bool or t is str:
+        return e
+    if t is int:
+        if not -_SAFE_INT < e < _SAFE_INT:
+            raise PlainDataError("a plain JSON integer out of range (large ints use {\"int\": hex})")
+        return e
+    if t is float:
+        if e != e or e in (_pd_math.inf, -_pd_math.inf):
+            raise PlainDataError("a non-finite JSON number (use {\"float\": ...})")
+        return e
+    if t is list:
+        return [_dec(v, depth + 1) for v in e]
+    if t is not dict or len(e) != 1:
+        raise PlainDataError(f"unexpected JSON value of type {t.__name__}")
+    (tag, p), = e.items()
+    if tag == "int" and type(p) is str and 0 < len(p) <= MAX_CHARS:
+        try:
+            return int(p, 16)
+        except ValueError:
+            raise PlainDataError(f"bad hex int {p[:40]!r}") from None
+    if tag == "float" and p in ("nan", "inf", "-inf"):
+        return float(p)
+    if tag == "bytes" and type(p) is str:
+        try:
+            return bytes.fromhex(p)
+        except ValueError:
+            raise PlainDataError("bad hex bytes") from None
+    if type(p) is not list:
+        raise PlainDataError(f"bad payload for tag {tag!r}")
+    if tag == "complex" and len(p) == 2:
+        re, im = _dec(p[0], depth + 1), _dec(p[1], depth + 1)
+        if type(re) is not float or type(im) is not float:
+            raise PlainDataError("complex parts must be floats")
+        return complex(re, im)
+    if tag == "tuple":
+        return tuple(_dec(v, depth + 1) for v in p)
+    if tag == "dict":
+        out = {}
+        for kv in p:
+            if type(kv) is not list or len(kv) != 2:
+                raise PlainDataError("dict items must be [key, value] pairs")
+            out[_hashable(_dec(kv[0], depth + 1))] = _dec(kv[1], depth + 1)
+        return out
+    if tag in ("set", "frozenset"):
+        items = [_hashable(_dec(v, depth + 1)) for v in p]
+        return set(items) if tag == "set" else frozenset(items)
+    raise PlainDataError(f"unknown tag {tag!r} (known: {', '.join(_TAGS)})")
+
+
+def _hashable(v):
+    try:
+        hash(v)
+    except TypeError:
+        raise PlainDataError(f"unhashable {type(v).__name__} as a dict key or set element") from None
+    return v
+
+
+def loads(text):
+    """decode() of a JSON text (str); anything malformed raises PlainDataError."""
+    if type(text) is not str or len(text) > 4 * MAX_CHARS:
+        raise PlainDataError("plain data text must be a str of bounded size")
+    try:
+        enc = _pd_json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise PlainDataError(f"not JSON: {str(e)[:200]}") from None
+    return decode(enc)
+
+
+def _no_constant(name):
+    raise PlainDataError(f"JSON constant {name} is not plain data")
+
+
+def encode_call(args, kwargs):
+    """[[encoded args], [[name, encoded value], ...]] with keyword names sorted."""
+    if type(args) is not tuple or type(kwargs) is not dict:
+        raise PlainDataError("arguments must be a tuple and a dict")
+    budget = [MAX_NODES, MAX_CHARS]
+    names = sorted(kwargs)
+    return [[_enc(a, 1, budget) for a in args], [[n, _enc(kwargs[n], 1, budget)] for n in names]]
+
+
+def decode_call(payload):
+    """(args tuple, kwargs dict) from encode_call's form; PlainDataError if malformed."""
+    if type(payload) is not list or len(payload) != 2 or type(payload[0]) is not list \
+            or type(payload[1]) is not list:
+        raise PlainDataError("a call must be [[args...], [[name, value], ...]]")
+    args = tuple(_dec(a, 1) for a in payload[0])
+    kwargs = {}
+    for kv in payload[1]:
+        if type(kv) is not list or len(kv) != 2 or type(kv[0]) is not str:
+            raise PlainDataError("keyword arguments must be [name, value] pairs")
+        kwargs[kv[0]] = _dec(kv[1], 1)
+    return args, kwargs
+
+
+def key_of(payload):
+    """The canonical text of an encoded call (equal calls, equal keys)."""
+    return _text(payload)

@@ -1,0 +1,738 @@
+"""The python_tests family (HumanEval / MBPP unit tests), judged where the completion never ran.
+
+Runs of one verification (each a fresh sandbox through the executor):
+
+  solution  the solution (prompt + completion, see verifiers.build_solution) is executed and its
+            entry point called on a list of argument tuples. It sees only those arguments: no
+            test code and no expected value is in its program, files or environment. Each call's
+            result comes back as plain data (sandbox/plaindata.py: exact builtin types, no method
+            of the returned object is ever called), tagged with a nonce the harness reads from a
+            file and deletes before the solution runs.
+  verdict   the task's ORIGINAL test runs in a fresh sandbox (isolated interpreter `python3 -I -S
+            -B`, program not readable by path, empty working directory) with the entry point
+            (`candidate`, or the function's own name for MBPP-style asserts) replaced by a
+            replayer: arguments are encoded, looked up among the solution's recorded calls, and
+            the recorded result is decoded into fresh builtin values (or the recorded builtin
+            exception is raised). Every `==`, `abs`, `isinstance`, ... of the test therefore runs
+            on builtin values in a process no completion code ever touched.
+  collect   (only when the arguments cannot be read off the test statically) the test runs in a
+            checker sandbox with asserts reduced to evaluating their expressions and every call
+            answered by a placeholder, to list the arguments the verdict will ask for. Its result
+            depends on the task only and is cached (COLLECT_CACHE).
+
+Arguments are read statically when every call of the entry point is a direct sub-expression of a
+top-level assert of `check` (or of the test module, or of an assert's message) with constant
+arguments (literals and arithmetic on them): all generated code tasks and 158 of the 164
+HumanEval tasks. A verdict that
+meets a call it has no result for (arguments depending on earlier results, control flow on
+results, in-place mutation changing later arguments) lists it, and the solution runs again for
+the missing calls: at most MAX_SOLUTION_RUNS solution runs per verification.
+
+`random` is seeded (SEED) before the test runs in every checker, so tests that draw unseeded
+random inputs (HumanEval/53) ask for the same arguments in the collect and verdict runs.
+
+Why a completion cannot be paid without computing the right values: the verdict's comparisons run
+in a process that executed only the task's prompt and test; the only thing that crosses from the
+solution's sandbox is a JSON text decoded strictly into builtin values, so an object with an
+always-true `__eq__`, a str/int/list subclass, `__bool__` tricks or patched builtins do not exist
+there; the expected values were never in the solution's sandbox, so frames, gc, the program file,
+/work and the environment hold nothing to copy; exiting early or printing fake records only means
+results are missing, and a missing result fails its case. Forging the records is possible (the
+solution's process can print anything) but a forged record is just a claimed return value: it
+passes only if it is the right value.
+
+Not covered: a test that passes non-plain-data arguments (functions, user objects) to the entry
+point, uses names the solution defines other than the entry point (the prompt's own definitions
+are executed in the checker), draws arguments from a source other than `random` (time, os
+entropy) or depends on str hash order: such cases fail (a false negative, never a false pass).
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import hashlib
+import json
+import math
+import operator
+import secrets
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from . import plaindata
+from .plaindata import key_of
+from .result import ExecutionResult
+from .tasks.schema import Task
+
+SEED = 0
+MAX_SOLUTION_RUNS = 3
+SOLUTION_OUTPUT_LIMIT = 8 << 20
+CHECK_OUTPUT_LIMIT = 8 << 20
+_HARNESS_VERSION = 1
+
+with open(plaindata.__file__, encoding="utf-8") as _f:
+    _PLAIN_SRC = _f.read()
+
+_SOLUTION_HARNESS = r'''
+import json as _kj, os as _ko, random as _kr, time as _kt
+
+def _kimi_solution(SOLUTION, ENTRY, CALLS):
+    _write, _perf, _dumps, _round = _ko.write, _kt.perf_counter, _kj.dumps, round
+    with open(".kimi_nonce") as f:
+        nonce = f.read().strip()
+    _ko.unlink(".kimi_nonce")
+
+    def emit(obj):
+        _write(1, ("\n" + nonce + " " + _dumps(obj) + "\n").encode())
+
+    def err(e):
+        name = _type_name(type(e))
+        try:
+            return (name + ": " + str(e))[:500]
+        except BaseException:
+            return name
+
+    calls = _kj.loads(CALLS)
+    _kr.seed(0)
+    g = {"__name__": "__solution__", "__builtins__": __builtins__}
+    try:
+        exec(compile(SOLUTION, "solution.py", "exec"), g)
+    except BaseException as e:
+        emit({"event": "solution_error", "error": err(e)})
+        return
+    f = g.get(ENTRY)
+    if f is None:
+        emit({"event": "solution_error", "error": "entry point %r is not defined" % ENTRY})
+        return
+    emit({"event": "ready"})
+    for i, payload in enumerate(calls):
+        args, kwargs = decode_call(payload)
+        t0 = _perf()
+        try:
+            r = f(*args, **kwargs)
+        except BaseException as e:
+            emit({"event": "call", "i": i, "raised": _type_name(type(e)), "msg": err(e),
+                  "time_s": _round(_perf() - t0, 6)})
+            continue
+        rec = {"event": "call", "i": i, "time_s": _round(_perf() - t0, 6)}
+        try:
+            rec["result"] = encode(r)
+        except Exception as e:
+            rec["bad"] = err(e)
+        try:
+            after = encode_call(args, kwargs)
+            if key_of(after) != key_of(payload):
+                rec["after"] = after
+        except Exception:
+            pass
+        emit(rec)
+    emit({"event": "done"})
+'''
+
+_CHECK_HARNESS = r'''
+import ast as _ka, builtins as _kb, json as _kj, os as _ko, random as _kr, time as _kt
+
+class _KimiMissing(BaseException):
+    """A call the solution run has no result for (the verdict asks for another round)."""
+
+def _kimi_pending_type():
+    def same(self, *a, **k):
+        return self
+    ns = {"__getattr__": same, "__call__": same, "__getitem__": same,
+          "__bool__": lambda self: True, "__len__": lambda self: 0,
+          "__iter__": lambda self: iter(()), "__contains__": lambda self, x: False,
+          "__float__": lambda self: 0.0, "__int__": lambda self: 0, "__index__": lambda self: 0,
+          "__complex__": lambda self: 0j, "__hash__": lambda self: 0,
+          "__repr__": lambda self: "<pending>", "__str__": lambda self: "<pending>",
+          "__format__": lambda self, spec: "<pending>"}
+    for op in ("add sub mul truediv floordiv mod pow and or xor lshift rshift matmul divmod"
+               .split()):
+        ns["__%s__" % op] = ns["__r%s__" % op] = same
+    for op in "eq ne lt le gt ge neg pos abs invert round trunc floor ceil".split():
+        ns["__%s__" % op] = same
+    return type("Pending", (), ns)
+
+def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE):
+    _write, _perf = _ko.write, _kt.perf_counter
+
+    def emit(obj):
+        _write(1, ("\n" + NONCE + " " + _kj.dumps(obj) + "\n").encode())
+
+    def err(e):
+        return (type(e).__name__ + ": " + str(e))[:500]
+
+    table = {}
+    for key, rec in _kj.loads(KNOWN):
+        table.setdefault(key, []).append(rec)
+    used, needed, st = {}, [], {"missing": False, "time": 0.0}
+    PENDING = _kimi_pending_type()()
+
+    def apply_after(args, kwargs, after):
+        try:
+            a2, k2 = decode_call(after)
+        except PlainDataError:
+            return
+        old = list(args) + [kwargs[n] for n in sorted(kwargs)]
+        new = list(a2) + [k2[n] for n in sorted(k2)]
+        if len(old) != len(new):
+            return
+        for o, n in zip(old, new):
+            if type(o) is list and type(n) is list:
+                o[:] = n
+            elif (type(o) is dict and type(n) is dict) or (type(o) is set and type(n) is set):
+                o.clear()
+                o.update(n)
+
+    def replay(rec, args, kwargs):
+        st["time"] += rec.get("time_s", 0.0)
+        if "raised" in rec:
+            cls = getattr(_kb, rec["raised"], None)
+            if isinstance(cls, type) and issubclass(cls, Exception):
+                try:
+                    exc = cls(rec["msg"])
+                except Exception:
+                    exc = cls.__new__(cls)
+                    exc.args = (rec["msg"],)
+                raise exc
+            raise RuntimeError("the solution raised %s" % rec["msg"])
+        if "bad" in rec:
+            raise TypeError("the solution returned a value that is not plain data: " + rec["bad"])
+        value = decode(rec["result"])
+        if "after" in rec:
+            apply_after(args, kwargs, rec["after"])
+        return value
+
+    def lookup(args, kwargs, collecting):
+        try:
+            payload = encode_call(args, kwargs)
+        except PlainDataError as e:
+            if collecting:
+                return PENDING
+            raise TypeError("the test passed arguments that are not plain data (%s); only plain "
+                            "data crosses to the solution" % e) from None
+        key = key_of(payload)
+        n, recs = used.get(key, 0), table.get(key, ())
+        if n < len(recs):
+            used[key] = n + 1
+            return replay(recs[n], args, kwargs)
+        needed.append(payload)
+        if collecting:
+            return PENDING
+        st["missing"] = True
+        raise _KimiMissing()
+
+    def collect_call(*args, **kwargs):
+        return lookup(args, kwargs, True)
+
+    def verdict_call(*args, **kwargs):
+        return lookup(args, kwargs, False)
+
+    g = {"__name__": "__check__", "__builtins__": _kb}
+    try:
+        if PROMPT:
+            exec(compile(PROMPT, "prompt.py", "exec"), g)
+        tree = _ka.parse(TEST)
+    except BaseException as e:
+        emit({"event": "check_error", "error": "prompt or test does not run: " + err(e)})
+        return
+    check = next((n for n in tree.body if isinstance(n, _ka.FunctionDef) and n.name == "check"), None)
+    host = check.body if check is not None else tree.body
+    collecting = MODE == "collect"
+    candidate = collect_call if collecting else verdict_call
+    Name, Load, Const = _ka.Name, _ka.Load, _ka.Constant
+
+    def call(name, args):
+        return _ka.Expr(_ka.Call(Name(name, Load()), args, []))
+
+    class Strip(_ka.NodeTransformer):
+        def visit_Assert(self, node):
+            body = [_ka.Expr(node.test)] + ([_ka.Expr(node.msg)] if node.msg is not None else [])
+            return _ka.Try(body=body,
+                           handlers=[_ka.ExceptHandler(Name("Exception", Load()), None, [_ka.Pass()])],
+                           orelse=[], finalbody=[])
+
+    n_cases, new = 0, []
+    for stmt in host:
+        if isinstance(stmt, (_ka.FunctionDef, _ka.AsyncFunctionDef, _ka.ClassDef)) or \
+                not any(isinstance(n, _ka.Assert) for n in _ka.walk(stmt)):
+            new.append(stmt)
+            continue
+        if collecting:
+            stmt = Strip().visit(stmt)
+            new.append(_ka.Try(body=[stmt], handlers=[_ka.ExceptHandler(
+                Name("BaseException", Load()), None, [_ka.Pass()])], orelse=[], finalbody=[]))
+        else:
+            new.append(_ka.Try(
+                body=[call("__kimi_start", [Const(n_cases)]), stmt,
+                      call("__kimi_case", [Const(n_cases), Const(True), Const(None)])],
+                handlers=[_ka.ExceptHandler(Name("BaseException", Load()), "__kimi_e",
+                          [call("__kimi_case", [Const(n_cases), Const(False), Name("__kimi_e", Load())])])],
+                orelse=[], finalbody=[]))
+        n_cases += 1
+    host[:] = new
+    _ka.fix_missing_locations(tree)
+    starts = {}
+
+    def _start(i):
+        st["missing"], st["time"] = False, 0.0
+        starts[i] = _perf()
+
+    def _case(i, ok, e):
+        incomplete = st["missing"]
+        emit({"event": "case", "i": i, "passed": bool(ok) and not incomplete,
+              "incomplete": incomplete,
+              "error": None if ok and not incomplete else (
+                  "no recorded result for a call of this case" if incomplete else err(e)),
+              "time_s": _round6(st["time"])})
+
+    g["__kimi_start"], g["__kimi_case"] = _start, _case
+    g[ENTRY] = candidate
+    if not collecting:
+        emit({"event": "cases", "n": n_cases})
+    _kr.seed(SEED)
+    try:
+        exec(compile(tree, "test.py", "exec"), g)
+        if check is not None:
+            g["check"](candidate)
+    except BaseException as e:
+        if not collecting:
+            emit({"event": "check_error", "error": err(e)})
+    emit({"event": "needed", "calls": needed})
+    emit({"event": "done"})
+
+def _round6(x):
+    return round(x, 6)
+'''
+
+
+# --------------------------------------------------------------------------------------------
+# programs
+
+
+def solution_program(solution: str, entry: str, calls: list) -> str:
+    """The program run where the completion runs: the solution, then its entry point on `calls`
+    (encoded with plaindata.encode_call); no test code, no expected value."""
+    return (_PLAIN_SRC + _SOLUTION_HARNESS +
+            f"\n_kimi_solution({solution!r}, {entry!r}, {json.dumps(calls)!r})\n")
+
+
+def check_program(prompt: str, test: str, entry: str, known: list, mode: str, nonce: str) -> str:
+    """The checker: the task's prompt definitions and test with the entry point replaced by a
+    replayer of `known` ([key, record] pairs); mode "collect" or "verdict"."""
+    return (_PLAIN_SRC + _CHECK_HARNESS + f"\nSEED = {SEED}\n" +
+            f"_kimi_check({prompt!r}, {test!r}, {entry!r}, {json.dumps(known)!r}, {mode!r}, {nonce!r})\n")
+
+
+def parse_events(stdout: str, nonce: str) -> list[dict]:
+    """The nonce-tagged JSON lines of a harness's stdout. Lines the program forged or broke
+    (invalid JSON, nesting deeper than the decoder allows) are dropped, never raised."""
+    out, tag = [], nonce + " "
+    for line in stdout.splitlines():
+        if line.startswith(tag):
+            try:
+                ev = json.loads(line[len(tag):])
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(ev, dict) and _shallow(ev, plaindata.MAX_DEPTH + 8):
+                out.append(ev)
+    return out
+
+
+def _shallow(obj: Any, limit: int) -> bool:
+    """True if `obj` (parsed JSON) nests at most `limit` deep (checked without recursion)."""
+    stack = [(obj, 0)]
+    while stack:
+        o, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(o, list):
+            stack.extend((v, d + 1) for v in o)
+        elif isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values())
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# static reading of the test (host side: parsing only, nothing of the task is executed here)
+
+_CONST_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+              ast.Div: operator.truediv}
+
+
+class _NotConst(Exception):
+    pass
+
+
+def _small(v: Any) -> Any:
+    if isinstance(v, (str, bytes, tuple, list)) and len(v) > 100_000:
+        raise _NotConst
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 4096:
+        raise _NotConst
+    return v
+
+
+def const_value(node: ast.AST) -> Any:
+    """The value of a constant expression (literals, containers of them, + - * / // % ** and
+    unary +/- on them, with size guards); raises _NotConst for anything else."""
+    try:
+        return _small(ast.literal_eval(node))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    if isinstance(node, ast.BinOp) and type(node.op) in _CONST_OPS:
+        a, b = const_value(node.left), const_value(node.right)
+        if isinstance(node.op, ast.Pow) and not (isinstance(b, (int, float)) and abs(b) <= 64
+                                                 and isinstance(a, (int, float)) and abs(a) <= 1 << 20):
+            raise _NotConst
+        if isinstance(node.op, ast.Mult) and (isinstance(a, (str, list, tuple, bytes))
+                                              or isinstance(b, (str, list, tuple, bytes))):
+            n = b if isinstance(a, (str, list, tuple, bytes)) else a
+            if not isinstance(n, int) or n > 100_000:
+                raise _NotConst
+        try:
+            return _small(_CONST_OPS[type(node.op)](a, b))
+        except (ArithmeticError, TypeError, ValueError):
+            raise _NotConst from None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = const_value(node.operand)
+        if not isinstance(v, (int, float, complex)) or isinstance(v, bool):
+            raise _NotConst
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        vals = [const_value(e) for e in node.elts]
+        return list(vals) if isinstance(node, ast.List) else (
+            tuple(vals) if isinstance(node, ast.Tuple) else set(vals))
+    raise _NotConst
+
+
+def _check_and_host(tree: ast.Module) -> tuple[ast.FunctionDef | None, list[ast.stmt]]:
+    check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
+    return check, (check.body if check is not None else tree.body)
+
+
+def case_count(test: str) -> int:
+    """Top-level statements of `check` (or of the test module) that contain an assert: the cases
+    (the same rule as the checker harness)."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError):
+        return 0
+    _, host = _check_and_host(tree)
+    return sum(1 for s in host if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+               and any(isinstance(n, ast.Assert) for n in ast.walk(s)))
+
+
+def static_calls(test: str, entry: str) -> list | None:
+    """The encoded calls of the entry point, in source order, when they can be read off the test
+    without running it (see the module docstring); None otherwise."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError):
+        return None
+    check, host = _check_and_host(tree)
+    names = {entry} if entry else set()
+    if check is not None:
+        if check.args.args:
+            names.add(check.args.args[0].arg)
+        outside = [n for n in tree.body if n is not check]
+        if any(isinstance(x, ast.Name) and x.id in names for s in outside for x in ast.walk(s)):
+            return None
+    if not names:
+        return None
+    calls: list = []
+    for stmt in host:
+        if isinstance(stmt, (ast.Pass, ast.Import, ast.ImportFrom)) or (
+                isinstance(stmt, ast.Expr) and isinstance(stmt.value, (ast.Constant, ast.Name))
+                and not (isinstance(stmt.value, ast.Name) and stmt.value.id in names)):
+            continue
+        if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+            if any(isinstance(x, ast.Name) and x.id in names for x in ast.walk(stmt)):
+                return None
+            continue
+        if not isinstance(stmt, ast.Assert):
+            return None
+        # the message is evaluated only when the assert fails, and may call the function again
+        # (HumanEval/77: "... " + str(candidate(1))): its calls are read too
+        for part in (stmt.test, stmt.msg):
+            found = _calls_in(part, names) if part is not None else []
+            if found is None:
+                return None
+            calls += found
+    return calls
+
+
+def _calls_in(expr: ast.expr, names: set[str]) -> list | None:
+    """Encoded constant-argument calls of `names` in evaluation order, or None if a name is used
+    any other way (or with non-constant arguments)."""
+    out: list = []
+    ok = [True]
+
+    class V(ast.NodeVisitor):
+        def visit_Call(self, node):
+            if isinstance(node.func, ast.Name) and node.func.id in names:
+                try:
+                    args = tuple(const_value(a) for a in node.args)
+                    if any(isinstance(a, ast.Starred) for a in node.args) or \
+                            any(k.arg is None for k in node.keywords):
+                        raise _NotConst
+                    kwargs = {k.arg: const_value(k.value) for k in node.keywords}
+                    out.append(plaindata.encode_call(args, kwargs))
+                except (_NotConst, plaindata.PlainDataError):
+                    ok[0] = False
+                return
+            self.generic_visit(node)
+
+        def visit_Name(self, node):
+            if node.id in names:
+                ok[0] = False
+
+        def visit_Lambda(self, node):
+            ok[0] = False
+
+        def _comp(self, node):
+            if any(isinstance(x, ast.Name) and x.id in names for x in ast.walk(node)):
+                ok[0] = False
+
+        visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _comp
+
+    V().visit(expr)
+    return out if ok[0] else None
+
+
+# --------------------------------------------------------------------------------------------
+# host side: one verification as a chain of sandbox runs
+
+
+class _LRU:
+    def __init__(self, size: int) -> None:
+        self.size, self.d, self.lock = size, collections.OrderedDict(), threading.Lock()
+
+    def get(self, k):
+        with self.lock:
+            if k in self.d:
+                self.d.move_to_end(k)
+                return self.d[k]
+            return None
+
+    def put(self, k, v) -> None:
+        with self.lock:
+            self.d[k] = v
+            self.d.move_to_end(k)
+            while len(self.d) > self.size:
+                self.d.popitem(last=False)
+
+
+COLLECT_CACHE = _LRU(4096)
+
+_REC_KEYS = {"result", "after", "time_s", "raised", "msg", "bad"}
+
+
+def _clean_record(ev: dict) -> dict | None:
+    """A solution-run call record reduced to its known fields with their types checked; None if
+    malformed (the call then counts as missing). Values stay JSON: the checker decodes them."""
+    rec = {}
+    t = ev.get("time_s", 0.0)
+    rec["time_s"] = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) \
+        and math.isfinite(t) and t >= 0 else 0.0
+    if "raised" in ev:
+        if not isinstance(ev["raised"], str) or not isinstance(ev.get("msg", ""), str):
+            return None
+        rec["raised"], rec["msg"] = ev["raised"][:200], ev.get("msg", "")[:500]
+    elif "bad" in ev:
+        rec["bad"] = str(ev["bad"])[:500]
+    elif "result" in ev:
+        rec["result"] = ev["result"]
+        if "after" in ev:
+            rec["after"] = ev["after"]
+    else:
+        return None
+    return rec
+
+
+def prompt_is_code(task: Task) -> bool:
+    if task.meta.get("prompt_is_text") or not task.prompt.strip():
+        return False
+    try:
+        ast.parse(task.prompt)
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+class Job:
+    """One python_tests verification: collect (if needed) -> solution -> verdict [-> solution
+    -> verdict]..., each step submitted from the previous step's completion callback, so many
+    verifications pipeline through the executor. `future` gets (score, details)."""
+
+    def __init__(self, task: Task, solution: str, executor) -> None:
+        self.task, self.solution, self.ex = task, solution, executor
+        self.prompt = task.prompt if prompt_is_code(task) else ""
+        self.future: Future = Future()
+        self.known: list = []
+        self.have: collections.Counter = collections.Counter()
+        self.tried: collections.Counter = collections.Counter()
+        self.runs: list[tuple[str, ExecutionResult]] = []
+        self.solution_runs = 0
+        self.load_error: str | None = None
+        self._cache_key = hashlib.sha256(json.dumps(
+            [_HARNESS_VERSION, SEED, self.prompt, task.test, task.entry_point]).encode()).hexdigest()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _then(self, fut, fn, *args) -> None:
+        def cb(f):
+            try:
+                fn(f.result(), *args)
+            except BaseException as e:  # noqa: BLE001 - surfaced by Pending.result()
+                if not self.future.done():
+                    self.future.set_exception(e)
+        fut.add_done_callback(cb)
+
+    def start(self) -> Future:
+        try:
+            calls = static_calls(self.task.test, self.task.entry_point)
+            if calls is None:
+                calls = COLLECT_CACHE.get(self._cache_key)
+            if calls is None:
+                nonce = secrets.token_hex(16)
+                prog = check_program(self.prompt, self.task.test, self.task.entry_point, [],
+                                     "collect", nonce)
+                self._then(self._submit_check(prog), self._on_collect, nonce)
+            else:
+                self._solve(calls)
+        except BaseException as e:  # noqa: BLE001
+            self.future.set_exception(e)
+        return self.future
+
+    def _submit_check(self, prog: str):
+        return self.ex.submit(prog, timeout_s=self.task.timeout_s, memory_mb=self.task.memory_mb,
+                              output_limit_bytes=CHECK_OUTPUT_LIMIT, isolated=True)
+
+    # ---- steps ------------------------------------------------------------------------------
+    def _on_collect(self, r: ExecutionResult, nonce: str) -> None:
+        self.runs.append(("collect", r))
+        events = parse_events(r.stdout, nonce)
+        needed = next((e.get("calls") for e in events if e.get("event") == "needed"), None)
+        if not isinstance(needed, list) or not any(e.get("event") == "done" for e in events):
+            err = next((e.get("error") for e in events if e.get("event") == "check_error"), None)
+            return self._finish(None, None, problem=("check_error", err or
+                                f"the test's collect run ended with {r.status}: "
+                                f"{(r.stderr or r.message)[-300:]}"))
+        COLLECT_CACHE.put(self._cache_key, needed)
+        self._solve(needed)
+
+    def _solve(self, calls: list) -> None:
+        self.solution_runs += 1
+        for p in calls:
+            self.tried[key_of(p)] += 1
+        nonce = secrets.token_hex(16)
+        fut = self.ex.submit(solution_program(self.solution, self.task.entry_point, calls),
+                             files={".kimi_nonce": nonce}, timeout_s=self.task.timeout_s,
+                             memory_mb=self.task.memory_mb, output_limit_bytes=SOLUTION_OUTPUT_LIMIT)
+        self._then(fut, self._on_solution, calls, nonce)
+
+    def _on_solution(self, r: ExecutionResult, calls: list, nonce: str) -> None:
+        self.runs.append(("solution", r))
+        events = parse_events(r.stdout, nonce)
+        if self.solution_runs == 1:
+            bad = next((e for e in events if e.get("event") == "solution_error"), None)
+            if bad is not None or not any(e.get("event") == "ready" for e in events):
+                self.load_error = str(bad.get("error")) if bad else None
+                return self._finish(None, None, problem=("solution_error", self.load_error),
+                                    stderr=None if bad else r.stderr)
+        seen: set[int] = set()
+        for e in events:
+            i = e.get("i")
+            if e.get("event") != "call" or type(i) is not int or not 0 <= i < len(calls) \
+                    or i in seen:
+                continue
+            seen.add(i)
+            rec = _clean_record(e)
+            if rec is not None:
+                k = key_of(calls[i])
+                self.known.append([k, rec])
+                self.have[k] += 1
+        nonce = secrets.token_hex(16)
+        prog = check_program(self.prompt, self.task.test, self.task.entry_point, self.known,
+                             "verdict", nonce)
+        self._then(self._submit_check(prog), self._on_verdict, nonce)
+
+    def _on_verdict(self, r: ExecutionResult, nonce: str) -> None:
+        self.runs.append(("verdict", r))
+        events = parse_events(r.stdout, nonce)
+        needed = next((e.get("calls") for e in events if e.get("event") == "needed"), None) or []
+        new = self._schedule(needed if isinstance(needed, list) else [])
+        if new and self.solution_runs < MAX_SOLUTION_RUNS:
+            return self._solve(new)
+        self._finish(events, r)
+
+    def _schedule(self, needed: list) -> list:
+        """Calls the verdict missed that no solution run has tried yet (a tried call that left no
+        record is not retried: the run died or timed out there)."""
+        want: collections.Counter = collections.Counter()
+        first: dict = {}
+        for p in needed:
+            try:
+                k = key_of(p)
+            except (TypeError, ValueError):
+                continue
+            want[k] += 1
+            first.setdefault(k, p)
+        new = []
+        for k, n in want.items():
+            extra = self.have[k] + n - self.tried[k]
+            new += [first[k]] * max(0, extra)
+        return new
+
+    # ---- the verdict ------------------------------------------------------------------------
+    def _finish(self, events: list | None, verdict: ExecutionResult | None,
+                problem: tuple[str, str | None] | None = None, stderr: str | None = None) -> None:
+        task = self.task
+        events = events or []
+        n = next((e.get("n") for e in events if e.get("event") == "cases"), None)
+        if not isinstance(n, int):
+            n = case_count(task.test)
+        cases = [{"passed": e.get("passed") is True, "error": e.get("error"),
+                  "time_s": e.get("time_s")}
+                 for e in events if e.get("event") == "case"][:n]
+        done = verdict is not None and any(e.get("event") == "done" for e in events)
+        if problem is None:
+            ce = next((e for e in events if e.get("event") == "check_error"), None)
+            if ce is not None:
+                problem = ("check_error", ce.get("error"))
+        sol = [r for kind, r in self.runs if kind == "solution"]
+        sol_bad = next((r.status for r in sol if r.status != "ok"), None)
+        passed = sum(c["passed"] for c in cases)
+        all_ok = (done and problem is None and n > 0 and passed == n and sol_bad is None
+                  and verdict.status == "ok")
+        score = (passed / n if n else 0.0) if task.scoring == "fraction" else float(all_ok)
+        if all_ok:
+            status = "pass"
+        elif n == 0 and problem is None:
+            status = "invalid_task"
+        elif sol_bad is not None and sol_bad not in ("ok", "error"):
+            status = sol_bad
+        elif any(r.status == "sandbox_error" for kind, r in self.runs if kind != "solution"):
+            status = "sandbox_error"
+        else:
+            status = "fail"
+        last = sol[-1] if sol else None
+        details = {"family": "python_tests", "score": score, "status": status, "cases": cases,
+                   "n_cases": n, "n_passed": passed, "completed": done,
+                   "sandbox_status": last.status if last else None,
+                   "exit_code": last.exit_code if last else None,
+                   "check_status": verdict.status if verdict is not None else None,
+                   "runs": [kind for kind, _ in self.runs],
+                   "wall_s": sum(r.wall_s for _, r in self.runs)}
+        if problem is not None:
+            details["error_kind"], details["error"] = problem
+        if stderr:
+            details["stderr"] = stderr[-1000:]
+        self.future.set_result((score, details))
+
+
+def start(task: Task, solution: str, executor) -> Future:
+    """Submits the runs verifying `solution` (the full program text) against `task`; a Future of
+    (score, details)."""
+    return Job(task, solution, executor).start()
+
