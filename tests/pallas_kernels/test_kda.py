@@ -6,12 +6,14 @@ initial state). Errors are relative RMS: sqrt(mean((x - ref)^2) / mean(ref^2)). 
 interpret mode on CPU (the `interpret` fixture) and compiled on GPU/TPU; under interpret both
 sequential forms ("grid" for TPU, "loop" for GPU) are exercised, off-CPU the backend's own.
 Compiled functions are cached per (implementation, shapes) so each program compiles once (the
-extreme-gate and decode tests reuse the chunked reference's program; compilation, not running,
-is what costs time here).
+extreme-gate, moderate-gate and decode tests reuse the programs of the same shapes; compilation,
+not running, is what costs time here). Gates: -50/token (default specs), about -1700 (extreme),
+-0.1 and -1 (moderate: decay across sub-blocks and chunks matters), -5 (decode, bf16).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -120,6 +122,19 @@ def test_chunked_extreme_gates_finite_and_exact():
     _assert_close(got, _evaluate("recurrent", spec), 1e-4, spec.name)
 
 
+# Moderate gates (log-decay in [-2m, 0] per token, mean -m): decay across sub-blocks, chunks and
+# scan steps stays visible (m = 0.1: e^-6 over a 64-token chunk), unlike the -50/token default.
+MODERATE = (0.1, 1.0)
+
+
+@pytest.mark.parametrize("gate", MODERATE)
+def test_chunked_matches_recurrent_moderate_gates(gate):
+    """The T = 130 oracle comparison (outputs, final state, all gradients) at moderate gates,
+    where an off-by-one in any cross-block decay shows (it hides under -50/token gates)."""
+    spec = dataclasses.replace(arg_specs.REFERENCE[0], name=f"ref_t130_gate{gate}", gate=gate)
+    _assert_close(_evaluate("chunked", spec), _evaluate("recurrent", spec), 1e-4, spec.name)
+
+
 def test_decode_steps_match_full_forward():
     """kda_step token by token (the decode path) == one chunked forward: outputs and state."""
     spec = arg_specs.DECODE
@@ -177,6 +192,15 @@ def test_pallas_matches_reference(spec, interpret):
     got = _evaluate("pallas", spec, interpret)
     assert got[0].shape == (spec.B, spec.T, spec.H, spec.V) and got[0].dtype == f32
     _assert_close(got, _evaluate("recurrent", spec), 5e-3, spec.name)
+
+
+@pytest.mark.parametrize("spec", [dataclasses.replace(s, name=s.name + "_gate0.1", gate=0.1)
+                                  for s in arg_specs.PALLAS if s.T >= 64], ids=lambda s: s.name)
+def test_pallas_matches_reference_moderate_gates(spec, interpret):
+    """The Pallas kernels at gates of about -0.1/token: T = 64 (sub-blocks of one chunk, "grid"
+    form) and T = 130 (decay carried across chunks, "loop" form)."""
+    _assert_close(_evaluate("pallas", spec, interpret), _evaluate("recurrent", spec), 5e-3,
+                  spec.name)
 
 
 def test_pallas_bf16(interpret):

@@ -1,5 +1,6 @@
-"""rl/checkpoint.py: round trip (state, rng, data position, ref params, meta), pruning, corruption
-fallback, interrupted saves (a real SIGKILL mid-save), target mismatch errors, ref pointers."""
+"""rl/checkpoint.py: round trip (state, rng, data position, ref params, meta), restoring a middle
+one of several steps, pruning, corruption fallback, interrupted saves (a real SIGKILL mid-save),
+target mismatch errors, ref pointers."""
 
 import gc
 import logging
@@ -152,6 +153,37 @@ def test_keep_prunes_save_every_and_force(tmp_path):
     ck.close()
     on_disk = sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit())
     assert on_disk == ["8", "9"]
+
+
+def test_restore_a_middle_step_of_several(tmp_path):
+    """Steps 1..3 with distinct data positions (1, 3, 6 batches consumed), states, rngs and
+    metas: restoring step 2 gives step 2's of each (not the latest's or the first's), and
+    restore_latest step 3's."""
+    it = data_iter()
+    ck = Checkpointer(tmp_path, keep=5)
+    consumed = 0
+    for s in (1, 2, 3):
+        for _ in range(s):
+            next(it)
+        consumed += s
+        assert ck.save(s, make_state(seed=s), rng=jax.random.key(s), data_iter=it,
+                       meta={"pos": consumed})
+    ck.close()
+    batches = list(data_iter())  # the uninterrupted order
+
+    ck = Checkpointer(tmp_path)
+    it2 = data_iter()
+    r = ck.restore(2, abstract(), data_iter=it2)
+    assert r.step == 2 and r.meta == {"pos": 3}
+    tree_equal(r.state, make_state(seed=2))
+    np.testing.assert_array_equal(jax.random.key_data(r.rng),
+                                  jax.random.key_data(jax.random.key(2)))
+    np.testing.assert_array_equal(next(it2), batches[3])
+    it3 = data_iter()
+    latest = ck.restore_latest(abstract(), data_iter=it3)
+    assert latest.step == 3 and latest.meta == {"pos": 6}
+    np.testing.assert_array_equal(next(it3), batches[6])
+    ck.close()
 
 
 def _array_file(step_dir):

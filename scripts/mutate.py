@@ -1,0 +1,290 @@
+r"""Focused mutation check: does a realistic one-line bug make the named tests fail?
+
+    python3 scripts/mutate.py --list                              # the catalogue below
+    python3 scripts/mutate.py rope.not_a_rotation                 # one catalogued mutation
+    python3 scripts/mutate.py rope.not_a_rotation moe.scaling_dropped --tests tests/model/test_layers.py
+    python3 scripts/mutate.py --all                               # every one (about 5 minutes)
+    python3 scripts/mutate.py --file model/layers/rope.py --old "x2 * cos + x1 * sin" \
+        --new "x2 * cos - x1 * sin" --tests tests/model/test_layers.py     # an ad-hoc mutation
+
+The checkout is never modified. The tree is copied once to a temporary directory (tracked and
+untracked files that git does not ignore, as `git ls-files` lists them; with --ref REV the files
+of that commit instead), the named tests first run there unmodified (the baseline: a failing
+baseline stops the check, since every mutation would then look caught), then each mutation is
+written into the copy, its tests run, and the file is restored before the next. Tests run with
+PYTHONDONTWRITEBYTECODE=1 (no bytecode of a mutated module can outlive its mutation) and
+`-x -p no:cacheprovider` (--every-failure drops -x); the copy's .cache is the checkout's .cache (a symlink: the JAX
+compilation cache is keyed by program, so mutated programs never collide with real ones;
+--fresh-cache gives the copy an empty one instead).
+
+A mutation is a list of exact text replacements in one file; each `old` must occur exactly once.
+Code in flux can list alternatives (the first whose every `old` is found applies). Verdicts:
+  caught       the tests failed (pytest exit 1) or could not be collected (exit 2)
+  MISSED       the tests passed with the bug in place
+  not applied  no alternative's text is in the file (the code moved on: update the catalogue)
+  error        pytest ended otherwise (no tests collected, interrupted, timeout)
+Exit status: 0 when every mutation was caught, 1 when one was missed or errored, 2 when one could
+not be applied or the baseline failed. Not covered: generating mutations automatically (pick
+realistic ones by hand; mutation tools such as mutmut enumerate thousands, too many for this
+suite's compile-bound tests on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    alternatives: tuple[tuple[tuple[str, str], ...], ...]  # each: ((old, new), ...)
+    tests: tuple[str, ...]
+    note: str = ""
+
+
+def _m(name, file, edits, tests, note="", alternatives=()):
+    return Mutation(name, file, (tuple(edits), *(tuple(a) for a in alternatives)), tuple(tests),
+                    note)
+
+
+SAMPLING = ("tests/rl/test_sampling_dist.py",)
+LAYERS = ("tests/model/test_layers.py",)
+VERIFIERS = ("tests/sandbox/test_verifier_strength.py",)
+
+# The bugs of issue 22 (each escaped the suite before its tests were written), then two that
+# only one slow or indirect test caught.
+CATALOGUE = (
+    _m("sampler.temperature_ignored", "rl/sampler.py",
+       [("logits = logits.astype(jnp.float32) / t", "logits = logits.astype(jnp.float32)")],
+       SAMPLING, "sampling ignores the temperature",
+       alternatives=[[("z = logits.astype(jnp.float32) / t", "z = logits.astype(jnp.float32)")]]),
+    _m("sampler.temperature_after_truncation", "rl/sampler.py",
+       [("logits = logits.astype(jnp.float32) / t", "logits = logits.astype(jnp.float32)"),
+        ("    return jax.nn.log_softmax(logits, axis=-1)\n",
+         "    return jax.nn.log_softmax(logits / t, axis=-1)\n")],
+       SAMPLING, "top-k/top-p choose the support from the untempered distribution",
+       alternatives=[[("z = logits.astype(jnp.float32) / t\n    keep = truncation_mask(z,",
+                       "z = logits.astype(jnp.float32)\n    keep = truncation_mask(z,"),
+                      ("jax.nn.log_softmax(jnp.where(keep, z, -jnp.inf), axis=-1)",
+                       "jax.nn.log_softmax(jnp.where(keep, z / t, -jnp.inf), axis=-1)")]]),
+    _m("sampler.top_p_le", "rl/sampler.py", [("cum < cfg.top_p", "cum <= cfg.top_p")],
+       SAMPLING, "top-p keeps the token whose mass-before equals p",
+       alternatives=[[("before < top_p", "before <= top_p")]]),
+    _m("moe.scaling_dropped", "model/layers/moe.py",
+       [("return w * scaling, idx.astype(jnp.int32), probs",
+         "return w, idx.astype(jnp.int32), probs")],
+       LAYERS, "routed_scaling_factor never applied"),
+    _m("rope.not_a_rotation", "model/layers/rope.py",
+       [("x2 * cos + x1 * sin", "x2 * cos - x1 * sin")], LAYERS, "sign error in the rotation"),
+    _m("dsa.mask_sees_next_key", "model/layers/dsa.py",
+       [("return jnp.arange(S)[None, None, :] <= t\n",
+         "return jnp.arange(S)[None, None, :] <= t + 1\n")],
+       LAYERS, "the indexer KL's causal mask lets query t see key t+1"),
+    _m("verifiers.terminal_timeout_passes", "sandbox/verifiers.py",
+       [('ok = setup_ok and check.status == "ok"',
+         'ok = setup_ok and check.status in ("ok", "timeout")')],
+       VERIFIERS, "a terminal check that times out counts as solved"),
+    _m("verifiers.stdio_timeout_passes", "sandbox/verifiers.py",
+       [('ok = r.status == "ok" and outputs_match(',
+         'ok = r.status in ("ok", "timeout") and outputs_match(')],
+       VERIFIERS, "a stdio case that times out after correct output counts as passed"),
+    _m("verifiers.no_relative_tolerance", "sandbox/verifiers.py",
+       [("if not (abs(fx - fy) <= tol or abs(fx - fy) <= tol * max(abs(fx), abs(fy))):",
+         "if not abs(fx - fy) <= tol:")],
+       VERIFIERS, "float_tol only absolute"),
+    _m("train_step.guard_checks_loss_only", "rl/train_step.py",
+       [("gnorm = optax.tree.norm(p_grads)\n        finite = jnp.isfinite(gnorm) & "
+         "jnp.isfinite(loss)",
+         "gnorm = optax.tree.norm(p_grads)\n        finite = jnp.isfinite(loss)")],
+       ("tests/rl/test_train_guard.py",), "RL step: non-finite gradients with a finite loss applied"),
+    _m("train_step.sft_guard_checks_loss_only", "rl/train_step.py",
+       [("gnorm = optax.tree.norm(grads)\n        finite = jnp.isfinite(gnorm) & "
+         "jnp.isfinite(loss)",
+         "gnorm = optax.tree.norm(grads)\n        finite = jnp.isfinite(loss)")],
+       ("tests/rl/test_train_guard.py",), "SFT step: same"),
+    _m("kda.block_decay_off_by_one", "pallas_kernels/kda/reference.py",
+       [("Rs = jnp.concatenate([Rs5[:, :, 0], Rs5[:, :, 1] * t2[:, :, 0, None, :]], axis=2)",
+         "Rs = jnp.concatenate([Rs5[:, :, 0], Rs5[:, :, 1] * t2[:, :, 1, None, :]], axis=2)")],
+       ("tests/pallas_kernels/test_kda.py::test_chunked_matches_recurrent_moderate_gates",),
+       "a joined block's right half decays by its own total instead of the left half's (the "
+       "-50/token oracle test misses it)"),
+    _m("checkpoint.data_of_latest_step", "rl/checkpoint.py",
+       [("self._mngr.restore(step, args=ocp.args.Composite(\n"
+         "                    data=_grain_ckpt.CheckpointRestore(data_iter)))",
+         "self._mngr.restore(max(self._mngr.all_steps()), args=ocp.args.Composite(\n"
+         "                    data=_grain_ckpt.CheckpointRestore(data_iter)))")],
+       ("tests/rl/test_checkpoint.py::test_restore_a_middle_step_of_several",),
+       "restoring step s moves the data iterator to the newest step's position"),
+)
+BY_NAME = {m.name: m for m in CATALOGUE}
+
+
+# ------------------------------------------------------------------------------- the copy
+def _source_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=ROOT, capture_output=True, check=True).stdout
+    return [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+
+
+def make_copy(dest: pathlib.Path, ref: str | None, fresh_cache: bool) -> None:
+    """The tree into dest: working-tree files git does not ignore, or commit `ref`'s files."""
+    if ref is not None:
+        archive = subprocess.run(["git", "archive", "--format=tar", ref], cwd=ROOT,
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    else:
+        for f in _source_files():
+            target = dest / f
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, target)
+    if fresh_cache:
+        (dest / ".cache").mkdir(exist_ok=True)
+    else:
+        (ROOT / ".cache").mkdir(exist_ok=True)
+        (dest / ".cache").symlink_to(ROOT / ".cache", target_is_directory=True)
+
+
+# ------------------------------------------------------------------------------- mutating
+def mutated_text(text: str, m: Mutation) -> str | None:
+    """The file's text with the first fully-applicable alternative applied, or None."""
+    for edits in m.alternatives:
+        if all(text.count(old) == 1 for old, _ in edits):
+            for old, new in edits:
+                text = text.replace(old, new)
+            return text
+    return None
+
+
+def run_tests(tree: pathlib.Path, tests, timeout_s: float, k: str | None, first: bool = True
+              ) -> tuple[int, str, float]:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPATH", None)  # the copy's conftest/pytest config puts the copy on the path
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+           *(["-x"] if first else []), *tests] + (["-k", k] if k else [])
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
+                           timeout=timeout_s)
+        return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (
+            e.stdout or "")
+        return -1, out + f"\n[timeout after {timeout_s:.0f} s]", time.monotonic() - t0
+
+
+def _failed_ids(output: str) -> list[str]:
+    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+
+
+def verdict(rc: int) -> str:
+    return {0: "MISSED", 1: "caught", 2: "caught"}.get(rc, "error")
+
+
+def check(mutations, *, ref=None, tests_override=None, timeout_s=900.0, k=None,
+          fresh_cache=False, baseline=True, keep=False, first=True) -> int:
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="mutate-"))
+    tree = tmp / "tree"
+    tree.mkdir()
+    worst = 0
+    try:
+        make_copy(tree, ref, fresh_cache)
+        print(f"tree copied to {tree}" + (f" (commit {ref})" if ref else " (working tree)"))
+        if baseline:
+            all_tests = sorted({t for m in mutations for t in (tests_override or m.tests)})
+            rc, out, dt = run_tests(tree, all_tests, timeout_s, k)
+            if rc != 0:
+                print(f"baseline FAILED in {dt:.0f} s (pytest exit {rc}): fix the tests before "
+                      f"measuring mutations\n{out[-3000:]}")
+                return 2
+            print(f"baseline: the named tests pass unmodified ({dt:.0f} s)")
+        for m in mutations:
+            path = tree / m.file
+            original = path.read_text()
+            text = mutated_text(original, m)
+            if text is None:
+                print(f"{m.name:42s} not applied: none of its texts is in {m.file} exactly once")
+                worst = max(worst, 2)
+                continue
+            tests = tests_override or m.tests
+            path.write_text(text)
+            try:
+                rc, out, dt = run_tests(tree, tests, timeout_s, k, first)
+            finally:
+                path.write_text(original)
+            v = verdict(rc)
+            failed = _failed_ids(out)
+            by = ", ".join(failed) or ("collection error" if rc == 2 else "")
+            if not first and failed:
+                by = f"{len(failed)} failed: {by}"
+            print(f"{m.name:42s} {v:7s} {dt:6.0f} s  {by if v == 'caught' else m.note}")
+            if v != "caught":
+                print("    " + "\n    ".join(out.strip().splitlines()[-15:]))
+                worst = max(worst, 1)
+    finally:
+        if keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return worst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help="catalogued mutations to check")
+    ap.add_argument("--all", action="store_true", help="every catalogued mutation")
+    ap.add_argument("--list", action="store_true", help="print the catalogue and exit")
+    ap.add_argument("--file", help="ad-hoc mutation: the file (relative to the repository)")
+    ap.add_argument("--old", help="ad-hoc mutation: the exact text to replace (once in --file; "
+                    "backslash escapes such as \\n are interpreted)")
+    ap.add_argument("--new", help="ad-hoc mutation: its replacement (escapes interpreted)")
+    ap.add_argument("--tests", nargs="+", help="test files / node ids to run (replaces the "
+                    "catalogue's; required for an ad-hoc mutation)")
+    ap.add_argument("-k", help="pytest -k expression passed through")
+    ap.add_argument("--ref", help="mutate this commit's files instead of the working tree")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+    ap.add_argument("--fresh-cache", action="store_true",
+                    help="an empty JAX compilation cache in the copy (slower, fully isolated)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmodified run")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    ap.add_argument("--every-failure", action="store_true",
+                    help="run all the tests of a mutation instead of stopping at the first "
+                    "failure (lists every test that catches it; slower)")
+    a = ap.parse_args(argv)
+
+    if a.list:
+        for m in CATALOGUE:
+            print(f"{m.name:42s} {m.file:34s} {m.note}\n{'':42s} tests: {' '.join(m.tests)}")
+        return 0
+    mutations = []
+    if a.file or a.old or a.new:
+        if not (a.file and a.old and a.new is not None and a.tests):
+            ap.error("an ad-hoc mutation needs --file, --old, --new and --tests")
+        unescape = lambda s: s.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        mutations.append(_m(f"adhoc:{a.file}", a.file, [(unescape(a.old), unescape(a.new))],
+                            a.tests, "ad-hoc"))
+    unknown = [n for n in a.names if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown mutation(s) {unknown}; --list shows the catalogue")
+    mutations += list(CATALOGUE) if a.all else [BY_NAME[n] for n in a.names]
+    if not mutations:
+        ap.error("name a mutation, or pass --all, --list or --file/--old/--new/--tests")
+    return check(mutations, ref=a.ref, tests_override=a.tests, timeout_s=a.timeout, k=a.k,
+                 fresh_cache=a.fresh_cache, baseline=not a.no_baseline, keep=a.keep,
+                 first=not a.every_failure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

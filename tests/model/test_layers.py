@@ -1,0 +1,224 @@
+"""Layer math against independent numpy references: RoPE, the MoE layer's routed scaling, and
+the DSA layer's causal masks at both indexer stages.
+
+Covered:
+  RoPE (`apply_rope`, default arguments): equal to rotating each channel pair (i, i + d/2) as a
+    complex number by position * theta^(-2i/d), for [B,T,H,D] and [B,T,D] inputs, full and
+    partial rope_dim (the tail bit-for-bit untouched); norms preserved; q_m . k_n depends only
+    on m - n; position 0 is the identity.
+  MoE (`MoE` module): routed + shared output with routed_scaling_factor 2.827 (the presets'
+    value) against a dense einsum reference, for the sigmoid router (renormalised top-k, bias
+    steering selection only) with dropless dispatch and the softmax router (not renormalised)
+    with capacity dispatch at ample capacity; padding tokens get only the shared expert.
+  DSA: `causal_mask` with per-row query offsets; `indexer_kl` against a numpy KL; and the layer
+    itself at indexer_stage "dense_warmup" and "sparse": changing the tokens after the last
+    counted query changes neither the indexer KL nor the earlier outputs (no query sees a later
+    key).
+Not covered here: YaRN scaling, capacity drops (tests/model/test_model.py), expert parallelism
+(tests/model/test_sharding.py), the DSA kernels (tests/pallas_kernels/test_dsa.py).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import models
+from model.config import ModelConfig
+from model.layers import dsa as dsa_lib
+from model.layers.moe import MoE
+from model.layers.rope import apply_rope
+
+
+def _cfg(**over) -> ModelConfig:
+    c = models.get_config("test")
+    for key, v in over.items():
+        node = c
+        *path, leaf = key.split(".")
+        for p in path:
+            node = node[p]
+        node[leaf] = v
+    return ModelConfig.from_dict(c)
+
+
+# ----------------------------------------------------------------------------- RoPE
+def ref_rope(x, positions, theta, rope_dim=None):
+    """float64: channel pairs (i, i + d/2) rotated as complex numbers x_i + j x_{i+d/2}."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1] if rope_dim is None else rope_dim
+    freq = theta ** (-np.arange(d // 2) * 2.0 / d)  # [d/2]
+    ang = np.asarray(positions, np.float64)[..., None] * freq  # [B,T,d/2]
+    if x.ndim == 4:
+        ang = ang[:, :, None, :]
+    c = (x[..., : d // 2] + 1j * x[..., d // 2: d]) * np.exp(1j * ang)
+    return np.concatenate([c.real, c.imag, x[..., d:]], axis=-1)
+
+
+RNG = np.random.default_rng(0)
+X4 = RNG.normal(size=(2, 5, 3, 16)).astype(np.float32)  # [B,T,H,D]
+X3 = RNG.normal(size=(2, 5, 12)).astype(np.float32)  # [B,T,D] (MLA's shared rope key)
+POS = np.array([[0, 1, 2, 7, 90], [3, 200, 41, 5, 1000]], np.int32)  # [B,T], any order
+
+
+@pytest.mark.parametrize("x,rope_dim", [(X4, None), (X4, 8), (X3, None), (X3, 4)],
+                         ids=["BTHD", "BTHD_partial", "BTD", "BTD_partial"])
+def test_rope_matches_complex_rotation(x, rope_dim):
+    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(POS), 10000.0, rope_dim))
+    np.testing.assert_allclose(got, ref_rope(x, POS, 10000.0, rope_dim), atol=2e-5, rtol=0)
+    d = x.shape[-1] if rope_dim is None else rope_dim
+    np.testing.assert_array_equal(got[..., d:], x[..., d:])  # partial RoPE: tail untouched
+
+
+def test_rope_preserves_norms_and_position_zero_is_identity():
+    far = np.full_like(POS, 3000) + POS
+    for pos in (POS, far):
+        got = np.asarray(apply_rope(jnp.asarray(X4), jnp.asarray(pos), 10000.0))
+        np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(X4, axis=-1),
+                                   rtol=1e-5)
+    zero = apply_rope(jnp.asarray(X4), jnp.zeros_like(jnp.asarray(POS)), 10000.0)
+    np.testing.assert_allclose(np.asarray(zero), X4, atol=1e-7)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    q, k = RNG.normal(size=(2, 32)).astype(np.float32)
+    m, n = np.array([5, 9, 17, 33]), np.array([2, 9, 30, 0])  # offsets 3, 0, -13, 33
+    shifts = np.array([0, 1, 64, 500])
+
+    def rotated(v, pos):  # v at positions pos [S,P] -> [S,P,32]
+        return np.asarray(apply_rope(jnp.broadcast_to(jnp.asarray(v), pos.shape + (32,)),
+                                     jnp.asarray(pos, jnp.int32), 10000.0))
+
+    qs = rotated(q, m[None] + shifts[:, None])  # [shifts, pairs, 32]
+    ks = rotated(k, n[None] + shifts[:, None])
+    dots = np.sum(qs * ks, axis=-1)  # [shifts, pairs]
+    np.testing.assert_allclose(dots, np.broadcast_to(dots[0], dots.shape), atol=2e-4)
+    assert np.ptp(dots[0]) > 0.1  # and they do depend on the offset m - n
+
+
+# ----------------------------------------------------------------------------- MoE
+SCALE = 2.827  # routed_scaling_factor of the shipped presets (DeepSeek-V3's value)
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def ref_moe(x, valid, params, bias, *, router, top_k, norm_topk_prob, scaling):
+    """float64: x [N,D], valid [N] -> routed (top-k of the router, weights scaled) + shared."""
+    f = lambda a: np.asarray(a, np.float64)
+    x = f(x)
+    logits = x @ f(params["router"])  # [N,E]
+    if router == "softmax":
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = e / e.sum(-1, keepdims=True)
+        select_by = scores
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+        select_by = scores + f(bias)  # the bias steers selection only
+    sel = np.argsort(-select_by, axis=-1, kind="stable")[:, :top_k]  # [N,k]
+    w = np.take_along_axis(scores, sel, -1)  # [N,k]
+    if norm_topk_prob:
+        w = w / w.sum(-1, keepdims=True)
+    w = w * scaling * np.asarray(valid, np.float64)[:, None]
+    h = np.einsum("nd,edf->enf", x, f(params["w_gate"]))
+    u = np.einsum("nd,edf->enf", x, f(params["w_up"]))
+    y_e = np.einsum("enf,efd->end", _silu(h) * u, f(params["w_down"]))  # [E,N,D] every expert
+    routed = np.einsum("nk,nkd->nd", w, y_e[sel, np.arange(x.shape[0])[:, None]])
+    sh = params["shared"]
+    shared = (_silu(x @ f(sh["gate"]["kernel"])) * (x @ f(sh["up"]["kernel"]))) @ f(
+        sh["down"]["kernel"])
+    return routed + shared
+
+
+@pytest.mark.parametrize("router,norm_topk,dispatch", [
+    ("sigmoid", True, "dropless"), ("softmax", False, "capacity")])
+def test_moe_routed_scaling_factor_matches_reference(router, norm_topk, dispatch):
+    cfg = _cfg(**{"moe.router": router, "moe.norm_topk_prob": norm_topk,
+                  "moe.dispatch": dispatch, "moe.capacity_factor": 8.0,
+                  "moe.routed_scaling_factor": SCALE})
+    m = cfg.moe
+    mod = MoE(m, cfg.d_model)
+    x = jax.random.normal(jax.random.key(1), (2, 6, cfg.d_model))
+    valid = jnp.ones((2, 6), bool).at[1, 4:].set(False)
+    variables = nn.meta.unbox(jax.jit(lambda k: mod.init(k, x, valid=valid))(jax.random.key(2)))
+    bias = jnp.linspace(-0.2, 0.2, m.num_experts)
+    variables["router_state"]["bias"] = bias
+    y, aux = jax.jit(lambda v: mod.apply(v, x, valid=valid))(variables)
+    want = ref_moe(np.asarray(x).reshape(-1, cfg.d_model), np.asarray(valid).reshape(-1),
+                   variables["params"], bias, router=router, top_k=m.num_experts_per_tok,
+                   norm_topk_prob=norm_topk, scaling=SCALE)
+    np.testing.assert_allclose(np.asarray(y).reshape(want.shape), want, rtol=1e-4, atol=1e-5)
+    assert float(aux["router"]["dropped_fraction"]) == 0.0
+
+
+# ----------------------------------------------------------------------------- DSA
+def test_causal_mask_with_query_offsets():
+    T, S = 3, 7
+    off = np.array([0, 4])
+    got = np.asarray(dsa_lib.causal_mask(T, S, jnp.asarray(off)))
+    want = np.arange(S)[None, None, :] <= (np.arange(T)[None, :, None] + off[:, None, None])
+    np.testing.assert_array_equal(got, want)
+    assert got.shape == (2, T, S) and got[0, 0].tolist() == [True] + [False] * 6
+
+
+def ref_indexer_kl(q, kv, scores, key_mask, valid_q, scale):
+    """float64 mean over valid queries of KL(p || softmax(scores)) over the keys in key_mask,
+    p = the per-head attention softmax(q.kv * scale) over those keys, averaged over heads."""
+    q, kv, scores = (np.asarray(a, np.float64) for a in (q, kv, scores))
+    B, T, H, _ = q.shape
+    total, n = 0.0, 0
+    for b in range(B):
+        for t in range(T):
+            if not valid_q[b, t]:
+                continue
+            keys = np.flatnonzero(key_mask[b, t])
+            logits = q[b, t] @ kv[b, keys].T * scale  # [H, n_keys]
+            a = np.exp(logits - logits.max(-1, keepdims=True))
+            p = (a / a.sum(-1, keepdims=True)).mean(0)
+            s = scores[b, t, keys]
+            log_q = s - s.max() - np.log(np.sum(np.exp(s - s.max())))
+            total += np.sum(p * (np.log(p) - log_q))
+            n += 1
+    return total / n
+
+
+def test_indexer_kl_matches_numpy():
+    B, T, S, H, D = 2, 5, 5, 3, 8
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (B, T, H, D))
+    kv = jax.random.normal(ks[1], (B, S, D))
+    scores = jax.random.normal(ks[2], (B, T, S))
+    key_mask = np.array(dsa_lib.causal_mask(T, S, jnp.zeros((B,), jnp.int32)))
+    key_mask[1, 3:, 1] = False  # a sparse-stage style selection on top of causality
+    valid = np.ones((B, T), bool)
+    valid[0, 4] = False
+    got = jax.jit(dsa_lib.indexer_kl)(q, kv, scores, jnp.asarray(key_mask), jnp.asarray(valid),
+                                      0.3)
+    np.testing.assert_allclose(float(got), ref_indexer_kl(q, kv, scores, key_mask, valid, 0.3),
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+def test_dsa_layer_indexer_kl_and_output_are_causal(stage):
+    """Queries 0..M-1 count for the KL (valid); tokens M.. are then replaced. Neither the KL
+    nor the outputs at 0..M-1 may change: a mask that lets query t see key t+1 changes both."""
+    cfg = _cfg(**{"dsa.indexer_stage": stage, "dsa.indexer_loss_weight": 1.0,
+                  "dsa.index_topk": 4})
+    layer = dsa_lib.DSALayer(cfg.dsa, cfg.d_model)
+    B, T, M = 2, 10, 6
+    ks = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(ks[0], (B, T, cfg.d_model))
+    x2 = x.at[:, M:].set(jax.random.normal(ks[1], (B, T - M, cfg.d_model)))
+    valid = jnp.broadcast_to(jnp.arange(T)[None] < M, (B, T))
+    positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
+    variables = jax.jit(lambda k, x: layer.init(k, x, valid=valid, positions=positions))(ks[2], x)
+    run = jax.jit(lambda v, x: layer.apply(v, x, valid=valid, positions=positions))
+    out, _, aux = run(variables, x)
+    out2, _, aux2 = run(variables, x2)
+    kl, kl2 = float(aux["indexer_kl"]), float(aux2["indexer_kl"])
+    assert np.isfinite(kl) and kl > 0
+    assert kl2 == pytest.approx(kl, rel=1e-6, abs=1e-7), f"{stage}: the KL saw a later key"
+    np.testing.assert_allclose(np.asarray(out2[:, :M]), np.asarray(out[:, :M]), rtol=1e-6,
+                               atol=1e-6)
+    assert float(jnp.max(jnp.abs(out2[:, M:] - out[:, M:]))) > 1e-3  # the change is real
