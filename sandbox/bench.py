@@ -7,8 +7,12 @@ Side by side in one run, with the same concurrency (W = CPU count):
              next to the pool directly at 16, a 1,000-request burst at 200 clients (lost, 429s
              retried, wall), and how many abandoned requests still executed
   sequential one isolated run at a time (latency without queueing)
-  humaneval  the 164 HumanEval canonical solutions checked by the python_tests verifier
-             (isolated) vs the same programs as plain subprocesses
+  humaneval  the 164 HumanEval canonical solutions (quick: 40) checked by the python_tests
+             verifier (solution run + isolated verdict run per task) vs the same verifier over
+             unisolated slots (isolation="none")
+  generated  every demonstration of the generated families (arithmetic, code, terminal) scores 1
+  load       3,000 runs (quick: 300) with 1% adversarial programs and two reward hacks mixed in
+             (sandbox/bench_load.py): lost, misattributed, clean and up afterwards
 Closed loop: W client threads each submit a run and wait for it, so latency excludes queueing;
 runs/s is completed runs over wall time. `cpu_ms_per_run` is the CPU time (all processes of a
 run, user + system, from rusage of a reaped run) so numbers taken on a busy machine can be read as
@@ -115,48 +119,62 @@ print((c1 - c0 + s1 - s0) / n * 1000, (p1 - p0) / n * 1000)
             "plain_capacity_runs_per_s": round(cores * 1000 / plain, 1)}
 
 
+def _verify_timed(executor, tasks, completions) -> tuple[float, list]:
+    from . import python_tests
+    from .verifiers import Verifier
+
+    python_tests.COLLECT_CACHE.clear()  # cold: collect runs included
+    t0 = time.perf_counter()
+    res = Verifier(executor).verify_batch(tasks, completions)
+    return time.perf_counter() - t0, res
+
+
 def _humaneval(pool, quick: bool) -> dict:
+    """The HumanEval canonical solutions through the python_tests verifier (a solution run and an
+    isolated verdict run per task, plus a collect run for the 6 tasks whose arguments cannot be
+    read statically), isolated vs the same verifier over unisolated slots (isolation="none": the
+    same programs and runs as plain subprocesses), W slots each."""
+    import warnings
+
+    from .executor import UnisolatedWarning
+    from .pool import SandboxPool
     from .tasks.loaders import load_humaneval
-    from .verifiers import Verifier, build_python_tests_program, build_solution
 
     path = os.path.join(os.path.dirname(__file__), "tasks", "data", "HumanEval.jsonl.gz")
     tasks = load_humaneval(path)
     if quick:
         tasks = tasks[:40]
-    v = Verifier(pool)
-    t0 = time.perf_counter()
-    res = v.verify_batch(tasks, [t.canonical_solution for t in tasks])
-    iso = time.perf_counter() - t0
-    passed = sum(s for s, _ in res)
-    # the same programs (harness included), unsandboxed, W at a time
-    progs = [build_python_tests_program(t, build_solution(t, t.canonical_solution), "0" * 32)[0]
-             for t in tasks]
-    sem = threading.Semaphore(os.cpu_count() or 1)
+    comps = [t.canonical_solution for t in tasks]
+    iso, res = _verify_timed(pool, tasks, comps)
+    runs = sum(len(d.get("runs", ())) for _, d in res)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnisolatedWarning)
+        with SandboxPool(workers=pool.n, isolation="none") as plain_pool:
+            plain_s, plain_res = _verify_timed(plain_pool, tasks, comps)
+    return {"programs": len(tasks), "passed": sum(s for s, _ in res),
+            "passed_unisolated": sum(s for s, _ in plain_res), "sandbox_runs": runs,
+            "runs_per_task": round(runs / len(tasks), 2), "isolated_s": round(iso, 2),
+            "plain_subprocess_s": round(plain_s, 2), "ratio": round(iso / plain_s, 2),
+            "failed": [t.id for t, (s, _) in zip(tasks, res) if s != 1.0][:10]}
 
-    def plain(p):
-        with sem:
-            import tempfile
 
-            with tempfile.TemporaryDirectory() as d:
-                with open(os.path.join(d, ".kimi_nonce"), "w") as f:
-                    f.write("0" * 32)
-                # the harness reads /work/.kimi_nonce: point it at the temp dir instead
-                prog = p.replace('"/work/.kimi_nonce"', repr(os.path.join(d, ".kimi_nonce")))
-                subprocess.run([PLAIN_PY, "-S", "-B", "-c", prog], capture_output=True, timeout=60, cwd=d)
+def _generated_demos(pool, quick: bool) -> dict:
+    """Every demonstration of the generated task families (all three difficulty levels, train
+    and test splits) must score 1.0: no false negatives from the hardened checks."""
+    from .tasks.generators import FAMILIES, make_split
 
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=plain, args=(p,)) for p in progs]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    plain_s = time.perf_counter() - t0
-    return {"programs": len(tasks), "passed": passed, "isolated_s": round(iso, 2),
-            "plain_subprocess_s": round(plain_s, 2), "ratio": round(iso / plain_s, 2)}
+    n = 30 if quick else 200
+    out = {}
+    for fam in sorted(FAMILIES):
+        pairs = make_split(fam, "train", n, seed=0) + make_split(fam, "test", n // 4, seed=0)
+        t, res = _verify_timed(pool, [p[0] for p in pairs], [p[1] for p in pairs])
+        out[fam] = {"tasks": len(pairs), "passed": sum(s for s, _ in res), "s": round(t, 2)}
+    return out
 
 
 def run(quick: bool = False) -> dict:
     from .bench_http import run_http
+    from .bench_load import run_load
     from .pool import SandboxPool
 
     n = 60 if quick else 400
@@ -179,6 +197,8 @@ def run(quick: bool = False) -> dict:
         out["http"] = run_http(quick, workers=w, pool=pool)
         out["pool_stats"] = pool.stats()
         out["humaneval"] = _humaneval(pool, quick)
+        out["generated_demos"] = _generated_demos(pool, quick)
+        out["load"] = run_load(pool, runs=300 if quick else 3000, adversarial=0.01)
     out["cpu"] = _cpu_per_sandbox_run(20 if quick else 60)
     out["loadavg_end"] = os.getloadavg()
     s, p, h = out["sandbox"], out["plain"], out["http"]
@@ -197,6 +217,14 @@ def run(quick: bool = False) -> dict:
         "isolated_over_plain_throughput": round(s["runs_per_s"] / p["runs_per_s"], 2),
         "humaneval_isolated_s": out["humaneval"]["isolated_s"],
         "humaneval_plain_s": out["humaneval"]["plain_subprocess_s"],
+        "humaneval_passed": f"{out['humaneval']['passed']:g}/{out['humaneval']['programs']} "
+                            f"({out['humaneval']['runs_per_task']} sandbox runs per task)",
+        "generated_demos_passed": ", ".join(f"{k} {v['passed']:g}/{v['tasks']}"
+                                            for k, v in out["generated_demos"].items()),
+        "load": f"{out['load']['runs']} runs ({out['load']['adversarial']} adversarial): lost "
+                f"{out['load']['lost']}, misattributed {out['load']['misattributed']}, wrong status "
+                f"{out['load']['wrong_status']}, dirty after {out['load']['dirty_after']}, "
+                f"{out['load']['runs_per_s']} runs/s",
         "sandbox_cpu_ms_per_run": out["cpu"].get("sandbox_cpu_ms_per_run"),
         "plain_cpu_ms_per_run": out["cpu"].get("plain_cpu_ms_per_run"),
     }

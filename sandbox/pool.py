@@ -308,12 +308,21 @@ class SandboxPool:
 
     def _run_item(self, i: int, item: tuple) -> None:
         fut, msg, n_results, t_sub, budget = item
+        w = self._workers[i]
+        if w.proc is None or w.proc.poll() is not None:  # died while idle: replace it first
+            self._replace(i, f"worker died while idle (exit {w.proc.poll() if w.proc else None})",
+                          crashed=True)
+            w = self._workers[i]
+            if w is None:  # could not restart: hand the task back to the queue
+                with self._cv:
+                    self._q.appendleft(item)
+                    self._cv.notify_all()
+                return
         if not fut.set_running_or_notify_cancel():
             with self._cv:
                 self._in_flight -= 1
             return
         t_start = time.monotonic()
-        w = self._workers[i]
         broken = None
         try:
             w.busy_since = t_start

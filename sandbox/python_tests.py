@@ -522,6 +522,10 @@ class _LRU:
             while len(self.d) > self.size:
                 self.d.popitem(last=False)
 
+    def clear(self) -> None:
+        with self.lock:
+            self.d.clear()
+
 
 COLLECT_CACHE = _LRU(4096)
 

@@ -79,6 +79,12 @@ def main() -> int:
     if msg is None:
         return 1
     cfg = msg["config"]
+    if cfg.isolation == "none":  # the pool warned its caller already
+        import warnings
+
+        from .executor import UnisolatedWarning
+
+        warnings.simplefilter("ignore", UnisolatedWarning)
     try:
         slot = Slot(cfg, sweep=msg.get("sweep", True), layout=msg.get("layout"))
     except IsolationUnavailable as e:

@@ -12,10 +12,14 @@ One JSON object per line. Common fields:
 
 Per family:
 
-  python_tests   HumanEval/MBPP-style unit tests. The program is prompt + completion (or the code
-                 block of the completion), then `test`, then `check(entry_point)`.
+  python_tests   HumanEval/MBPP-style unit tests. The solution is prompt + completion (or the code
+                 block of the completion); it runs in one sandbox on the test's arguments only,
+                 and `test` runs in another against a replay of its results (plain data), with
+                 the prompt's own definitions (sandbox/python_tests.py).
       test         str: Python defining `check(candidate)` (HumanEval), or plain top-level asserts
-                   (MBPP style, which call the function by name)
+                   (MBPP style, which call the function by name). It may use the entry point,
+                   the prompt's definitions and the standard library, and must pass plain data
+                   (None, bool, int, float, complex, str, bytes, list, tuple, dict, set) to it.
       entry_point  str: the function under test (required when `test` defines check)
       canonical_solution  str, optional: a reference completion (tests use it)
   stdio          competitive-programming style: the program reads stdin, writes stdout.
@@ -30,7 +34,9 @@ Per family:
       files        {relative path: content} placed in the working directory first
       setup        str, optional: bash run before the model's commands (in its own sandbox)
       check        str: script run after the model's commands, in a fresh sandbox over the same
-                   working directory; exit code 0 means solved (required)
+                   working directory, isolated (python -I, bash --norc with PATH=/usr/bin:/bin,
+                   its own text on no path); exit code 0 means solved (required). Expected
+                   outputs belong here, never in `files` (the model's commands can read those).
       check_language  "bash" (default) | "python"
 """
 
