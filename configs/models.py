@@ -27,6 +27,7 @@ def _base(**kw) -> ml_collections.ConfigDict:
     c.tie_embeddings = False
     c.dtype = "float32"
     c.param_dtype = "float32"
+    c.remat = "none"  # per-block rematerialisation: "none" | "full" | "save_dots" (model/config.py)
     c.kda = ml_collections.ConfigDict(dict(
         num_heads=2, head_dim=32, v_head_dim=0, conv_size=4, gate_rank=0,
         gate_lower_bound=ml_collections.FieldReference(None, field_type=float),
@@ -36,7 +37,11 @@ def _base(**kw) -> ml_collections.ConfigDict:
         v_head_dim=16, index_n_heads=2, index_head_dim=16, index_rope_dim=8, index_topk=16,
         rope_theta=10000.0, indexer_stage="sparse", impl="auto",
         # the indexer is trained only by its KL loss: at 0 its top-k selection stays random
-        indexer_loss_weight=1.0))
+        indexer_loss_weight=1.0,
+        # positions: "rope" | "nope"; rope_scaling "yarn" extends a RoPE model's context by
+        # rope_factor from rope_original_max_position (model/layers/rope.py)
+        positions="rope", rope_scaling="none", rope_factor=1.0, rope_original_max_position=4096,
+        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0))
     c.moe = ml_collections.ConfigDict(dict(
         num_experts=4, num_experts_per_tok=2, expert_dim=64, num_shared_experts=1, dense_dim=128,
         first_dense_layers=0, router="sigmoid", norm_topk_prob=True, routed_scaling_factor=1.0,
@@ -102,10 +107,16 @@ def reference_2p8t() -> ml_collections.ConfigDict:
     return _base(
         name="reference_2p8t", d_model=7168, num_layers=64, layer_pattern="KKKD",
         max_seq_len=1 << 20, vocab_size=163840, dtype="bfloat16", param_dtype="bfloat16",
+        # per-block remat: without it one 256 x 4096 batch needs ~4x the H200's memory per
+        # device (python scripts/plan.py ... --mesh fsdp=16,expert=8,tensor=8, docs/scaling.md)
+        remat="full",
         kda=dict(num_heads=64, head_dim=128),
         dsa=dict(num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                  qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128,
-                 index_rope_dim=64, index_topk=2048, rope_theta=50000.0),
+                 index_rope_dim=64, index_topk=2048, rope_theta=50000.0,
+                 # NoPE on the MLA layers, as Kimi Linear: the KDA layers carry position, and a
+                 # 1M-token window needs no rotary extrapolation (YaRN: dsa.rope_scaling="yarn")
+                 positions="nope"),
         moe=dict(num_experts=1000, num_experts_per_tok=8, expert_dim=2048, dense_dim=18432,
                  first_dense_layers=1, routed_scaling_factor=2.827, expert_format="mxfp4"),
     )

@@ -21,6 +21,12 @@ DISPATCH = ("dropless", "capacity")
 EXPERT_PARALLEL = ("none", "all_to_all", "ragged_all_to_all")  # model/layers/moe.py
 EXPERT_FORMATS = ("bf16", "mxfp4")
 INDEXER_STAGES = ("dense_warmup", "sparse")
+DSA_POSITIONS = ("rope", "nope")  # model/layers/dsa.py
+ROPE_SCALINGS = ("none", "yarn")  # model/layers/rope.py
+# Per-block rematerialisation (model/transformer.py:REMAT_POLICIES maps each to a jax.checkpoint
+# policy): "none" keeps every activation, "full" keeps only block inputs, "save_dots" also keeps
+# the outputs of weight matmuls (jax.checkpoint_policies.dots_with_no_batch_dims_saveable).
+REMAT = ("none", "full", "save_dots")
 KERNEL_IMPLS = ("auto", "xla", "pallas")
 DTYPES = ("float32", "bfloat16")
 
@@ -78,6 +84,17 @@ class DSAConfig:
     indexer_stage: str = "sparse"  # "dense_warmup": dense attention, KL over all causal keys
     indexer_loss_weight: float = 0.0  # 0 disables the indexer KL (and its cost)
     impl: str = "auto"
+    # Positions (model/layers/dsa.py): "rope" rotates q_pe/k_pe and the indexer's rope channels;
+    # "nope" rotates nothing (Kimi Linear's MLA layers; the indexer follows, see dsa.py).
+    positions: str = "rope"
+    # Long-context RoPE scaling (model/layers/rope.py: YaRN as in DeepSeek-V3): "none" | "yarn".
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0  # s: context extension factor (1 = plain RoPE)
+    rope_original_max_position: int = 4096  # the pre-extension training length L
+    rope_beta_fast: float = 32.0  # dims with > beta_fast rotations over L keep their frequency
+    rope_beta_slow: float = 1.0  # dims with < beta_slow rotations over L are interpolated by 1/s
+    rope_mscale: float = 1.0  # rotary channels scaled by mscale(s, this) / mscale(s, all_dim)
+    rope_mscale_all_dim: float = 1.0  # softmax scale multiplied by mscale(s, this)**2
 
     @property
     def qk_head_dim(self) -> int:
@@ -135,6 +152,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     dtype: str = "float32"  # activations
     param_dtype: str = "float32"
+    remat: str = "none"  # per-block rematerialisation policy, one of REMAT (see above)
     name: str = "custom"
 
     # ----- derived -----
@@ -177,6 +195,10 @@ class ModelConfig:
                    f"unknown layer letter {ch!r}; valid letters: {sorted(ATTENTION_KINDS)}")
         _check(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}")
         _check(self.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
+        _check(self.remat in REMAT, "model.remat",
+               f"unknown rematerialisation policy {self.remat!r}; must be one of {REMAT} "
+               "(none: keep every activation, full: recompute each block in the backward pass, "
+               "save_dots: keep weight-matmul outputs, recompute the rest)")
         kinds = set(self.layer_kinds()) | ({self.mtp.layer_kind} if self.mtp.depth else set())
         k, s, m = self.kda, self.dsa, self.moe
         if "K" in kinds:
@@ -197,6 +219,7 @@ class ModelConfig:
             _check(s.indexer_stage in INDEXER_STAGES, "dsa.indexer_stage",
                    f"must be one of {INDEXER_STAGES}")
             _check(s.impl in KERNEL_IMPLS, "dsa.impl", f"must be one of {KERNEL_IMPLS}")
+            self._validate_dsa_positions()
         if m.num_experts > 0:
             _check(0 < m.num_experts_per_tok <= m.num_experts, "moe.num_experts_per_tok",
                    f"top_k={m.num_experts_per_tok} must be in [1, num_experts={m.num_experts}]")
@@ -221,6 +244,33 @@ class ModelConfig:
         _check(self.mtp.depth >= 0, "mtp.depth", "must be >= 0")
         _check(self.mtp.layer_kind in ATTENTION_KINDS, "mtp.layer_kind",
                f"unknown layer letter {self.mtp.layer_kind!r}; valid: {sorted(ATTENTION_KINDS)}")
+
+    def _validate_dsa_positions(self) -> None:
+        s = self.dsa
+        _check(s.positions in DSA_POSITIONS, "dsa.positions",
+               f"must be one of {DSA_POSITIONS} (rope: rotary positions; nope: none, as in "
+               "Kimi Linear's MLA layers)")
+        _check(s.rope_scaling in ROPE_SCALINGS, "dsa.rope_scaling",
+               f"must be one of {ROPE_SCALINGS}")
+        _check(s.rope_theta > 0, "dsa.rope_theta", "must be positive")
+        if s.rope_scaling == "none":
+            return
+        _check(s.positions == "rope", "dsa.rope_scaling",
+               f"{s.rope_scaling!r} scales rotary positions, but dsa.positions='nope' has none: "
+               "set dsa.rope_scaling='none' or dsa.positions='rope'")
+        _check(s.rope_factor >= 1.0, "dsa.rope_factor",
+               f"must be >= 1 (the context extension factor), got {s.rope_factor}")
+        _check(s.rope_original_max_position > 0, "dsa.rope_original_max_position",
+               "must be positive (the context length the model was trained at before scaling)")
+        _check(0 < s.rope_beta_slow < s.rope_beta_fast, "dsa.rope_beta_fast/rope_beta_slow",
+               f"need 0 < beta_slow < beta_fast, got beta_slow={s.rope_beta_slow}, "
+               f"beta_fast={s.rope_beta_fast}")
+        _check(s.rope_mscale >= 0 and s.rope_mscale_all_dim >= 0,
+               "dsa.rope_mscale/rope_mscale_all_dim", "must be >= 0")
+        reach = s.rope_factor * s.rope_original_max_position
+        _check(self.max_seq_len <= reach, "model.max_seq_len",
+               f"{self.max_seq_len} is beyond what YaRN is configured for (dsa.rope_factor x "
+               f"dsa.rope_original_max_position = {reach:g}): raise dsa.rope_factor")
 
 
 def _to_plain(d: Any) -> Any:

@@ -11,6 +11,9 @@ Public entry points live on `Model`, a thin stateless facade over the Linen modu
     logits, steps, hidden = model.verify(variables, tokens_2, cache)   # [B,T] -> [B,T,V]
     cache = model.commit(steps, n_keep)                                # keep n_keep[b] tokens
 
+Every block (trunk and MTP) runs under the rematerialisation policy `cfg.remat` ("none", "full",
+"save_dots"; `block_class`, `REMAT_POLICIES`); parameters are the same under every policy.
+
 Layer kinds come from `ModelConfig.layer_kinds()` and the `ATTENTION` table (letter -> layer class
 and the name of its sub-config); nothing below branches on the model type.
 
@@ -63,14 +66,20 @@ def _dtype(name: str):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)); x + ffn(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)); x + ffn(norm(x)).
+
+    `__call__` takes keywords and hands them to `forward` positionally, so that the rematerialised
+    variant (`block_class`) can mark step_caches (a Python bool) static for jax.checkpoint."""
 
     cfg: ModelConfig
     kind: str
     moe: bool
 
-    @nn.compact
     def __call__(self, x, *, valid, positions, cache=None, offset=None, step_caches=False):
+        return self.forward(x, valid, positions, cache, offset, step_caches)
+
+    @nn.compact
+    def forward(self, x, valid, positions, cache, offset, step_caches):
         c = self.cfg
         dt, pdt = _dtype(c.dtype), _dtype(c.param_dtype)
         layer_cls, sub = ATTENTION[self.kind]
@@ -88,6 +97,35 @@ class Block(nn.Module):
         return x + f, new_cache, aux
 
 
+# model.remat -> jax.checkpoint policy of every block (trunk and MTP). "full" is jax.checkpoint's
+# default (nothing inside the block is saved: the block input is kept and the whole block is
+# recomputed in the backward pass); "save_dots" keeps the outputs of matmuls without batch
+# dimensions (the weight projections of attention, KDA, MLPs and the router) and recomputes the
+# rest (norms, activations, attention/recurrence internals, batched einsums such as per-expert
+# and per-head products). A forward-only call (prefill, decode) is unaffected.
+REMAT_POLICIES = {
+    "full": None,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+_REMAT_BLOCKS: dict[str, type] = {}
+
+
+def block_class(remat: str) -> type:
+    """Block, or Block under per-block jax.checkpoint (flax nn.remat) with the named policy.
+
+    Parameters are identical in both (same names and tree); only the backward pass changes. In a
+    forward-only call (prefill/decode) the checkpoint is inlined and costs nothing."""
+    if remat == "none":
+        return Block
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat!r}; valid: {['none', *REMAT_POLICIES]}")
+    if remat not in _REMAT_BLOCKS:
+        # static_argnums counts self: forward(self, x, valid, positions, cache, offset, step_caches)
+        _REMAT_BLOCKS[remat] = nn.remat(Block, policy=REMAT_POLICIES[remat], static_argnums=(6,),
+                                        methods=["forward"])
+    return _REMAT_BLOCKS[remat]
+
+
 class Transformer(nn.Module):
     cfg: ModelConfig
 
@@ -95,12 +133,13 @@ class Transformer(nn.Module):
         c = self.cfg
         dt, pdt = _dtype(c.dtype), _dtype(c.param_dtype)
         self.embed = Embedder(c.vocab_size, c.d_model, c.tie_embeddings, dt, pdt)
-        self.blocks = [Block(c, kind, c.is_moe_layer(i), name=f"layer_{i}")
+        block = block_class(c.remat)
+        self.blocks = [block(c, kind, c.is_moe_layer(i), name=f"layer_{i}")
                        for i, kind in enumerate(c.layer_kinds())]
         self.final_norm = RMSNorm(c.norm_eps, pdt)
         self.mtp_combine = [MTPCombine(c.d_model, c.norm_eps, dt, pdt, name=f"mtp_{k}_combine")
                             for k in range(c.mtp.depth)]
-        self.mtp_blocks = [Block(c, c.mtp.layer_kind, c.moe.num_experts > 0, name=f"mtp_{k}_block")
+        self.mtp_blocks = [block(c, c.mtp.layer_kind, c.moe.num_experts > 0, name=f"mtp_{k}_block")
                            for k in range(c.mtp.depth)]
         self.mtp_norms = [RMSNorm(c.norm_eps, pdt, name=f"mtp_{k}_norm")
                           for k in range(c.mtp.depth)]

@@ -6,6 +6,8 @@ per-device memory on a mesh.
     python scripts/plan.py --config configs/rl.py:grpo_tiny                    # uses config.model
     python scripts/plan.py --config configs/models.py:reference_2p8t \
         --mesh fsdp=16,expert=8,tensor=8 --device h200 --batch 256 --seq 4096   # per-device table
+    XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false python scripts/plan.py \
+        --config configs/models.py:tiny --compiled_memory --batch 1 --seq 2048  # XLA's numbers
 
 Parameter counts come from `jax.eval_shape` of the real model init (no allocation); decode-state
 bytes from the real cache shapes (`Model.init_cache` under eval_shape) for the hybrid layout, and
@@ -24,10 +26,16 @@ i.e. that dimension is replicated; those dims are listed). Assumptions, also pri
     KDA gate parameters are f32), gradients in the same dtypes, an f32 master copy of every
     non-f32 parameter, and AdamW's two f32 moments; all sharded like the parameters (ZeRO-3 over
     fsdp x expert, experts over the expert axis);
-  * activations: a documented estimate (`activation_bytes`) for per-block rematerialisation
-    (block inputs kept, one block's working set live, forward recompute + backward ~2x), and
-    without remat; batch split over rules["batch"] = data x fsdp x expert, heads/mlp/vocab over
-    tensor. The DSA indexer scores [B,T,T] f32 are counted as the model materialises them;
+  * activations under the configured rematerialisation policy (`model.remat`: "none", "full"
+    or "save_dots"; the table shows the other two next to it): per block, the residuals JAX
+    saves for the backward pass under that policy, counted from a trace of the real block
+    (`block_residual_bytes`: jax.vjp under make_jaxpr, nothing compiled or allocated) on the
+    device's tensor-parallel slice (`device_slice_cfg`: heads/mlp widths over tensor; DSA/KDA/
+    MXFP4 ops traced with their Pallas kernels, as impl="auto" runs them on GPU/TPU), at the
+    local batch (rules["batch"] = data x fsdp x expert); plus the backward of one block
+    (its recompute and cotangents) and the f32 logits with their gradient (`activation_bytes`
+    has the formula). It ignores XLA's fusion and buffer reuse: on the tiny model at T=2048 it
+    is 1.5-1.8x XLA's compiled temp memory (`--compiled_memory`, docs/scaling.md);
   * inference holds the parameters as stored (MXFP4 experts) and the decode state for --batch
     sequences of --seq tokens (batch split as above, KDA heads over tensor);
   * usable memory = device HBM x (1 - --headroom) (XLA workspace, collectives buffers,
@@ -45,6 +53,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from model._xla_env import configure_xla_env  # noqa: E402
+
+configure_xla_env()  # before jax is imported (--compiled_memory compiles gradients on CPU)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -65,6 +76,10 @@ _DEVICE = flags.DEFINE_enum("device", "h200", ["h200", "b200", "tpu-v5p", "tpu-v
                             "accelerator for the per-device verdict")
 _BATCH = flags.DEFINE_integer("batch", 256, "global batch (sequences) for activations/decode")
 _SEQ = flags.DEFINE_integer("seq", 4096, "sequence length (tokens) for activations/decode")
+_COMPILED = flags.DEFINE_bool("compiled_memory", False, "also compile the training gradient "
+                              "at --batch x --seq for every remat policy on this host's backend "
+                              "and print XLA's memory analysis next to the planner's estimate "
+                              "(small configs; see compiled_train_memory)")
 _HEADROOM = flags.DEFINE_float("headroom", 0.10, "fraction of HBM kept free (XLA workspace, "
                                "collective buffers, fragmentation)")
 
@@ -127,8 +142,10 @@ ASSUMPTIONS = (
     "train: working params in the param dtype (MXFP4 experts trained as bf16 + QAT; router and "
     "KDA gate params f32), grads in the param dtype, f32 master of every non-f32 param, AdamW "
     "mu+nu in f32; all sharded like the params",
-    "activations: estimate, per-block remat (block inputs kept + one block's working set x2); "
-    "DSA indexer scores [B,T,T] f32 counted as materialised",
+    "activations: under the configured remat policy (model.remat); per block the residuals JAX "
+    "saves for the backward (traced from the real block on this device's tensor-parallel slice, "
+    "Pallas kernels as on GPU/TPU), plus one block's recompute and cotangents, plus f32 logits "
+    "and their gradient; no XLA buffer reuse, no sequence parallelism",
     "inference: params as stored (MXFP4 experts) + decode state for --batch x --seq",
     "usable = HBM x (1 - headroom)",
 )
@@ -166,70 +183,171 @@ def _training_cfg(cfg: ModelConfig) -> ModelConfig:
     return cfg
 
 
-def activation_bytes(cfg: ModelConfig, mesh_shape: dict, batch: int, seq: int, rules=None
-                     ) -> dict:
-    """Estimated activation bytes per device for one training step (documented estimate).
+REMAT_NAMES = ("none", "full", "save_dots")  # model/config.py:REMAT
 
-    tokens = local batch x seq (batch split over rules["batch"]); heads/mlp/vocab widths divided
-    by the tensor axis when it divides them; a = activation bytes (bf16 2, f32 4).
-      block input (kept under per-block remat): tokens x d_model x a, for every block (+ MTP)
-      KDA block: qkv pre/post conv 2 x H(2K+V) a, normalised q,k 2HK a, gate f32 4HK, output
-        f32 + gated 4HV + 2HV a, chunk states B x ceil(T/chunk) x H x K x V x 4
-      DSA block: q_a, q (H(N+R)), absorbed q (H(L+R)), latent kv (L+R), o_lat f32 (HL), o (Hv),
-        indexer q (HI DI); indexer scores B x T x T x 4 and top-k indices T x topk x 4 per
-        sequence (the model materialises both); sparse attention gathers are query-chunked
-        (pallas_kernels/dsa/ops.py budgets) and not counted
-      MoE block: router logits/scores/probs 3 x E x 4, dispatch send+recv 2 x k cf D a,
-        expert hidden 3 x k cf F a, combine k D a, shared expert 3 x F_shared a
-      dense FFN: 3 x dense_dim a;  logits (+ MTP): V x 4 x 2 (logits and their gradient)
-    remat = kept block inputs + 2 x the largest block working set + logits;
-    no_remat = sum of every block's working set + logits.
+
+def _split(n: int, logical: str, mesh_shape: dict, rules=None) -> int:
+    """n divided over the mesh axes the rules give `logical` (when they divide n)."""
+    spec = shd.logical_to_spec((logical,), (n,), mesh_shape, rules)
+    e = spec[0] if len(spec) else None
+    axes = () if e is None else (e,) if isinstance(e, str) else e
+    return n // math.prod(mesh_shape[a] for a in axes)
+
+
+def device_slice_cfg(cfg: ModelConfig, mesh_shape: dict, rules=None, *, kernels: str = "pallas"
+                     ) -> ModelConfig:
+    """The model one device computes under tensor parallelism: attention/KDA/indexer heads and
+    FFN/expert widths divided over the axes the rules map "heads"/"mlp" to (when they divide),
+    everything else whole; kernels: the DSA/KDA/MXFP4 impl to trace ("pallas": what impl="auto"
+    runs on GPU/TPU)."""
+    import dataclasses as dc
+
+    def heads(n):
+        return _split(n, "heads", mesh_shape, rules)
+
+    def mlp(n):
+        return _split(n, "mlp", mesh_shape, rules) if n else n
+
+    k, s, m = cfg.kda, cfg.dsa, cfg.moe
+    return cfg.replace(
+        kda=dc.replace(k, num_heads=heads(k.num_heads), impl=kernels),
+        dsa=dc.replace(s, num_heads=heads(s.num_heads), index_n_heads=heads(s.index_n_heads),
+                       impl=kernels),
+        moe=dc.replace(m, expert_dim=mlp(m.expert_dim), dense_dim=mlp(m.dense_dim),
+                       mxfp4_impl=kernels))
+
+
+@functools.lru_cache(maxsize=256)
+def block_residual_bytes(cfg: ModelConfig, kind: str, moe: bool, remat: str, batch: int,
+                         seq: int) -> int:
+    """Bytes JAX keeps from one block's forward for its backward pass (the saved residuals of
+    jax.vjp, parameters excluded) under the remat policy: the real block module
+    (model.transformer.block_class), traced with jax.make_jaxpr only (no compile, no
+    allocation), batch x seq tokens, loss = sum of the output and the aux losses."""
+    import flax.linen as nn
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from model.transformer import block_class
+
+    blk = block_class(remat)(cfg, kind, moe)
+    dt = jnp.dtype(cfg.dtype)
+    x = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), dt)
+
+    def apply(variables, x):
+        valid = jnp.ones((batch, seq), bool)
+        pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        return blk.apply(variables, x, valid=valid, positions=pos)
+
+    def init(x):
+        valid = jnp.ones((batch, seq), bool)
+        pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        return nn.meta.unbox(blk.init(jax.random.key(0), x, valid=valid, positions=pos))
+
+    variables = jax.eval_shape(init, x)
+
+    def loss(params, x):
+        y, _, aux = apply({**variables, "params": params}, x)
+        return jnp.sum(y.astype(jnp.float32)) + sum(
+            jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(aux))
+
+    total = 0
+    for aval, desc in saved_residuals(loss, variables["params"], x):
+        if "argument params" in desc:  # the parameters themselves are not activations
+            continue
+        total += int(np.prod(aval.shape)) * aval.dtype.itemsize
+    return total
+
+
+def activation_bytes(cfg: ModelConfig, mesh_shape: dict, batch: int, seq: int, rules=None,
+                     *, kernels: str = "pallas") -> dict:
+    """Activation bytes per device for one training step, for every remat policy.
+
+    Per block b (trunk and MTP), R_b(p) = the residuals JAX saves for the backward under policy
+    p (`block_residual_bytes`, traced from the real block on the device's tensor-parallel slice
+    `device_slice_cfg`, at the local batch and seq). Traced at batch 1 and 2: the part that
+    does not grow with the batch is parameter-derived (QAT fake-quantised expert copies) and is
+    divided over the fsdp x expert axes like the weights it copies; the rest scales with the
+    local batch. Then
+        act(p) = sum_b R_b(p) + max_b [ (R_b(none) - R_b(p)) + R_b(none) ] + logits
+    i.e. everything saved, plus, for the block being differentiated, what its backward
+    recomputes (nothing for "none", the whole block for "full") and a working set of
+    cotangents the size of its residuals. logits = tokens x vocab/tensor x 4 bytes x 2 (f32
+    logits and their gradient) per head (next token + MTP depths).
+    Not covered: XLA's buffer reuse and fusion (the compiled program can need less, see
+    `compiled_train_memory`), forward-only transients that are not saved (e.g. the indexer
+    KL's [B,H,T,S] probabilities), collective buffers (in --headroom), the expert-parallel dispatch
+    buffers (the local dropless dispatch is traced: k rows per token, as in the EP path),
+    sequence parallelism (none: every device holds whole sequences).
     """
-    a = jnp.dtype(cfg.dtype).itemsize
-    tp = mesh_shape.get("tensor", 1)
-
-    def split(n):  # width divided over tensor when divisible (as the rules would)
-        return n / tp if n % tp == 0 else n
-
+    # one trace per (slice, block kind, policy): the configured policy is not part of the key
+    scfg = device_slice_cfg(cfg, mesh_shape, rules, kernels=kernels).replace(remat="none")
     baxes = shd.batch_axes(mesh_shape, batch, rules)
     b_loc = batch // math.prod(mesh_shape[x] for x in baxes)
     tok = b_loc * seq
-    D = cfg.d_model
-    k, s, m = cfg.kda, cfg.dsa, cfg.moe
-    H, K, V = k.num_heads, k.k_dim, k.v_dim
-    kda_tok = (2 * split(H * (2 * K + V)) * a + 2 * split(H * K) * a + split(H * K) * 4
-               + split(H * V) * 4 + 2 * split(H * V) * a)
-    kda = tok * kda_tok + b_loc * math.ceil(seq / k.chunk_size) * split(H) * K * V * 4
-    HD, L, R = s.num_heads, s.kv_lora_rank, s.qk_rope_head_dim
-    dsa_tok = (s.q_lora_rank * a + split(HD * (s.qk_nope_head_dim + R)) * a
-               + split(HD) * (L + R) * a + (L + R) * a + split(HD) * L * 4
-               + split(HD * s.v_head_dim) * a + split(s.index_n_heads * s.index_head_dim) * a
-               + min(s.index_topk, seq) * 4)
-    dsa_scores = b_loc * seq * seq * 4
-    dsa = tok * dsa_tok + dsa_scores
-    cf = m.capacity_factor if m.dispatch == "capacity" else 1.0
-    moe = tok * (3 * m.num_experts * 4 + 2 * m.num_experts_per_tok * cf * D * a
-                 + 3 * m.num_experts_per_tok * cf * split(m.expert_dim) * a
-                 + m.num_experts_per_tok * D * a
-                 + 3 * split(m.expert_dim * m.num_shared_experts) * a) if m.num_experts else 0
-    dense = tok * 3 * split(m.dense_dim) * a
-    attn = {"K": kda, "D": dsa}
-    blocks = [attn[kind] + (moe if cfg.is_moe_layer(i) else dense)
-              for i, kind in enumerate(cfg.layer_kinds())]
-    blocks += [attn[cfg.mtp.layer_kind] + (moe if m.num_experts else dense)
-               for _ in range(cfg.mtp.depth)]
-    logits = tok * split(cfg.vocab_size) * 4 * 2 * (1 + cfg.mtp.depth)
-    kept = len(blocks) * tok * D * a
-    return {
-        "local_batch": b_loc,
-        "tokens_per_device": tok,
-        "block_inputs": kept,
-        "largest_block": max(blocks),
-        "dsa_indexer_scores_per_layer": dsa_scores,
-        "logits": logits,
-        "remat": kept + 2 * max(blocks) + logits,
-        "no_remat": sum(blocks) + logits,
-    }
+    param_split = math.prod(mesh_shape.get(a, 1) for a in ("fsdp", "expert"))
+    m = cfg.moe
+    kinds = [(kind, cfg.is_moe_layer(i)) for i, kind in enumerate(cfg.layer_kinds())]
+    kinds += [(cfg.mtp.layer_kind, m.num_experts > 0)] * cfg.mtp.depth
+
+    def per_device(kind, moe, remat):
+        one = block_residual_bytes(scfg, kind, moe, remat, 1, seq)
+        two = block_residual_bytes(scfg, kind, moe, remat, 2, seq)
+        per_seq, fixed = two - one, 2 * one - two
+        return b_loc * per_seq + fixed / param_split
+
+    res = {p: [per_device(kd, mo, p) for kd, mo in kinds] for p in REMAT_NAMES}
+    logits = tok * _split(cfg.vocab_size, "vocab", mesh_shape, rules) * 4 * 2 * (1 + cfg.mtp.depth)
+    out = {"local_batch": b_loc, "tokens_per_device": tok, "logits": logits,
+           "dsa_indexer_scores_per_layer": b_loc * seq * seq * 4,
+           "block_residuals": {p: int(sum(r)) for p, r in res.items()}}
+    for p in REMAT_NAMES:
+        live = max(2 * n - r for n, r in zip(res["none"], res[p]))
+        out[p] = int(sum(res[p]) + live + logits)
+    # the names used before the policies were configurable
+    out["remat"], out["no_remat"] = out["full"], out["none"]
+    return out
+
+
+def train_grad_fn(cfg: ModelConfig):
+    """(variables, tokens [B,T]) -> gradient of model.objectives.lm_loss (every token a target)
+    over the params: the training computation whose memory `compiled_train_memory` reports."""
+    from model.objectives import lm_loss
+
+    model = Model(cfg)
+
+    def grad(variables, tokens):
+        def loss(params):
+            out = model.apply({**variables, "params": params}, tokens)
+            return lm_loss(out, tokens, jnp.ones(tokens.shape, bool), cfg)[0]
+        return jax.grad(loss)(variables["params"])
+    return grad
+
+
+MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+                 "alias_size_in_bytes", "generated_code_size_in_bytes")
+
+
+def compiled_train_memory(cfg: ModelConfig, batch: int, seq: int,
+                          policies: tuple[str, ...] = REMAT_NAMES) -> dict:
+    """XLA's own numbers: `train_grad_fn` lowered from shapes only (nothing allocated) and
+    compiled for this host's default backend, once per remat policy -> {policy: {field: bytes}}
+    (`MEMORY_FIELDS` of `Compiled.memory_analysis()`), plus "xla_flags".
+
+    On XLA:CPU the default concurrency-optimised scheduler places the recomputation of a
+    rematerialised block early, next to the forward pass (jax 0.10.2: the tiny model's temp
+    memory does not fall); run with
+    XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false to see what remat saves
+    (the flag is read when the backend starts, not per compilation). Compiling a large model
+    takes long: meant for small configs and for GPU/TPU hosts."""
+    out = {}
+    for p in policies:
+        pcfg = cfg.replace(remat=p)
+        variables = jax.eval_shape(Model(pcfg).init, jax.random.key(0))
+        tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+        ma = jax.jit(train_grad_fn(pcfg)).lower(variables, tokens).compile().memory_analysis()
+        out[p] = {f: int(getattr(ma, f)) for f in MEMORY_FIELDS}
+    out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    return out
 
 
 _CACHE_AXES = {"state": ("batch", "act_heads", None, None), "conv": ("batch", None, "act_heads"),
@@ -277,7 +395,8 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
     master = 4 * (work["elements"] - work["elements_f32"])  # f32 leaves are their own master
     moments = 8 * work["elements"]
     act = activation_bytes(tcfg, mesh_shape, batch, seq, rules)
-    train_total = work["total"] + grads + master + moments + act["remat"]
+    fixed = work["total"] + grads + master + moments
+    train_total = fixed + act[cfg.remat]
     dec = decode_state_per_device(cfg, mesh_shape, batch, seq, rules)
     baxes = shd.batch_axes(mesh_shape, batch, rules)
     b_loc = batch // math.prod(mesh_shape[x] for x in baxes)
@@ -304,12 +423,18 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
         "batch": batch, "seq": seq, "local_batch": b_loc,
         "train": {
             "params_bf16": work["total"], "grads": grads, "master_f32": master,
-            "adam_moments_f32": moments, "activations_remat": act["remat"],
-            "activations_no_remat": act["no_remat"],
+            "adam_moments_f32": moments,
+            "remat": cfg.remat,  # the configured policy: "activations" and "total" use it
+            "activations": act[cfg.remat],
+            "activations_by_policy": {r: act[r] for r in REMAT_NAMES},
+            "activations_remat": act["full"], "activations_no_remat": act["none"],
+            "activations_save_dots": act["save_dots"],
+            "block_residuals_by_policy": act["block_residuals"],
             "dsa_indexer_scores_per_layer": act["dsa_indexer_scores_per_layer"],
             "logits": act["logits"],
             **_verdict(train_total, usable),
-            "no_remat": _verdict(train_total - act["remat"] + act["no_remat"], usable),
+            "by_policy": {r: _verdict(fixed + act[r], usable) for r in REMAT_NAMES},
+            "no_remat": _verdict(fixed + act["none"], usable),
         },
         "inference": {
             "params_stored": stored["total"], "decode_state": dec, "logits": dec_logits,
@@ -386,11 +511,12 @@ def format_per_device(pd: dict) -> str:
         f"    {'gradients':32}{_fmt_bytes(t['grads']):>14}",
         f"    {'f32 master copy':32}{_fmt_bytes(t['master_f32']):>14}",
         f"    {'Adam mu + nu (f32)':32}{_fmt_bytes(t['adam_moments_f32']):>14}",
-        f"    {'activations (per-block remat)':32}{_fmt_bytes(t['activations_remat']):>14}",
+        f"    {'activations (remat=' + t['remat'] + ')':32}{_fmt_bytes(t['activations']):>14}",
         f"    {'  of which logits':32}{_fmt_bytes(t['logits']):>14}",
         f"    {'  DSA indexer scores / layer':32}{_fmt_bytes(t['dsa_indexer_scores_per_layer']):>14}",
         f"    {'total':32}{_fmt_bytes(t['total']):>14}",
-        f"    {'(activations without remat)':32}{_fmt_bytes(t['activations_no_remat']):>14}",
+        *[f"    {'(activations, remat=' + r + ')':32}{_fmt_bytes(a):>14}"
+          for r, a in t["activations_by_policy"].items() if r != t["remat"]],
         "  inference (decode)",
         f"    {'params as stored':32}{_fmt_bytes(i['params_stored']):>14}",
         f"    {'decode state':32}{_fmt_bytes(i['decode_state']):>14}",
@@ -399,8 +525,10 @@ def format_per_device(pd: dict) -> str:
         f"  device HBM {_fmt_bytes(pd['hbm_bytes'])}, usable {_fmt_bytes(pd['usable_bytes'])} "
         f"(headroom {pd['headroom']:.0%})",
         "  verdict:",
-        "    " + _fmt_verdict("training", t, pd["usable_bytes"]),
-        "    " + _fmt_verdict("training without remat", t["no_remat"], pd["usable_bytes"]),
+        "    " + _fmt_verdict("training", t, pd["usable_bytes"]) + f"  [remat={t['remat']}]",
+        *["    " + _fmt_verdict("training without remat" if r == "none" else
+                             f"training with remat={r}", v, pd["usable_bytes"])
+          for r, v in t["by_policy"].items() if r != t["remat"]],
         "    " + _fmt_verdict("inference", i, pd["usable_bytes"]),
     ]
     for w in pd["warnings"]:
@@ -438,6 +566,28 @@ def main(_):
               f"{_fmt_bytes(d['all_dsa']):>12} | all-MHA {_fmt_bytes(d['all_mha']):>12}")
     if "per_device" in out:
         print(format_per_device(out["per_device"]))
+    if _COMPILED.value:
+        print(format_compiled_memory(cfg, _BATCH.value, _SEQ.value))
+
+
+def format_compiled_memory(cfg: ModelConfig, batch: int, seq: int) -> str:
+    """XLA's memory analysis of the training gradient per remat policy, next to the planner's
+    activation estimate for the same batch on one device (kernels as this backend runs them)."""
+    tcfg = _training_cfg(cfg)
+    measured = compiled_train_memory(tcfg, batch, seq)
+    kernels = "xla" if jax.default_backend() == "cpu" else "pallas"
+    est = activation_bytes(tcfg, {"data": 1}, batch, seq, kernels=kernels)
+    lines = [f"compiled training gradient of {cfg.name}, batch {batch} x {seq} tokens on "
+             f"{jax.default_backend()} (XLA_FLAGS={measured['xla_flags']!r}), configured "
+             f"remat={cfg.remat}:",
+             f"  {'remat':10}{'XLA temp':>14}{'arguments':>14}{'outputs':>14}"
+             f"{'planner activations':>22}"]
+    for r in REMAT_NAMES:
+        m = measured[r]
+        lines.append(f"  {r:10}{_fmt_bytes(m['temp_size_in_bytes']):>14}"
+                     f"{_fmt_bytes(m['argument_size_in_bytes']):>14}"
+                     f"{_fmt_bytes(m['output_size_in_bytes']):>14}{_fmt_bytes(est[r]):>22}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

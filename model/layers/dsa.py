@@ -17,6 +17,21 @@ indexer with KL(p || softmax(I)) over all causal keys, p = head-averaged main at
 "sparse" stage attends through the top-k selection and takes the KL over the selected keys only.
 In both, p is a stop-gradient target and the indexer's inputs are detached, so the KL trains only
 the indexer (freezing the rest during warm-up is the optimizer's job: mask the other params).
+
+Positions (`dsa.positions`, `dsa.rope_scaling`; formulas in model/layers/rope.py):
+  "rope"  q_pe, k_pe and the indexer's first index_rope_dim channels are rotated. With
+          rope_scaling="yarn" all three use YaRN's frequencies; the MLA softmax scale (also used
+          by the indexer KL's target p) is multiplied by mscale(s, mscale_all_dim)**2 and q_pe,
+          k_pe by mscale(s, mscale)/mscale(s, mscale_all_dim), as in DeepSeek-V3. The indexer's
+          scores get no mscale (DeepSeek-V3.2's indexer has none; a positive scale would not
+          change its top-k anyway).
+  "nope"  nothing is rotated (Kimi Linear's MLA layers: the KDA layers carry position, and there
+          is no rotary frequency to extrapolate at long context). The q_pe/k_pe channels stay
+          (same parameters and cache) as plain content channels. The indexer drops its rotation
+          too: its KL target p is then a function of key content only, so a rotary term could
+          only add a position-dependent error to its scores (and extrapolate badly past the
+          trained length). A NoPE layer is position-free: its output depends on the visible keys'
+          content and the causal mask, not on the position ids.
 """
 
 import flax.linen as nn
@@ -26,7 +41,7 @@ import jax.numpy as jnp
 from model.config import DSAConfig
 from model.layers.linear import dense
 from model.layers.norms import LayerNorm, RMSNorm
-from model.layers.rope import apply_rope
+from model.layers.rope import YaRN, apply_rope
 from pallas_kernels.dsa import ops as dsa_ops
 
 
@@ -59,6 +74,20 @@ def indexer_kl(q, kv, scores, key_mask, valid_q, scale) -> jax.Array:
     return jnp.sum(jnp.where(valid_q, kl, 0.0)) / n
 
 
+def rope_scaling(cfg: DSAConfig) -> YaRN | None:
+    """The YaRN parameters of the layer, or None for plain RoPE / NoPE."""
+    if cfg.positions != "rope" or cfg.rope_scaling != "yarn":
+        return None
+    return YaRN(cfg.rope_factor, cfg.rope_original_max_position, cfg.rope_beta_fast,
+                cfg.rope_beta_slow, cfg.rope_mscale, cfg.rope_mscale_all_dim)
+
+
+def softmax_scale(cfg: DSAConfig) -> float:
+    """qk_head_dim**-0.5, times YaRN's mscale(s, mscale_all_dim)**2 when YaRN is on."""
+    y = rope_scaling(cfg)
+    return cfg.qk_head_dim ** -0.5 * (y.softmax_scale_factor() if y is not None else 1.0)
+
+
 class DSALayer(nn.Module):
     cfg: DSAConfig
     d_model: int
@@ -84,10 +113,16 @@ class DSALayer(nn.Module):
 
         q_a = RMSNorm(name="q_a_norm", **pkw)(dense(c.q_lora_rank, ("embed", "q_lora"), "q_a", **kw)(x))
         q = dense(H * (N + R), ("q_lora", "heads"), "q_b", **kw)(q_a).reshape(B, T, H, N + R)
-        q_nope, q_pe = q[..., :N], apply_rope(q[..., N:], positions, c.rope_theta)
         ckv = dense(L + R, ("embed", "kv_lora"), "kv_a", **kw)(x)  # [B,T,L+R]
         latent = RMSNorm(name="kv_a_norm", **pkw)(ckv[..., :L])
-        k_pe = apply_rope(ckv[..., L:], positions, c.rope_theta)
+        q_nope, q_pe, k_pe = q[..., :N], q[..., N:], ckv[..., L:]  # [B,T,H,N], [B,T,H,R], [B,T,R]
+        rope = c.positions == "rope"
+        yarn = rope_scaling(c)
+        if rope:
+            q_pe = apply_rope(q_pe, positions, c.rope_theta, scaling=yarn)
+            k_pe = apply_rope(k_pe, positions, c.rope_theta, scaling=yarn)
+        if yarn is not None and yarn.rope_magnitude() != 1.0:
+            q_pe, k_pe = q_pe * yarn.rope_magnitude(), k_pe * yarn.rope_magnitude()
         kv_new = jnp.concatenate([latent, k_pe], axis=-1)  # [B,T,L+R]
         w_uk = self.param("w_uk", nn.with_logical_partitioning(
             nn.initializers.normal(N ** -0.5), ("heads", "head_dim", "kv_lora")), (H, N, L),
@@ -101,9 +136,11 @@ class DSALayer(nn.Module):
         # Lightning indexer (inputs detached: its KL loss trains only the indexer).
         xi, q_ai = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_a)
         q_idx = dense(HI * DI, ("q_lora", "heads"), "idx_q", **kw)(q_ai).reshape(B, T, HI, DI)
-        q_idx = apply_rope(q_idx, positions, c.rope_theta, c.index_rope_dim)
         k_idx_new = LayerNorm(name="idx_k_norm", **pkw)(dense(DI, ("embed", "head_dim"), "idx_k", **kw)(xi))
-        k_idx_new = apply_rope(k_idx_new, positions, c.rope_theta, c.index_rope_dim)  # [B,T,DI]
+        if rope:  # the indexer follows the layer's positions (module docstring)
+            q_idx = apply_rope(q_idx, positions, c.rope_theta, c.index_rope_dim, scaling=yarn)
+            k_idx_new = apply_rope(k_idx_new, positions, c.rope_theta, c.index_rope_dim,
+                                   scaling=yarn)  # [B,T,DI]
         w_idx = dense(HI, ("embed", "heads"), "idx_w", **kw)(xi).astype(jnp.float32)
         w_idx = w_idx * (HI ** -0.5) * (DI ** -0.5)  # [B,T,HI]
 
@@ -116,7 +153,7 @@ class DSALayer(nn.Module):
             q_offset = offset.astype(jnp.int32)
             new_cache = {"kv": kv, "k_idx": k_idx}
 
-        scale = c.qk_head_dim ** -0.5
+        scale = softmax_scale(c)
         scores = dsa_ops.indexer_scores(q_idx, k_idx.astype(q_idx.dtype), w_idx, impl=c.impl)
         S = kv.shape[1]
         dense_stage = c.indexer_stage == "dense_warmup"
