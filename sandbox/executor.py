@@ -723,6 +723,21 @@ class Slot:
             self.broken = "the working directory is not empty after a reset"
             raise SlotBroken(self.broken)
 
+    def _restore_work_root(self) -> None:
+        """Between steps of a sequence: /work itself back to the slot's 0700 directory. A step
+        may chmod it (it owns it); the next step's sandbox could not even chdir there, and a
+        sandbox_error caused by the program (which a trainer may skip rather than score 0)
+        must not be possible."""
+        if self.none_mode:
+            os.chmod(self.workdir, 0o700)
+            return
+        try:  # the host path and the mount root: nothing the program can swap for a link
+            os.chown(self.workdir, self.uid, self.uid)
+            os.chmod(self.workdir, 0o700)
+        except OSError as e:
+            self.broken = f"cannot restore the working directory between steps: {e}"
+            raise SlotBroken(self.broken) from e
+
     # ---- running ----------------------------------------------------------------------------
     def run(self, req: dict) -> ExecutionResult:
         """Runs one normalised request (see result.normalize_request); the work dir is reset after."""
@@ -748,6 +763,8 @@ class Slot:
         results = []
         try:
             for k, req in enumerate(reqs):
+                if k:
+                    self._restore_work_root()
                 try:
                     self._place_files(req.get("files") or {})
                 except OSError as e:

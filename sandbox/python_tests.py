@@ -9,7 +9,8 @@ Runs of one verification (each a fresh sandbox through the executor):
             of the returned object is ever called), tagged with a nonce the harness reads from a
             file and deletes before the solution runs.
   verdict   the task's ORIGINAL test runs in a fresh sandbox (isolated interpreter `python3 -I -S
-            -B`, program not readable by path, empty working directory) with the entry point
+            -B`, program not readable by path, empty working directory), after the prompt's own
+            definitions when the test uses any (checker_prompt), with the entry point
             (`candidate`, or the function's own name for MBPP-style asserts) replaced by a
             replayer: arguments are encoded, looked up among the solution's recorded calls, and
             the recorded result is decoded into fresh builtin values (or the recorded builtin
@@ -42,15 +43,22 @@ solution's process can print anything) but a forged record is just a claimed ret
 passes only if it is the right value.
 
 Not covered: a test that passes non-plain-data arguments (functions, user objects) to the entry
-point, uses names the solution defines other than the entry point (the prompt's own definitions
-are executed in the checker), draws arguments from a source other than `random` (time, os
-entropy) or depends on str hash order: such cases fail (a false negative, never a false pass).
+point, looks at the entry point other than by calling it (its name, signature, source), uses
+names the solution defines other than the entry point (the prompt's own definitions are executed
+in the checker), draws arguments from a source other than `random` (time, os entropy) or depends
+on str hash order: such cases fail (a false negative, never a false pass).
+
+Cost: two sandbox runs per verification (three when a collect run is needed and not cached);
+the harnesses import nothing but os and time, so each run costs about what a plain run of the
+solution does. HumanEval's 164 canonical solutions: 334 runs instead of 164, 1.6x the wall time
+of the previous single-run harness on the same 2 cores.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
+import functools
 import hashlib
 import json
 import math
@@ -74,17 +82,20 @@ _HARNESS_VERSION = 1
 with open(plaindata.__file__, encoding="utf-8") as _f:
     _PLAIN_SRC = _f.read()
 
+# Both harnesses import nothing beyond the interpreter's start-up modules (os, time, builtins):
+# data comes in as Python literals and goes out as ascii() literals (see plaindata), and the test
+# is rewritten on the host (transform_test), so neither json nor ast is imported in the sandbox.
 _SOLUTION_HARNESS = r'''
-import json as _kj, os as _ko, random as _kr, time as _kt
+import os as _ko, time as _kt
 
 def _kimi_solution(SOLUTION, ENTRY, CALLS):
-    _write, _perf, _dumps, _round = _ko.write, _kt.perf_counter, _kj.dumps, round
+    _write, _perf, _round, _ascii = _ko.write, _kt.perf_counter, round, ascii
     with open(".kimi_nonce") as f:
         nonce = f.read().strip()
     _ko.unlink(".kimi_nonce")
 
     def emit(obj):
-        _write(1, ("\n" + nonce + " " + _dumps(obj) + "\n").encode())
+        _write(1, ("\n" + nonce + " " + _ascii(obj) + "\n").encode())
 
     def err(e):
         name = _type_name(type(e))
@@ -93,8 +104,6 @@ def _kimi_solution(SOLUTION, ENTRY, CALLS):
         except BaseException:
             return name
 
-    calls = _kj.loads(CALLS)
-    _kr.seed(0)
     g = {"__name__": "__solution__", "__builtins__": __builtins__}
     try:
         exec(compile(SOLUTION, "solution.py", "exec"), g)
@@ -106,7 +115,7 @@ def _kimi_solution(SOLUTION, ENTRY, CALLS):
         emit({"event": "solution_error", "error": "entry point %r is not defined" % ENTRY})
         return
     emit({"event": "ready"})
-    for i, payload in enumerate(calls):
+    for i, payload in enumerate(CALLS):
         args, kwargs = decode_call(payload)
         t0 = _perf()
         try:
@@ -131,7 +140,7 @@ def _kimi_solution(SOLUTION, ENTRY, CALLS):
 '''
 
 _CHECK_HARNESS = r'''
-import ast as _ka, builtins as _kb, json as _kj, os as _ko, random as _kr, time as _kt
+import builtins as _kb, os as _ko, time as _kt
 
 class _KimiMissing(BaseException):
     """A call the solution run has no result for (the verdict asks for another round)."""
@@ -153,20 +162,21 @@ def _kimi_pending_type():
         ns["__%s__" % op] = same
     return type("Pending", (), ns)
 
-def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE):
+def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEED_RANDOM):
     _write, _perf = _ko.write, _kt.perf_counter
 
     def emit(obj):
-        _write(1, ("\n" + NONCE + " " + _kj.dumps(obj) + "\n").encode())
+        _write(1, ("\n" + NONCE + " " + ascii(obj) + "\n").encode())
 
     def err(e):
         return (type(e).__name__ + ": " + str(e))[:500]
 
     table = {}
-    for key, rec in _kj.loads(KNOWN):
+    for key, rec in KNOWN:
         table.setdefault(key, []).append(rec)
     used, needed, st = {}, [], {"missing": False, "time": 0.0}
     PENDING = _kimi_pending_type()()
+    collecting = MODE == "collect"
 
     def apply_after(args, kwargs, after):
         try:
@@ -203,7 +213,7 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE):
             apply_after(args, kwargs, rec["after"])
         return value
 
-    def lookup(args, kwargs, collecting):
+    def candidate(*args, **kwargs):
         try:
             payload = encode_call(args, kwargs)
         except PlainDataError as e:
@@ -222,61 +232,8 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE):
         st["missing"] = True
         raise _KimiMissing()
 
-    def collect_call(*args, **kwargs):
-        return lookup(args, kwargs, True)
-
-    def verdict_call(*args, **kwargs):
-        return lookup(args, kwargs, False)
-
-    g = {"__name__": "__check__", "__builtins__": _kb}
-    try:
-        if PROMPT:
-            exec(compile(PROMPT, "prompt.py", "exec"), g)
-        tree = _ka.parse(TEST)
-    except BaseException as e:
-        emit({"event": "check_error", "error": "prompt or test does not run: " + err(e)})
-        return
-    check = next((n for n in tree.body if isinstance(n, _ka.FunctionDef) and n.name == "check"), None)
-    host = check.body if check is not None else tree.body
-    collecting = MODE == "collect"
-    candidate = collect_call if collecting else verdict_call
-    Name, Load, Const = _ka.Name, _ka.Load, _ka.Constant
-
-    def call(name, args):
-        return _ka.Expr(_ka.Call(Name(name, Load()), args, []))
-
-    class Strip(_ka.NodeTransformer):
-        def visit_Assert(self, node):
-            body = [_ka.Expr(node.test)] + ([_ka.Expr(node.msg)] if node.msg is not None else [])
-            return _ka.Try(body=body,
-                           handlers=[_ka.ExceptHandler(Name("Exception", Load()), None, [_ka.Pass()])],
-                           orelse=[], finalbody=[])
-
-    n_cases, new = 0, []
-    for stmt in host:
-        if isinstance(stmt, (_ka.FunctionDef, _ka.AsyncFunctionDef, _ka.ClassDef)) or \
-                not any(isinstance(n, _ka.Assert) for n in _ka.walk(stmt)):
-            new.append(stmt)
-            continue
-        if collecting:
-            stmt = Strip().visit(stmt)
-            new.append(_ka.Try(body=[stmt], handlers=[_ka.ExceptHandler(
-                Name("BaseException", Load()), None, [_ka.Pass()])], orelse=[], finalbody=[]))
-        else:
-            new.append(_ka.Try(
-                body=[call("__kimi_start", [Const(n_cases)]), stmt,
-                      call("__kimi_case", [Const(n_cases), Const(True), Const(None)])],
-                handlers=[_ka.ExceptHandler(Name("BaseException", Load()), "__kimi_e",
-                          [call("__kimi_case", [Const(n_cases), Const(False), Name("__kimi_e", Load())])])],
-                orelse=[], finalbody=[]))
-        n_cases += 1
-    host[:] = new
-    _ka.fix_missing_locations(tree)
-    starts = {}
-
     def _start(i):
         st["missing"], st["time"] = False, 0.0
-        starts[i] = _perf()
 
     def _case(i, ok, e):
         incomplete = st["missing"]
@@ -284,25 +241,27 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE):
               "incomplete": incomplete,
               "error": None if ok and not incomplete else (
                   "no recorded result for a call of this case" if incomplete else err(e)),
-              "time_s": _round6(st["time"])})
+              "time_s": round(st["time"], 6)})
 
-    g["__kimi_start"], g["__kimi_case"] = _start, _case
-    g[ENTRY] = candidate
+    g = {"__name__": "__check__", "__builtins__": _kb}
     if not collecting:
-        emit({"event": "cases", "n": n_cases})
-    _kr.seed(SEED)
+        emit({"event": "cases", "n": N_CASES})
     try:
-        exec(compile(tree, "test.py", "exec"), g)
-        if check is not None:
+        if PROMPT:
+            exec(compile(PROMPT, "prompt.py", "exec"), g)
+        g["__kimi_start"], g["__kimi_case"] = _start, _case
+        g[ENTRY] = candidate
+        if SEED_RANDOM:
+            import random
+            random.seed(SEED)
+        exec(compile(TEST, "test.py", "exec"), g)
+        if HAS_CHECK:
             g["check"](candidate)
     except BaseException as e:
         if not collecting:
             emit({"event": "check_error", "error": err(e)})
     emit({"event": "needed", "calls": needed})
     emit({"event": "done"})
-
-def _round6(x):
-    return round(x, 6)
 '''
 
 
@@ -310,46 +269,111 @@ def _round6(x):
 # programs
 
 
+def _is_case(stmt: ast.stmt) -> bool:
+    return not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+        any(isinstance(n, ast.Assert) for n in ast.walk(stmt))
+
+
+class _Strip(ast.NodeTransformer):
+    """collect mode: every assert becomes `try: <test>; <msg> except Exception: pass`."""
+
+    def visit_Assert(self, node):
+        body = [ast.Expr(node.test)] + ([ast.Expr(node.msg)] if node.msg is not None else [])
+        handler = ast.ExceptHandler(ast.Name("Exception", ast.Load()), None, [ast.Pass()])
+        return ast.Try(body=body, handlers=[handler], orelse=[], finalbody=[])
+
+
+def _call_stmt(name: str, args: list) -> ast.stmt:
+    return ast.Expr(ast.Call(ast.Name(name, ast.Load()), args, []))
+
+
+@functools.lru_cache(maxsize=4096)
+def transform_test(test: str, mode: str) -> tuple[str, int, bool]:
+    """The test rewritten for the checker (host side: parsing only). Each case (a top-level
+    statement of `check`, or of the module, that contains an assert) is wrapped to report itself
+    (mode "verdict"), or has its asserts reduced to evaluating their expressions with errors
+    swallowed (mode "collect"). Returns (source, number of cases, whether it defines check).
+    Raises SyntaxError or ValueError if the test does not parse."""
+    tree = ast.parse(test)
+    check, host = _check_and_host(tree)
+    new, n = [], 0
+    any_exc = ast.Name("BaseException", ast.Load())
+    for stmt in host:
+        if not _is_case(stmt):
+            new.append(stmt)
+            continue
+        if mode == "collect":
+            new.append(ast.Try(body=[_Strip().visit(stmt)],
+                               handlers=[ast.ExceptHandler(any_exc, None, [ast.Pass()])],
+                               orelse=[], finalbody=[]))
+        else:
+            c = ast.Constant
+            report = _call_stmt("__kimi_case", [c(n), c(False), ast.Name("__kimi_e", ast.Load())])
+            new.append(ast.Try(
+                body=[_call_stmt("__kimi_start", [c(n)]), stmt,
+                      _call_stmt("__kimi_case", [c(n), c(True), c(None)])],
+                handlers=[ast.ExceptHandler(any_exc, "__kimi_e", [report])],
+                orelse=[], finalbody=[]))
+        n += 1
+    host[:] = new
+    ast.fix_missing_locations(tree)
+    return ast.unparse(tree), n, check is not None
+
+
 def solution_program(solution: str, entry: str, calls: list) -> str:
     """The program run where the completion runs: the solution, then its entry point on `calls`
     (encoded with plaindata.encode_call); no test code, no expected value."""
     return (_PLAIN_SRC + _SOLUTION_HARNESS +
-            f"\n_kimi_solution({solution!r}, {entry!r}, {json.dumps(calls)!r})\n")
+            f"\n_kimi_solution({solution!r}, {entry!r}, {ascii(calls)})\n")
 
 
 def check_program(prompt: str, test: str, entry: str, known: list, mode: str, nonce: str) -> str:
-    """The checker: the task's prompt definitions and test with the entry point replaced by a
-    replayer of `known` ([key, record] pairs); mode "collect" or "verdict"."""
+    """The checker: the task's prompt definitions and test (rewritten by transform_test) with the
+    entry point replaced by a replayer of `known` ([key, record] pairs); mode "collect" or
+    "verdict". Raises SyntaxError or ValueError if the test does not parse."""
+    src, n, has_check = transform_test(test, mode)
+    seed_random = "random" in prompt or "random" in test
     return (_PLAIN_SRC + _CHECK_HARNESS + f"\nSEED = {SEED}\n" +
-            f"_kimi_check({prompt!r}, {test!r}, {entry!r}, {json.dumps(known)!r}, {mode!r}, {nonce!r})\n")
+            f"_kimi_check({prompt!r}, {src!r}, {entry!r}, {ascii(known)}, {mode!r}, {nonce!r}, "
+            f"{n}, {has_check}, {seed_random})\n")
 
 
 def parse_events(stdout: str, nonce: str) -> list[dict]:
-    """The nonce-tagged JSON lines of a harness's stdout. Lines the program forged or broke
-    (invalid JSON, nesting deeper than the decoder allows) are dropped, never raised."""
+    """The nonce-tagged records of a harness's stdout (ascii() literals of dicts of JSON-like
+    values). Lines the program forged or broke (not a literal, other types, non-finite floats,
+    nesting deeper than plaindata allows) are dropped, never raised."""
     out, tag = [], nonce + " "
     for line in stdout.splitlines():
         if line.startswith(tag):
             try:
-                ev = json.loads(line[len(tag):])
-            except (ValueError, RecursionError):
+                ev = ast.literal_eval(line[len(tag):])
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 continue
-            if isinstance(ev, dict) and _shallow(ev, plaindata.MAX_DEPTH + 8):
+            if isinstance(ev, dict) and _jsonish(ev, plaindata.MAX_DEPTH + 8):
                 out.append(ev)
     return out
 
 
-def _shallow(obj: Any, limit: int) -> bool:
-    """True if `obj` (parsed JSON) nests at most `limit` deep (checked without recursion)."""
+def _jsonish(obj: Any, limit: int) -> bool:
+    """True if `obj` is made of dict (str keys), list, str, int, bool, None and finite floats,
+    nested at most `limit` deep (checked without recursion)."""
     stack = [(obj, 0)]
     while stack:
         o, d = stack.pop()
         if d > limit:
             return False
-        if isinstance(o, list):
+        t = type(o)
+        if t is list:
             stack.extend((v, d + 1) for v in o)
-        elif isinstance(o, dict):
+        elif t is dict:
+            if any(type(k) is not str for k in o):
+                return False
             stack.extend((v, d + 1) for v in o.values())
+        elif t is float:
+            if not math.isfinite(o):
+                return False
+        elif not (o is None or t in (str, int, bool)):
+            return False
     return True
 
 
@@ -419,8 +443,7 @@ def case_count(test: str) -> int:
     except (SyntaxError, ValueError):
         return 0
     _, host = _check_and_host(tree)
-    return sum(1 for s in host if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-               and any(isinstance(n, ast.Assert) for n in ast.walk(s)))
+    return sum(1 for s in host if _is_case(s))
 
 
 def static_calls(test: str, entry: str) -> list | None:
@@ -554,6 +577,29 @@ def _clean_record(ev: dict) -> dict | None:
     return rec
 
 
+@functools.lru_cache(maxsize=4096)
+def checker_prompt(prompt: str, test: str, entry: str) -> str:
+    """The prompt's code as the checker needs it: all of it when the test uses a name the prompt
+    binds at top level other than the entry point (HumanEval/32's `poly`, /38's
+    `encode_cyclic`), else nothing (saves importing e.g. `typing` in every checker)."""
+    if not prompt:
+        return ""
+    try:
+        bound = set()
+        for node in ast.parse(prompt).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            else:
+                bound |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+                          and isinstance(n.ctx, ast.Store)}
+        used = {n.id for n in ast.walk(ast.parse(test)) if isinstance(n, ast.Name)}
+    except (SyntaxError, ValueError):
+        return prompt
+    return prompt if (bound - {entry}) & used else ""
+
+
 def prompt_is_code(task: Task) -> bool:
     if task.meta.get("prompt_is_text") or not task.prompt.strip():
         return False
@@ -571,7 +617,8 @@ class Job:
 
     def __init__(self, task: Task, solution: str, executor) -> None:
         self.task, self.solution, self.ex = task, solution, executor
-        self.prompt = task.prompt if prompt_is_code(task) else ""
+        self.prompt = checker_prompt(task.prompt, task.test, task.entry_point) \
+            if prompt_is_code(task) else ""
         self.future: Future = Future()
         self.known: list = []
         self.have: collections.Counter = collections.Counter()

@@ -115,6 +115,14 @@ def outputs_match(actual: str, expected: str, compare: str = "lines",
     return a == e
 
 
+def _valid_text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 def _short(s: str, n: int = 300) -> str:
     return s if len(s) <= n else s[:n] + f"... [{len(s) - n} more chars]"
 
@@ -311,8 +319,14 @@ class Verifier:
         return self._math
 
     def submit(self, task: Task | dict, completion: str) -> Pending:
+        """Starts scoring `completion` (a str; text that is not valid UTF-8, such as lone
+        surrogates, is replaced by U+FFFD first, so a completion can never make its own
+        verification raise: only a bad task or a broken executor does)."""
         if isinstance(task, dict):
             task = Task.from_dict(task)
+        if not isinstance(completion, str):
+            raise TypeError(f"completion must be a str, got {type(completion).__name__}")
+        completion = _valid_text(completion)
         start = _FAMILIES.get(task.family)
         if start is None:
             return _done(0.0, {"family": task.family, "score": 0.0, "status": "unknown_family",

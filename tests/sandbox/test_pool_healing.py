@@ -57,6 +57,15 @@ def test_fifo_never_stalls_a_later_step(pool, clean_next):
     clean_next(pool)
 
 
+def test_a_step_cannot_lock_the_next_one_out(pool, clean_next):
+    """/work's own mode and owner are restored between steps (before: `chmod 000 /work` made the
+    next step's sandbox fail to start, a sandbox_error caused by the program)."""
+    rs = pool.run_sequence([{"code": "echo kept > f; chmod 000 f /work", "language": "bash"},
+                            {"code": "chmod u+r f; cat f; stat -c %a /work", "language": "bash"}])
+    assert [r.status for r in rs] == ["ok", "ok"] and rs[1].stdout == "kept\n700\n", rs
+    clean_next(pool)
+
+
 def _sabotage_work(uid: int) -> str:
     """From the host (root): take the slot's /work mount away and put a file where it was, so
     that mounting a fresh /work there fails (ENOTDIR), as any reset failure would."""

@@ -216,3 +216,25 @@ def test_user_task_files_follow_the_same_rules(verifier, pool, tmp_path, clean_n
         [u1, u1, u2, u2], ["def add(a, b):\n    return a + b\n", hack, "sort in.txt > out.txt",
                            TERMINAL_HACKS["encodings_package"]])] == [1.0, 0.0, 1.0, 0.0]
     clean_next(pool)
+
+
+def test_completions_cannot_turn_their_verdict_into_sandbox_error(verifier, pool, clean_next):
+    """The RL pipeline drops sandbox_error rows from the loss instead of scoring them 0, so a
+    completion able to cause one would escape its penalty (before the fix: `chmod 000 /work` made
+    the terminal check's sandbox fail to start; text with lone surrogates raised)."""
+    (term, _), = make_split("terminal", "train", 1, seed=5, difficulty=1)
+    (arith, _), = make_split("arithmetic", "train", 1, seed=5, difficulty=1)
+    code = CODE_TASKS[0]
+    stdio = Task(id="s", family="stdio", cases=[{"input": "", "output": "x"}])
+    breakers = ["chmod 000 /work", "chmod -R 000 .; chmod 000 /work", "rm -rf /work/* /work/.[!.]*",
+                "mkfifo out.txt", "ln -s /work out.txt; chmod 000 /work", "kill -9 -1",
+                "python3 -c 'import os; os.chmod(\"/work\", 0)'", "echo \ud800 > out.txt \udcff"]
+    tasks = [term] * len(breakers) + [arith, arith, code, code, stdio, stdio, HE_TASKS[0]]
+    comps = breakers + ["1+\ud800", "\udcff" * 10, "def f(x):\n    return '\ud800'\n",
+                        "def f(x):\n    import os\n    os.chmod('/work', 0)\n    return 0\n",
+                        "print('\ud800')", "import os; os.chmod('/work', 0)",
+                        "    import os\n    os.chmod('/work', 0)\n    return 0.0\n"]
+    res = verifier.verify_batch(tasks, comps)
+    bad = [(c, d["status"]) for c, (s, d) in zip(comps, res) if s != 0.0 or d["status"] == "sandbox_error"]
+    assert not bad, bad
+    clean_next(pool)
