@@ -35,24 +35,23 @@ def _cfg(name="test", **over) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def compiled_grads():
-    """Per policy: the training gradient of the test preset (B=2, T=16, indexer KL on so every
-    aux term flows through the checkpointed blocks), compiled once; its gradients and XLA's
-    memory analysis."""
+    """Without remat and with "full": the training gradient of the test preset (B=2, T=16,
+    indexer KL on so every aux term flows through the checkpointed blocks), compiled once; its
+    gradients and XLA's memory analysis."""
     cfg = _cfg(dsa=dict(models.get_config("test").dsa.to_dict(), indexer_loss_weight=0.1))
     variables = Model(cfg).init(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 3, 250)
     out = {}
-    for p in POLICIES:
+    for p in ("none", "full"):  # save_dots shares the wrapper; one more compile is ~6 s cold
         compiled = jax.jit(train_grad_fn(cfg.replace(remat=p))).lower(variables, tokens).compile()
         ma = compiled.memory_analysis()
         out[p] = (compiled(variables, tokens), {f: getattr(ma, f) for f in MEMORY_FIELDS})
     return out
 
 
-@pytest.mark.parametrize("policy", ["full", "save_dots"])
-def test_remat_gradients_equal_without_remat(compiled_grads, policy):
+def test_remat_gradients_equal_without_remat(compiled_grads):
     ref, _ = compiled_grads["none"]
-    got, mem = compiled_grads[policy]
+    got, mem = compiled_grads["full"]
     assert jax.tree.structure(got) == jax.tree.structure(ref)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5,
