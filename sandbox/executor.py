@@ -803,6 +803,11 @@ class Slot:
         """
         cfg = self.cfg
         py = req["language"] == "python"
+        for stale in ("main.py", "main.sh"):  # no run sees an earlier run's program
+            try:
+                os.unlink(os.path.join(self.progdir, stale))
+            except FileNotFoundError:
+                pass
         if req.get("isolated"):
             path = os.path.join(self.progdir, ".check")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -825,7 +830,7 @@ class Slot:
         else:
             name, argv = "main.sh", [cfg.bash, "--noprofile", "--norc"]
         path = os.path.join(self.progdir, name)
-        # one run at a time per slot and no sandbox alive now: rewrite in place (mode 0644)
+        # one run at a time per slot and no sandbox alive now (mode 0644)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         with open(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
             f.write(req["code"])

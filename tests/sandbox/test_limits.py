@@ -54,7 +54,7 @@ def test_cpu_quota_per_sandbox(pool):
         SandboxConfig(cpu_quota=0)
 
 
-def test_memory_peak_is_the_runs_own(pool):
+def test_memory_peak_is_the_runs_own(pool, clean_next):
     rs = pool.run_sequence([{"code": "dd if=/dev/zero of=f bs=1M count=40 2>/dev/null", "language": "bash"}])
     assert rs[0].memory_peak_mb >= 35, rs[0]  # tmpfs pages count while they exist
     for _ in range(2):  # whichever slot took it, a trivial run after it is small
@@ -62,6 +62,7 @@ def test_memory_peak_is_the_runs_own(pool):
         assert max(r.memory_peak_mb for r in small) < 20, [r.memory_peak_mb for r in small]
     big = pool.run("x = bytearray(100 << 20); x[::4096] = b'y' * len(x[::4096])")
     assert 100 <= big.memory_peak_mb < 140, big
+    clean_next(pool)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -89,7 +90,7 @@ def test_caller_mistakes_raise_invalid_request(pool, kw, match):
         pool.submit("pass", **kw)
 
 
-def test_caller_mistakes_in_code_sequences_and_pool_limits(pool):
+def test_caller_mistakes_in_code_sequences_and_pool_limits(pool, clean_next):
     with pytest.raises(InvalidRequest, match="surrogate"):
         pool.submit("print('\ud800')")
     with pytest.raises(InvalidRequest, match="non-empty list"):
@@ -106,3 +107,4 @@ def test_caller_mistakes_in_code_sequences_and_pool_limits(pool):
     r = pool.run("import os; print(sorted(os.listdir('.')))",
                  files={"\udcff.bin": "\udcfe", " -rf": b"", "a b/c\nd": "x"})
     assert r.status == "ok" and r.stdout == "[' -rf', 'a b', '\\udcff.bin']\n", r
+    clean_next(pool)

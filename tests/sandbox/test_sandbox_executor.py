@@ -136,3 +136,28 @@ def test_slot_in_process_shell_launcher():
         assert r.status == "memory"
     finally:
         slot.close()
+
+
+def test_isolated_runs(pool):
+    """isolated=True (check scripts): isolated interpreter, fixed environment, exit codes and
+    stdin as usual, and the program's text on no path inside the sandbox."""
+    py = ("import os, sys\nprint(sys.flags.isolated, sys.flags.no_site, '/work' in sys.path, '' in sys.path)\n"
+          "print(sorted(os.environ))\nprint(os.listdir('/sandbox'), sys.stdin.read())\nsys.exit(3)")
+    r = pool.run(py, isolated=True, stdin="in", files={"encodings/__init__.py": "raise SystemExit(0)"})
+    assert r.status == "error" and r.exit_code == 3, r
+    lines = r.stdout.splitlines()
+    assert lines[0] == "1 1 False False"
+    assert lines[1] == str(sorted(["PATH", "HOME", "TMPDIR", "LANG", "USER", "LOGNAME", "PYTHONSAFEPATH",
+                                   "PYTHONNOUSERSITE", "PYTHONDONTWRITEBYTECODE", "PWD"]))
+    assert lines[2] == "[] in"  # no program file under /sandbox
+    sh = ("f() { echo \"$PATH $HOME $BASH_ENV\"; }; f; read x; echo got $x; ls -A /sandbox; "
+          "ls /proc/self/fd | wc -l; exit 4")
+    r = pool.run(sh, language="bash", isolated=True, stdin="line\n",
+                 files={".bashrc": "echo RC", "python3": "#!/bin/sh\necho FAKE"})
+    assert r.status == "error" and r.exit_code == 4, r
+    # BASH_ENV empty, .bashrc not read, no program file under /sandbox, only fds 0-2 (+ ls's own)
+    assert r.stdout == "/usr/bin:/bin /tmp \ngot line\n4\n", r.stdout
+    # a normal run after a python one does not see the earlier program either
+    pool.map(["print(1)"] * 4)
+    rs = pool.map(["ls -A /sandbox"] * 4, language="bash")
+    assert all(x.stdout == "main.sh\n" for x in rs), [x.stdout for x in rs]
