@@ -15,20 +15,38 @@ validated against rl/algorithms.py's registries.
 import ml_collections
 
 from configs import models
+from rl import algorithms
+
+# Types of the AlgoConfig fields whose value may be None (ml_collections placeholders keep them
+# overridable from the command line, e.g. --config.rl.algo.clip_c=3.0).
+_OPTIONAL_TYPES = {"clip_c": float, "max_len": int, "tis_cap": float, "vf_clip": float,
+                   "overlong_cache_len": int}
 
 
-def _algo(name: str, **kw) -> ml_collections.ConfigDict:
-    d = {"name": name, "kl_placement": "loss", "kl_kind": "k3", "kl_coef": 0.05}
-    if name in ("drgrpo", "dapo"):
-        d["max_len"] = 48  # = rl.max_new_tokens (constant normaliser / overlong budget)
-    if name == "dapo":
-        d["overlong_cache_len"] = 8
-    if name in ("rloo",):
+def _algo(name: str, rl: ml_collections.ConfigDict, **kw) -> ml_collections.ConfigDict:
+    """Every AlgoConfig field of the preset `name` (so each one is overridable by a flag), with
+    this project's run choices on top (kept when --config.rl.algo.name switches the preset, see
+    rl.algorithms.algo_from_config): KL to the SFT policy in the loss (k3, 0.05) unless the
+    algorithm folds it into the reward; truncated importance sampling against the sampler's
+    log-probs (tis_cap 2: the behaviour-policy correction of the one-batch lookahead, see
+    rl/train_step.py); max_len and DAPO's overlong window derived from rl.max_new_tokens (they
+    follow an override of it unless set themselves)."""
+    d = algorithms.preset_fields(name)
+    d.update(kl_placement="loss", kl_kind="k3", kl_coef=0.05, tis_cap=2.0)
+    if name == "rloo":
         d["kl_placement"] = "reward"
     if name == "ppo":  # PPO-RLHF: per-token k1 KL folded into the GAE rewards
         d.update(kl_placement="reward", kl_kind="k1")
     d.update(kw)
-    return ml_collections.ConfigDict(d)
+    c = ml_collections.ConfigDict()
+    for k, v in d.items():
+        setattr(c, k, ml_collections.config_dict.placeholder(_OPTIONAL_TYPES[k]) if v is None
+                else v)
+    c.filled_from = name  # --config.rl.algo.name=<other preset> re-fills untouched fields
+    c.max_len = rl.get_ref("max_new_tokens").identity()  # the generation budget (tokens)
+    if name == "dapo":
+        c.overlong_cache_len = rl.get_ref("max_new_tokens") // 6  # soft window: 8 of 48
+    return c
 
 
 def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
@@ -50,16 +68,23 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
 
     c.sft = ml_collections.ConfigDict(dict(
         steps=600, batch_size=16, seq_len=128, imperfect_frac=0.4, lr=3e-3, warmup_steps=30,
-        weight_decay=0.01, log_every=50, checkpoint_every=500))  # MTP weight: model.mtp
+        weight_decay=0.01, log_every=50, checkpoint_every=500,
+        # DSA indexer dense warm-up before SFT (DeepSeek-V3.2): indexer only, everything else
+        # frozen, dense attention, KL over every causal key; 0 skips it
+        indexer_warmup_steps=100, indexer_warmup_lr=1e-3))
+    # the weights of MTP, MoE balance and indexer KL are model fields (model.mtp.loss_weight,
+    # model.moe.aux_loss_coef, model.dsa.indexer_loss_weight), shared by SFT and RL
 
     c.rl = ml_collections.ConfigDict(dict(
         steps=100, prompts_per_batch=8, group_size=4, max_prompt_len=72, max_new_tokens=48,
-        temperature=1.0, top_p=1.0, top_k=0, micro_batches=1, mtp_loss_weight=0.1,
+        temperature=1.0, top_p=1.0, top_k=0, micro_batches=1, train_indexer=True,
         speculative="none", overlap_scoring=True, log_every=1, checkpoint_every=25, keep_checkpoints=3,
         init_from="sft"))  # "sft": the SFT checkpoint in workdir/sft; "scratch": random init
+    # the trainer's log-probs use rl.temperature / top_k / top_p (the sampler's distribution);
+    # rl.train_indexer=False sets the indexer KL weight to 0 for RL (the indexer stays frozen)
     # rl.speculative="mtp": rollouts and evals draft with the MTP head and verify two tokens per
     # trunk pass (rl/sampler.py; same output distribution, greedy identical)
-    c.rl.algo = _algo(algo)
+    c.rl.algo = _algo(algo, c.rl)
     # the value head of algorithms with a critic (rl.algo.needs_values: ppo); see
     # rl/critic.py:CriticConfig. detached: the value loss does not train the policy trunk;
     # hidden_dim 0: RMSNorm + linear head; critic lr = optim.lr * lr_scale.
@@ -68,12 +93,13 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.optim = ml_collections.ConfigDict(dict(
         lr=1e-4, warmup_steps=5, total_steps=100, final_lr_frac=0.5, weight_decay=0.0,
         b1=0.9, b2=0.99, eps=1e-8, clip_norm=1.0))
+    c.optim.total_steps = c.rl.get_ref("steps").identity()  # follows --config.rl.steps
 
     c.eval = ml_collections.ConfigDict(dict(
-        every=20, val_tasks=64, temperature=1.0, greedy=True,
-        # prompts per generate call (x samples per task = rows); 32 rows = the RL batch
-        # (prompts_per_batch x group_size), so eval and rollouts share one compiled sampler
-        batch_prompts=32))
+        every=20, val_tasks=64, temperature=1.0, greedy=True, batch_prompts=32))
+    # prompts per generate call (x samples per task = rows) = the RL batch's rows
+    # (prompts_per_batch x group_size), so eval and rollouts share one compiled sampler
+    c.eval.batch_prompts = c.rl.get_ref("prompts_per_batch") * c.rl.get_ref("group_size")
     c.sandbox = ml_collections.ConfigDict(dict(
         workers=2, timeout_s=5.0, memory_mb=256, remote=""))  # remote: comma-separated URLs
     return c
@@ -88,7 +114,7 @@ def demo() -> ml_collections.ConfigDict:
     # terminal +9. 130 steps leave margin over run-to-run variation (see README).
     c.optim.lr = 3e-4
     c.rl.algo.kl_coef = 0.01
-    c.rl.steps = c.optim.total_steps = 130
+    c.rl.steps = 130
     return c
 
 
@@ -99,11 +125,11 @@ def smoke() -> ml_collections.ConfigDict:
     c.model = models.get_config("test")
     c.tasks.update(dict(train_per_family=200, val_per_family=8, test_per_family=16))
     c.sft.update(dict(steps=30, batch_size=16, log_every=10, checkpoint_every=15))
+    c.model.dsa.indexer_loss_weight = 1.0  # as the demo: indexer warm-up, KL in SFT and RL
+    c.sft.update(dict(indexer_warmup_steps=4))
     c.rl.update(dict(steps=4, prompts_per_batch=4, group_size=2, max_new_tokens=24,
                      checkpoint_every=2))
-    c.rl.algo = _algo("grpo")
-    c.optim.total_steps = 4
-    c.eval.update(dict(every=2, val_tasks=8, batch_prompts=8))  # 8 rows = the RL batch
+    c.eval.update(dict(every=2, val_tasks=8))
     return c
 
 

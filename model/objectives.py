@@ -1,7 +1,13 @@
-"""Training objectives on a ModelOutput: next-token + MTP cross-entropy and the auxiliary losses.
+"""The training objective on a ModelOutput, shared by SFT and RL.
 
-Reductions are explicit: every cross-entropy is a (sum, count) pair over masked tokens so that
-gradient accumulation over micro-batches gives the global token mean.
+`auxiliary_losses` owns every term besides the primary one (MTP per depth, MoE balance, the DSA
+indexer KL), each weighted by one field of the model config; `lm_loss` (SFT) adds it to the
+next-token cross-entropy and the RL train step (rl/train_step.py) adds it to the policy loss, so
+both phases train the same auxiliary terms the same way.
+
+Reductions are explicit: every cross-entropy is a (sum, count) pair over masked tokens, with
+counts that can be taken over the full batch (`target_counts`), so gradient accumulation over
+micro-batches gives the global token mean.
 """
 
 import jax
@@ -23,34 +29,72 @@ def xent_sum(logits, targets, mask) -> tuple[jax.Array, jax.Array]:
     return -jnp.sum(token_logprobs(logits, targets) * m), jnp.sum(m)
 
 
+def target_counts(loss_mask: jax.Array, mtp_depth: int) -> dict[str, jax.Array]:
+    """Normalisers of the token-mean cross-entropies over a (full) batch: loss_mask [B,T] ->
+    {"next": scalar count of next-token targets, "mtp": [depth] counts of MTP targets per depth}.
+    Compute once over the whole batch and pass to every micro-batch's `auxiliary_losses`, so the
+    summed micro-batch losses equal the full-batch loss."""
+    m = loss_mask.astype(jnp.float32)
+    out = {"next": jnp.sum(m[:, 1:])}
+    out["mtp"] = jnp.stack([jnp.sum(m[:, k + 2:]) for k in range(mtp_depth)]) if mtp_depth \
+        else jnp.zeros((0,), jnp.float32)
+    return out
+
+
+def auxiliary_losses(out, tokens, loss_mask, cfg: ModelConfig, *, counts=None,
+                     micro_batches: int = 1) -> tuple[jax.Array, dict]:
+    """Every training term besides the primary one (next-token CE in SFT, the policy loss in RL),
+    each with its one weight from the model config:
+
+      mtp.loss_weight * mean_k CE_k         MTP depth k+1 predicts token t+k+2; CE_k is a token
+                                            mean over depth k's own targets (counts["mtp"][k])
+      moe.aux_loss_coef * balance_loss      sequence-wise balance loss, summed over MoE layers
+      dsa.indexer_loss_weight * indexer_kl  KL(attention || indexer), summed over DSA layers; its
+                                            stage (dense warm-up or sparse) is dsa.indexer_stage
+
+    tokens, loss_mask [B,T] as in `lm_loss`. counts: `target_counts` of the full batch (default:
+    this batch). With micro_batches > 1 the balance and indexer terms (batch means inside the
+    model) are divided by micro_batches, so summing micro-batches gives their average.
+    Returns (weighted sum, metrics: mtp_ce (the mean over depths), mtp_ce_<k>, balance_loss,
+    indexer_kl; metrics are per-batch values once micro-batches are summed).
+    """
+    if counts is None:
+        counts = target_counts(loss_mask, out.mtp_logits.shape[0] if out.mtp_logits is not None
+                               else 0)
+    total = jnp.zeros((), jnp.float32)
+    metrics = {}
+    if out.mtp_logits is not None and cfg.mtp.loss_weight:
+        depth = out.mtp_logits.shape[0]
+        per_depth = []
+        for k in range(depth):
+            sh = k + 2  # depth k+1 predicts t+k+2
+            s, _ = xent_sum(out.mtp_logits[k][:, :-sh], tokens[:, sh:], loss_mask[:, sh:])
+            per_depth.append(s / jnp.maximum(counts["mtp"][k], 1.0))
+            metrics[f"mtp_ce_{k + 1}"] = per_depth[-1]
+        mtp = jnp.mean(jnp.stack(per_depth))
+        total = total + cfg.mtp.loss_weight * mtp
+        metrics["mtp_ce"] = mtp
+    metrics["balance_loss"] = out.balance_loss / micro_batches
+    if cfg.moe.num_experts and cfg.moe.aux_loss_coef:
+        total = total + cfg.moe.aux_loss_coef * metrics["balance_loss"]
+    if cfg.dsa.indexer_loss_weight:
+        metrics["indexer_kl"] = out.indexer_kl / micro_batches
+        total = total + cfg.dsa.indexer_loss_weight * metrics["indexer_kl"]
+    return total, metrics
+
+
 def lm_loss(out, tokens, loss_mask, cfg: ModelConfig) -> tuple[jax.Array, dict]:
-    """Next-token loss + mtp.loss_weight * mean over depths of MTP losses
-    + moe.aux_loss_coef * balance + dsa.indexer_loss_weight * indexer KL.
+    """The SFT objective: next-token CE (token mean over loss_mask targets) + `auxiliary_losses`.
 
     tokens [B,T]; loss_mask [B,T] marks tokens that are targets (position t's target is t+1, so
-    the mask is read at t+1). Token means are over all masked targets of the batch.
+    the mask is read at t+1). Token means are over all masked targets of the batch. The RL train
+    step adds the same `auxiliary_losses` to its policy loss (rl/train_step.py).
     """
-    tgt, m = tokens[:, 1:], loss_mask[:, 1:]
-    s, n = xent_sum(out.logits[:, :-1], tgt, m)
+    s, n = xent_sum(out.logits[:, :-1], tokens[:, 1:], loss_mask[:, 1:])
     ce = s / jnp.maximum(n, 1.0)
-    total = ce
-    metrics = {"ce": ce, "tokens": n}
-    if out.mtp_logits is not None:
-        mtp = []
-        for k in range(out.mtp_logits.shape[0]):
-            sh = k + 2  # depth k+1 predicts t+k+2
-            sk, nk = xent_sum(out.mtp_logits[k][:, :-sh], tokens[:, sh:], loss_mask[:, sh:])
-            mtp.append(sk / jnp.maximum(nk, 1.0))
-        mtp_loss = jnp.mean(jnp.stack(mtp))
-        total = total + cfg.mtp.loss_weight * mtp_loss
-        metrics["mtp_ce"] = mtp_loss
-    if cfg.moe.num_experts and cfg.moe.aux_loss_coef:
-        total = total + cfg.moe.aux_loss_coef * out.balance_loss
-    metrics["balance_loss"] = out.balance_loss
-    if cfg.dsa.indexer_loss_weight:
-        total = total + cfg.dsa.indexer_loss_weight * out.indexer_kl
-        metrics["indexer_kl"] = out.indexer_kl
-    metrics["loss"] = total
+    aux, metrics = auxiliary_losses(out, tokens, loss_mask, cfg)
+    total = ce + aux
+    metrics.update({"ce": ce, "tokens": n, "aux_loss": aux, "loss": total})
     return total, metrics
 
 

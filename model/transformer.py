@@ -243,7 +243,8 @@ class Model:
             net = self.net
 
             def init_fn(rng):
-                return nn.meta.unbox(net.init({"params": rng}, jnp.zeros((1, seq_len), jnp.int32)))
+                v = net.init({"params": rng}, jnp.zeros((1, seq_len), jnp.int32))
+                return nn.meta.unbox({k: x for k, x in v.items() if k != "diagnostics"})
 
             fn = _INIT_PROGRAMS[key] = jax.jit(init_fn)
         return fn(rng)
@@ -252,7 +253,8 @@ class Model:
         """Shapes/dtypes of the variables without allocating (jax.eval_shape); boxed with their
         logical axis names (nn.Partitioned) for sharding."""
         tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-        return jax.eval_shape(lambda t: self.net.init({"params": jax.random.key(0)}, t), tokens)
+        v = jax.eval_shape(lambda t: self.net.init({"params": jax.random.key(0)}, t), tokens)
+        return {k: x for k, x in v.items() if k != "diagnostics"}
 
     def apply(self, variables, tokens, valid=None, *, with_mtp: bool = True) -> ModelOutput:
         out, _ = self.net.apply(variables, tokens, valid, None, with_mtp)
@@ -307,3 +309,19 @@ class Model:
         valid = jnp.ones((tokens.shape[0], 1), bool) if active is None else active[:, None]
         out, cache = self.net.apply(variables, tokens[:, None], valid, cache)
         return out.logits[:, 0], cache, out.hidden[:, 0]
+
+    def indexer_recall(self, variables, tokens, valid=None) -> dict[str, jax.Array]:
+        """Recall of the DSA lightning indexer: per DSA layer (trunk and MTP), the fraction of
+        the index_topk keys with the highest head-averaged attention that the indexer's top-k
+        also selects, averaged over queries with more than index_topk causal keys (fewer keys:
+        every key is selected). tokens [B,T]. Returns {layer name: recall, "mean": mean over
+        layers}; NaN where no query qualifies (T <= index_topk)."""
+        _, state = self.net.apply(variables, tokens, valid, None, True,
+                                  mutable=["diagnostics"])
+        out = {}
+        for name, layer in state.get("diagnostics", {}).items():
+            (hits, n), = layer["attn"]["indexer_recall"]  # sown once per DSA layer
+            out[name] = hits / n
+        if out:
+            out["mean"] = jnp.mean(jnp.stack(list(out.values())))
+        return out

@@ -250,11 +250,34 @@ def get_algorithm(name: str, **overrides: Any) -> AlgoConfig:
     return AlgoConfig(**fields)
 
 
+def preset_fields(name: str) -> dict[str, Any]:
+    """Every AlgoConfig field of preset ``name`` (defaults + the preset's own values), unvalidated
+    (run-dependent fields such as max_len may still be None)."""
+    d = {f.name: f.default for f in dataclasses.fields(AlgoConfig)}
+    d.update(PRESETS.lookup(name, field="algorithm")())
+    d["name"] = name
+    return d
+
+
 def algo_from_config(config: Mapping[str, Any]) -> AlgoConfig:
     """From a dict / ml_collections.ConfigDict: ``name`` (a preset, or anything else for a fully
-    specified custom config) plus fields overriding it. Inverse of ``AlgoConfig.to_dict``."""
+    specified custom config) plus fields overriding it. Inverse of ``AlgoConfig.to_dict``.
+
+    A config that lists every field (configs/rl.py does, so each is overridable by a flag) says
+    which preset filled them in ``filled_from``. When ``name`` names another preset (e.g.
+    ``--config.rl.algo.name=dapo`` on a GRPO config), fields still equal to the filling preset's
+    value follow the new preset; fields that differ from it (the config's run choices and your
+    overrides) are kept."""
     d = dict(config.to_dict() if hasattr(config, "to_dict") else config)
     name = d.pop("name", "custom")
+    filled_from = d.pop("filled_from", None)
+    if filled_from is not None and filled_from != name:
+        if name not in PRESETS:
+            raise ValueError(f"rl.algo.name={name!r} is not a preset ({sorted(PRESETS)}) but the "
+                             f"other fields were filled from preset {filled_from!r}: give a "
+                             "preset name, or write every field and drop filled_from")
+        base = preset_fields(filled_from)
+        d = {k: v for k, v in d.items() if k not in base or v != base[k]}
     if name in PRESETS:
         return get_algorithm(name, **d)
     _check_fields(d)
@@ -570,6 +593,7 @@ __all__ = [
     "PreparedAdvantages",
     "algo_from_config",
     "describe_algorithm",
+    "preset_fields",
     "get_algorithm",
     "prepare_advantages",
     "register_preset",

@@ -75,7 +75,7 @@ def run(quick: bool = False) -> dict:
     opt = make_optimizer(ml_collections.ConfigDict(dict(
         lr=1e-4, warmup_steps=1, total_steps=10, final_lr_frac=0.1, weight_decay=0.0, b1=0.9,
         b2=0.99, eps=1e-8, clip_norm=1.0)))
-    step = make_train_step(model, algo, opt, mtp_loss_weight=0.1, donate=False)
+    step = make_train_step(model, algo, opt, donate=False)
     state = init_train_state(variables, opt)
     batch = {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask),
              "advantages": jnp.asarray(np.random.default_rng(0).normal(size=(B, 1)), jnp.float32),

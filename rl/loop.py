@@ -40,6 +40,7 @@ from rl.pipeline import RolloutWorker, build_train_batch, evaluate, task_dataset
 from rl.sampler import SamplingConfig
 from rl.train_step import (
     TrainState,
+    indexer_mask,
     init_train_state,
     make_logp_fn,
     make_logp_value_fn,
@@ -129,44 +130,38 @@ def _sft_rows(examples, tokenizer, seq_len):
     return encode
 
 
-def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState:
+def _sft_stream(examples, tok, s, seed):
     import grain
-
-    from sandbox.tasks import generators
-
-    s = config.sft
-    workdir = os.path.join(config.workdir, "sft")
-    model, tok = _model(config), load_tokenizer(config.tokenizer)
-    splits = load_task_splits(config)
-    examples = generators.sft_examples(splits["train"], s.imperfect_frac, config.seed)
-    ds = (grain.MapDataset.source(examples).shuffle(seed=config.seed).repeat()
+    ds = (grain.MapDataset.source(examples).shuffle(seed=seed).repeat()
           .map(_sft_rows(examples, tok, s.seq_len)).batch(s.batch_size, drop_remainder=True))
-    it = iter(ds.to_iter_dataset())
+    return iter(ds.to_iter_dataset())
 
-    opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay))
-    state = init_train_state(model.init(jax.random.key(config.seed)), opt)
+
+def _supervised_phase(name, model, opt, state, it, *, steps, objective, workdir, seed, log_every,
+                      checkpoint_every, resume, progress, postfix):
+    """Runs `steps` supervised steps of `objective` from `state` (resuming from
+    workdir/checkpoints), logging under `name/`. Returns the final state."""
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
-    rng = jax.random.key(config.seed)
+    rng = jax.random.key(seed)
     if resume:
         restored = ckpt.restore_latest(jax.eval_shape(lambda: state), data_iter=it)
         if restored is not None:
             state, rng, _, _ = restored
-            log.info("SFT resumed at step %d", int(state.step))
-    step_fn = make_sft_step(model, opt)
+            log.info("%s resumed at step %d", name, int(state.step))
+    step_fn = make_sft_step(model, opt, objective=objective)
     writer = MetricsWriter(workdir)
     start = int(state.step)
-    bar = _progress(s.steps, "sft", start) if progress else None
-    met = {}
-    for i in range(start, s.steps):
+    bar = _progress(steps, name, start) if progress else None
+    for i in range(start, steps):
         batch = next(it)
         state, met = step_fn(state, {k: jnp.asarray(v) for k, v in batch.items()})
-        if (i + 1) % s.log_every == 0 or i + 1 == s.steps:
+        if (i + 1) % log_every == 0 or i + 1 == steps:
             m = jax.device_get(met)
-            writer.write(i + 1, m, "sft/")
+            writer.write(i + 1, m, name + "/")
             if bar is not None:
-                bar.set_postfix(ce=f"{float(m['ce']):.3f}")
-        if (i + 1) % s.checkpoint_every == 0 or i + 1 == s.steps:
-            ckpt.save(i + 1, state, rng=rng, data_iter=it, meta={"phase": "sft"})
+                bar.set_postfix({postfix: f"{float(m[postfix]):.3f}"})
+        if (i + 1) % checkpoint_every == 0 or i + 1 == steps:
+            ckpt.save(i + 1, state, rng=rng, data_iter=it, meta={"phase": name})
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -175,6 +170,59 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     ckpt.close()
     writer.close()
     return state
+
+
+def has_indexer(cfg: ModelConfig) -> bool:
+    """Whether the model has a DSA layer (trunk or MTP block) whose indexer is trained."""
+    kinds = set(cfg.layer_kinds()) | ({cfg.mtp.layer_kind} if cfg.mtp.depth else set())
+    return "D" in kinds and cfg.dsa.indexer_loss_weight > 0
+
+
+def warmup_model(cfg: ModelConfig) -> Model:
+    """The model of the indexer's dense warm-up: dense attention, indexer KL over every causal
+    key (DeepSeek-V3.2's first stage); same parameters as `cfg`'s model."""
+    return Model(cfg.replace(dsa=dataclasses.replace(cfg.dsa, indexer_stage="dense_warmup")))
+
+
+def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState:
+    """SFT on generated demonstrations, in two phases under workdir/sft:
+
+    1. indexer warm-up (sft.indexer_warmup_steps, 0 skips it; only for models with a trained DSA
+       indexer): dense attention, the indexer alone trained on KL(attention || indexer) over
+       every causal key, every other parameter frozen by the optimizer's mask (lr
+       sft.indexer_warmup_lr); checkpoints in sft/indexer_warmup/.
+    2. SFT (sft.steps): next-token + MTP + balance + indexer KL (model.dsa.indexer_stage, sparse
+       by default) on every parameter, from the warm-up's weights; checkpoints in sft/.
+    Resuming picks up whichever phase was unfinished (a finished SFT skips the warm-up)."""
+    from sandbox.tasks import generators
+
+    s = config.sft
+    workdir = os.path.join(config.workdir, "sft")
+    model, tok = _model(config), load_tokenizer(config.tokenizer)
+    splits = load_task_splits(config)
+    examples = generators.sft_examples(splits["train"], s.imperfect_frac, config.seed)
+    it = _sft_stream(examples, tok, s, config.seed)
+
+    opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay))
+    variables = model.init(jax.random.key(config.seed))
+    done = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
+    sft_started = resume and done.latest_step() is not None
+    done.close()
+    warm_steps = int(s.get("indexer_warmup_steps", 0))
+    if warm_steps and has_indexer(model.cfg) and not sft_started:
+        wopt = make_optimizer(_optim(s.indexer_warmup_lr, max(warm_steps // 10, 1), warm_steps,
+                                     0.0), trainable=indexer_mask)
+        wstate = _supervised_phase(
+            "sft_indexer_warmup", warmup_model(model.cfg), wopt, init_train_state(variables, wopt),
+            _sft_stream(examples, tok, s, config.seed + 1), steps=warm_steps,
+            objective="indexer_warmup", workdir=os.path.join(workdir, "indexer_warmup"),
+            seed=config.seed, log_every=s.log_every, checkpoint_every=s.checkpoint_every,
+            resume=resume, progress=progress, postfix="indexer_kl")
+        variables = wstate.variables
+    return _supervised_phase(
+        "sft", model, opt, init_train_state(variables, opt), it, steps=s.steps, objective="lm",
+        workdir=workdir, seed=config.seed, log_every=s.log_every,
+        checkpoint_every=s.checkpoint_every, resume=resume, progress=progress, postfix="ce")
 
 
 def _optim(lr, warmup, total, wd):
@@ -196,6 +244,37 @@ def load_sft_variables(config, model: Model) -> dict:
             f"no SFT checkpoint under {config.workdir}/sft/checkpoints: run scripts/sft.py with "
             f"the same --config first, or set --config.rl.init_from=scratch")
     return next(iter(restored)).variables
+
+
+def load_warmup_variables(config, model: Model) -> dict | None:
+    """The weights after the indexer warm-up (workdir/sft/indexer_warmup), or None if the run
+    had no warm-up checkpoint."""
+    s = config.sft
+    wopt = make_optimizer(_optim(s.indexer_warmup_lr, 1, 2, 0.0), trainable=indexer_mask)
+    template = init_train_state(model.init(jax.random.key(0)), wopt)
+    ckpt = Checkpointer(os.path.join(config.workdir, "sft", "indexer_warmup", "checkpoints"),
+                        keep=2)
+    restored = ckpt.restore_latest(jax.eval_shape(lambda: template))
+    ckpt.close()
+    return None if restored is None else next(iter(restored)).variables
+
+
+def heldout_text(config, tokenizer, n: int = 64, width: int = 128):
+    """Held-out demonstration text for diagnostics: the first n test tasks' chat prompt +
+    reference completion, right-padded ([n,width] int32, valid [n,width] bool)."""
+    rows = []
+    for task, demo in load_task_splits(config)["test"]:
+        if demo is None:
+            continue
+        ids = tokenizer.encode(tokenizer.chat_prompt(task.prompt), bos=True)
+        ids += tokenizer.encode(demo, eos=True)
+        rows.append(ids[:width])
+    rows = rows[:: max(len(rows) // n, 1)][:n]  # spread over domains
+    tokens = np.full((len(rows), width), tokenizer.pad_id, np.int32)
+    valid = np.zeros((len(rows), width), bool)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)], valid[i, :len(r)] = r, True
+    return jnp.asarray(tokens), jnp.asarray(valid)
 
 
 # --------------------------------------------------------------------------- RL
@@ -229,9 +308,33 @@ def init_rl_state(config, model: Model, algo, init_vars: dict):
     return state, opt, critic, value_opt
 
 
+def rl_model(config) -> Model:
+    """The policy as RL trains it: the config's model, with the indexer KL weight set to 0 when
+    rl.train_indexer is False (the indexer then gets no gradient and stays as SFT left it)."""
+    cfg = ModelConfig.from_dict(config.model)
+    if not config.rl.get("train_indexer", True):
+        cfg = cfg.replace(dsa=dataclasses.replace(cfg.dsa, indexer_loss_weight=0.0))
+    return Model(cfg)
+
+
+def rollout_sampling(config, eos_id: int) -> SamplingConfig:
+    """The rollout sampler's config; the trainer's log-probs use the same distribution."""
+    r = config.rl
+    return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                          top_p=r.top_p, top_k=r.top_k, eos_id=eos_id, speculative=r.speculative)
+
+
 def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
            on_eval=None) -> TrainState:
-    r, model, tok = config.rl, _model(config), load_tokenizer(config.tokenizer)
+    """GRPO-family RL from the SFT checkpoint (see the module docstring). Rollouts are generated
+    one batch ahead while the previous batch is scored; the batch trained at update i was
+    generated by the policy of update i-1 (staleness 1, logged as `staleness`), and
+    the truncated importance weight against the sampler's log-probs (rl.algo.tis_cap, on by
+    default in configs/rl.py) corrects for it."""
+    if "mtp_loss_weight" in config.rl:
+        raise ValueError("rl.mtp_loss_weight was removed: the MTP weight is "
+                         "model.mtp.loss_weight, shared by SFT and RL")
+    r, model, tok = config.rl, rl_model(config), load_tokenizer(config.tokenizer)
     algo = algo_from_config(r.algo)
     workdir = os.path.join(config.workdir, "rl")
     splits = load_task_splits(config)
@@ -262,9 +365,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     else:
         from sandbox.verifiers import Verifier
         verifier = Verifier(executor=pool)
-    sampling = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                              top_p=r.top_p, top_k=r.top_k, eos_id=tok.eos_id,
-                              speculative=r.speculative)
+    sampling = rollout_sampling(config, tok.eos_id)
     worker = RolloutWorker(model, tok, sampling, verifier, group_size=r.group_size,
                            max_prompt_len=r.max_prompt_len)
     eval_worker = RolloutWorker(model, tok, dataclasses.replace(
@@ -272,10 +373,10 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         verifier, group_size=1, max_prompt_len=r.max_prompt_len)
     width = r.max_prompt_len + r.max_new_tokens
     step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
-                              mtp_loss_weight=r.mtp_loss_weight, critic=critic,
-                              value_optimizer=value_opt)
-    logp_fn = make_logp_fn(model)
-    logp_value_fn = make_logp_value_fn(model, critic) if critic is not None else None
+                              sampling=sampling, critic=critic, value_optimizer=value_opt)
+    logp_fn = make_logp_fn(model, sampling)
+    logp_value_fn = (make_logp_value_fn(model, critic, sampling) if critic is not None
+                     else None)
     writer = MetricsWriter(workdir)
 
     def rollout_forward(state):
@@ -310,7 +411,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     def launch(rng):
         launch_point.update(rng=rng, pos=it.get_state())
         rng, sub = jax.random.split(rng)
-        return rng, worker.start(state.variables, next(it), sub)
+        return rng, worker.start(state.variables, next(it), sub, version=int(state.step))
 
     start = int(state.step)
     bar = _progress(r.steps, "rl", start) if progress else None
@@ -325,6 +426,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         group = pending.result()
         t_train = time.perf_counter()  # old/ref log-probs (+ values), advantages, the update
         batch, met = build_train_batch(group, algo, width, forward=rollout_forward(state))
+        met["staleness"] = int(state.step) - group.policy_version  # updates behind
         jb = {k: jnp.asarray(v) for k, v in batch.items()}
         state, tmet = step_fn(state, jb)
         tmet = jax.device_get(tmet)

@@ -75,21 +75,63 @@ class SampleOutput:
     draft_stats: jax.Array | None = None
 
 
-def process_logits(logits: jax.Array, cfg: SamplingConfig, temperature=None) -> jax.Array:
-    """Apply temperature / top-k / top-p: [B,V] -> log-probs [B,V] of the sampling distribution.
-    `temperature` (a traced scalar is fine) overrides cfg.temperature; it must be > 0 here."""
-    t = cfg.temperature if temperature is None else temperature
-    logits = logits.astype(jnp.float32) / t
-    if cfg.top_k:
-        kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if cfg.top_p < 1.0:
-        sorted_l = jnp.sort(logits, axis=-1)[:, ::-1]
+def truncation_mask(z: jax.Array, top_k: int = 0, top_p: float = 1.0,
+                    include: jax.Array | None = None) -> jax.Array:
+    """Which tokens survive top-k then top-p (nucleus) truncation: z [...,V] temperature-scaled
+    logits -> [...,V] bool. Ties at a cut-off are kept. include [...] (token ids), when given, is
+    always kept: the trainer scores the sampled token even where its own logits would have cut
+    it (see `sampled_logprobs`). All-true when top_k == 0 and top_p == 1."""
+    keep = jnp.ones(z.shape, bool)
+    if top_k:
+        kth = jax.lax.top_k(z, top_k)[0][..., -1:]
+        keep = z >= kth
+    if top_p < 1.0:
+        zk = jnp.where(keep, z, -jnp.inf)
+        sorted_l = jnp.flip(jnp.sort(zk, axis=-1), axis=-1)  # descending
         probs = jax.nn.softmax(sorted_l, axis=-1)
-        cum = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
-        cutoff = jnp.min(jnp.where(cum < cfg.top_p, sorted_l, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.nn.log_softmax(logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
+        cutoff = jnp.min(jnp.where(before < top_p, sorted_l, jnp.inf), axis=-1, keepdims=True)
+        keep = keep & (z >= cutoff)
+    if include is not None:
+        keep = keep | (jnp.arange(z.shape[-1]) == include[..., None])
+    return jax.lax.stop_gradient(keep)
+
+
+def process_logits(logits: jax.Array, cfg: SamplingConfig, temperature=None) -> jax.Array:
+    """Apply temperature, then top-k, then top-p: [...,V] -> log-probs [...,V] of the sampling
+    distribution (-inf outside it). `temperature` (a traced scalar is fine) overrides
+    cfg.temperature; it must be > 0 here."""
+    t = cfg.temperature if temperature is None else temperature
+    z = logits.astype(jnp.float32) / t
+    keep = truncation_mask(z, cfg.top_k, cfg.top_p)
+    return jax.nn.log_softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
+
+
+def sampled_logprobs(logits: jax.Array, targets: jax.Array, cfg: SamplingConfig | None,
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Trainer-side log-probs of `targets` under the distribution the sampler draws from.
+
+    logits [N,L,V], targets [N,L] -> (logp [N,L] f32, processed log-probs [N,L,V]). cfg None or
+    temperature 1 without truncation: plain log_softmax. Otherwise the logits are divided by
+    cfg.temperature and truncated by cfg.top_k / cfg.top_p exactly as `process_logits` does, so
+    at the sampler's parameters the values equal the sampler's (tests/rl/test_objective.py).
+    The truncation set is recomputed from these logits and always contains the target: after
+    an update moves a sampled token outside the set, it keeps a finite log-prob (its ratio then
+    falls and the clip stops its gradient) instead of -inf, which would make ratios and KL
+    estimates NaN. Gradients flow through the kept logits; set membership is a constant.
+    """
+    z = logits.astype(jnp.float32)
+    if cfg is not None and cfg.temperature <= 0:
+        raise ValueError("log-probs of a greedy sampler (temperature 0) are undefined: RL needs "
+                         "a sampling temperature > 0 (rl.temperature)")
+    if cfg is not None and cfg.temperature != 1.0:
+        z = z / cfg.temperature
+    if cfg is not None and (cfg.top_k or cfg.top_p < 1.0):
+        keep = truncation_mask(z, cfg.top_k, cfg.top_p, include=targets)
+        z = jnp.where(keep, z, -jnp.inf)
+    logp_all = jax.nn.log_softmax(z, axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+    return logp, logp_all
 
 
 def _sample(logits, rng, cfg: SamplingConfig, temperature):

@@ -6,7 +6,9 @@ evaluation, on 2 CPU cores.
     python scripts/demo.py --config.rl.steps=300             # any field is overridable
 
 Writes to <workdir>: sft/ and rl/ (orbax checkpoints, TensorBoard events, metrics.jsonl),
-demo_results.json (per-domain pass@1 before/after with 95% intervals, greedy and sampled),
+demo_results.json (per-domain pass@1 before/after with 95% intervals, greedy and sampled; the DSA
+indexer's recall of the true top-k attention keys on held-out text at random init, after the
+indexer warm-up, after SFT and after RL),
 demo_plot.png (RL reward and held-out val pass@1 per domain against RL step). Prints the
 per-domain before/after table. Re-running resumes finished phases from their checkpoints
 (--noresume starts over).
@@ -93,9 +95,11 @@ def main(_):
     from rl.loop import (
         _model,
         _open_pool,
+        heldout_text,
         load_rl_variables,
         load_sft_variables,
         load_task_splits,
+        load_warmup_variables,
         run_rl,
         run_sft,
     )
@@ -128,16 +132,26 @@ def main(_):
         run_rl(config, resume=_RESUME.value, pool=pool,
                on_eval=lambda step, res: val_curve.append((step, res)))
         t_rl = time.time() - t_eval0
-        after = _eval_both(config, load_rl_variables(config, model), test, w_greedy, w_sampled,
-                           _SAMPLES.value)
+        rl_vars = load_rl_variables(config, model)
+        after = _eval_both(config, rl_vars, test, w_greedy, w_sampled, _SAMPLES.value)
     finally:
         pool.close()
+
+    # DSA indexer recall of the true top-k attention keys on held-out demonstrations, per stage
+    import jax
+    text, valid = heldout_text(config, tok)
+    stages = {"random init": model.init(jax.random.key(config.seed)),
+              "after warm-up": load_warmup_variables(config, model),
+              "after SFT": load_sft_variables(config, model), "after RL": rl_vars}
+    recall = {k: float(model.indexer_recall(v, text, valid)["mean"])
+              for k, v in stages.items() if v is not None}
 
     with open(os.path.join(config.workdir, "rl", "metrics.jsonl")) as f:
         rl_metrics = [json.loads(line) for line in f if '"rl/reward_mean"' in line]
     plot = os.path.join(config.workdir, "demo_plot.png")
     _plot(plot, rl_metrics, val_curve)
     result = {"before": before, "after": after, "val_curve": val_curve,
+              "indexer_recall": recall,
               "seconds": {"sft": t_sft, "rl": t_rl, "total": time.time() - t0},
               "config": config.to_dict()}
     with open(os.path.join(config.workdir, "demo_results.json"), "w") as f:
@@ -146,6 +160,8 @@ def main(_):
     print(_table(before, after, "sampled"))
     print()
     print(_table(before, after, "greedy"))
+    print("\nDSA indexer recall of the top-k attention keys (held-out text): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in recall.items()))
     print(f"\n[demo] {time.time() - t0:.0f} s total (SFT {t_sft:.0f} s, RL {t_rl:.0f} s). "
           f"Artifacts: {config.workdir}/demo_results.json, {plot}, TensorBoard: "
           f"{config.workdir}/{{sft,rl}}, final checkpoint: {config.workdir}/rl/checkpoints")

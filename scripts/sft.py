@@ -3,9 +3,13 @@
     python scripts/sft.py --config configs/rl.py:demo            # ~6 min on 2 CPU cores
     python scripts/sft.py --config configs/rl.py:smoke           # ~1 min
 
-Trains next-token + MTP loss on (prompt, completion) pairs from sandbox/tasks/generators with
+First the DSA indexer's dense warm-up (config.sft.indexer_warmup_steps: the indexer alone
+learns the dense attention's distribution, everything else frozen; 0 skips it), then the SFT
+objective (model/objectives.py: next-token + MTP + MoE balance + indexer KL, the same auxiliary
+terms the RL step trains) on (prompt, completion) pairs from sandbox/tasks/generators with
 config.sft.imperfect_frac well-formed but wrong demonstrations; grain input, orbax checkpoints in
-<workdir>/sft/checkpoints (resumed automatically; --noresume starts over).
+<workdir>/sft/indexer_warmup/checkpoints and <workdir>/sft/checkpoints (resumed automatically;
+--noresume starts over).
 """
 
 import _common  # noqa: F401  (sys.path, cache)

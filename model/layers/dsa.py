@@ -63,10 +63,7 @@ def indexer_kl(q, kv, scores, key_mask, valid_q, scale) -> jax.Array:
     q [B,T,H,D], kv [B,S,D], scores [B,T,S] (indexer logits), key_mask [B,T,S] bool.
     p = head-averaged main attention restricted to key_mask, a stop-gradient target.
     """
-    logits = jnp.einsum("bthd,bsd->bhts", q.astype(jnp.float32), kv.astype(jnp.float32)) * scale
-    logits = jnp.where(key_mask[:, None], logits, -jnp.inf)
-    p = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=1)  # [B,T,S]
-    p = jax.lax.stop_gradient(jnp.where(key_mask, p, 0.0))
+    p = jax.lax.stop_gradient(head_mean_attention(q, kv, key_mask, scale))  # [B,T,S]
     log_q = jax.nn.log_softmax(jnp.where(key_mask, scores, -jnp.inf), axis=-1)
     log_p = jnp.log(jnp.where(p > 0, p, 1.0))
     kl = jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1)  # [B,T]
@@ -86,6 +83,30 @@ def softmax_scale(cfg: DSAConfig) -> float:
     """qk_head_dim**-0.5, times YaRN's mscale(s, mscale_all_dim)**2 when YaRN is on."""
     y = rope_scaling(cfg)
     return cfg.qk_head_dim ** -0.5 * (y.softmax_scale_factor() if y is not None else 1.0)
+
+
+def topk_recall(p, scores, key_mask, valid_q, k: int) -> tuple[jax.Array, jax.Array]:
+    """How many of the k keys with the most attention the indexer's top-k picks, per query.
+
+    p [B,T,S] head-averaged attention probabilities, scores [B,T,S] indexer logits, key_mask
+    [B,T,S] causal keys, valid_q [B,T]. Only queries with more than k causal keys count (with
+    fewer, top-k selection keeps every key and recall is trivially 1). Returns (sum over those
+    queries of |top_k(p) & top_k(I)| / k, number of those queries)."""
+    S = p.shape[-1]
+    k = min(k, S)
+    top_p = jax.lax.top_k(jnp.where(key_mask, p, -1.0), k)[1]  # [B,T,k]
+    top_i = jax.lax.top_k(jnp.where(key_mask, scores, -jnp.inf), k)[1]  # [B,T,k]
+    hits = jnp.sum(jnp.any(top_i[..., :, None] == top_p[..., None, :], axis=-1), axis=-1)
+    eligible = valid_q & (jnp.sum(key_mask, axis=-1) > k)  # [B,T]
+    return (jnp.sum(jnp.where(eligible, hits / k, 0.0)),
+            jnp.sum(eligible).astype(jnp.float32))
+
+
+def head_mean_attention(q, kv, key_mask, scale) -> jax.Array:
+    """Head-averaged softmax attention [B,T,S] of q [B,T,H,D] over kv [B,S,D] within key_mask."""
+    logits = jnp.einsum("bthd,bsd->bhts", q.astype(jnp.float32), kv.astype(jnp.float32)) * scale
+    logits = jnp.where(key_mask[:, None], logits, -jnp.inf)
+    return jnp.where(key_mask, jnp.mean(jax.nn.softmax(logits, axis=-1), axis=1), 0.0)
 
 
 class DSALayer(nn.Module):
@@ -178,6 +199,12 @@ class DSALayer(nn.Module):
             aux["indexer_kl"] = indexer_kl(jax.lax.stop_gradient(q_full),
                                            jax.lax.stop_gradient(kv), scores, key_mask, valid,
                                            scale)
+        if cache is None and self.is_mutable_collection("diagnostics"):
+            # Model.indexer_recall: recall of the true top-k attention keys by the indexer
+            key_mask = causal_mask(T, S, q_offset)
+            p = head_mean_attention(q_full, kv, key_mask, scale)
+            self.sow("diagnostics", "indexer_recall",
+                     topk_recall(p, scores, key_mask, valid, c.index_topk))
         return out, new_cache, aux
 
     @staticmethod

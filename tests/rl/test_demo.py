@@ -48,10 +48,21 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
         assert set(res["before"][mode]) >= {"arithmetic", "code", "terminal"}
         assert set(res["after"][mode]) >= {"arithmetic", "code", "terminal"}
     assert (work / "demo_plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for phase in ("sft", "rl"):
+    for phase in ("sft", "sft/indexer_warmup", "rl"):
         lines = (work / phase / "metrics.jsonl").read_text().splitlines()
         assert lines and all("step" in json.loads(x) for x in lines)
         assert any(p.name.startswith("events.out.tfevents") for p in (work / phase).iterdir())
+    # the indexer warm-up ran (indexer KL logged), RL logged its off-policy correction, the
+    # staleness of each batch, the sampler/trainer log-prob gap and the auxiliary terms
+    warm = [json.loads(x) for x in (work / "sft/indexer_warmup/metrics.jsonl").open()]
+    assert all("sft_indexer_warmup/indexer_kl" in m for m in warm)
+    rl = [json.loads(x) for x in (work / "rl/metrics.jsonl").open() if '"rl/loss"' in x]
+    for key in ("rl/staleness", "rl/tis_weight_mean", "rl/logp_gap/sampler_trainer_mean",
+                "rl/indexer_kl", "rl/mtp_ce"):
+        assert all(key in m for m in rl), key
+    assert [m["rl/staleness"] for m in rl] == [0] + [1] * (len(rl) - 1)  # one-batch lookahead
+    assert set(res["indexer_recall"]) == {"random init", "after warm-up", "after SFT",
+                                          "after RL"}
     config = rl_configs.get_config("smoke")
     config.workdir = str(work)
     model = Model(ModelConfig.from_dict(config.model))

@@ -123,7 +123,7 @@ def grpo_step1(setup):
     model, _ = setup
     opt = make_optimizer(OPTIM)
     algo = get_algorithm("grpo")
-    return opt, algo, make_train_step(model, algo, opt, micro_batches=1, mtp_loss_weight=0.1,
+    return opt, algo, make_train_step(model, algo, opt, micro_batches=1,
                                       donate=False)
 
 
@@ -133,7 +133,7 @@ def test_micro_batches_equal_full_batch(setup, grpo_step1, logp_fn):
     opt, algo, step1 = grpo_step1
     batch = _batch(logp_fn, variables)
     s1, m1 = step1(init_train_state(variables, opt), batch)
-    s2, m2 = make_train_step(model, algo, opt, micro_batches=2, mtp_loss_weight=0.1, donate=False)(
+    s2, m2 = make_train_step(model, algo, opt, micro_batches=2, donate=False)(
         init_train_state(variables, opt), batch)
     np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-4)

@@ -66,8 +66,7 @@ def ppo():
     def fresh_state():  # the step donates its input: a new copy per use
         return init_rl_state(config, model, algo, jax.tree.map(jnp.copy, init_vars))[0]
 
-    step = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
-                           mtp_loss_weight=r.mtp_loss_weight, critic=critic,
+    step = make_train_step(model, algo, opt, micro_batches=r.micro_batches, critic=critic,
                            value_optimizer=value_opt)
     return dict(config=config, model=model, algo=algo, critic=critic, fresh_state=fresh_state,
                 step=step, logp_value_fn=make_logp_value_fn(model, critic),
