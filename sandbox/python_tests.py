@@ -24,17 +24,18 @@ Runs of one verification (each a fresh sandbox through the executor):
 Arguments are read statically when every call of the entry point is a direct sub-expression of a
 top-level assert of `check` (or of the test module, or of an assert's message) with constant
 arguments (literals and arithmetic on them): all generated code tasks and 158 of the 164
-HumanEval tasks. A verdict that
-meets a call it has no result for (arguments depending on earlier results, control flow on
-results, in-place mutation changing later arguments) lists it, and the solution runs again for
-the missing calls: at most MAX_SOLUTION_RUNS solution runs per verification.
+HumanEval tasks. A verdict that meets a call it has no result for (arguments depending on
+earlier results, control flow on results, in-place mutation changing later arguments) lists it,
+and the solution runs again for the missing calls: at most MAX_SOLUTION_RUNS solution runs per
+verification.
 
-`random` is seeded (SEED) before the test runs in every checker, so tests that draw unseeded
-random inputs (HumanEval/53) ask for the same arguments in the collect and verdict runs.
+`random` is seeded (SEED) before the test runs in every checker whose prompt or test mentions
+it, so tests that draw unseeded random inputs (HumanEval/53) ask for the same arguments in the
+collect and verdict runs.
 
 Why a completion cannot be paid without computing the right values: the verdict's comparisons run
 in a process that executed only the task's prompt and test; the only thing that crosses from the
-solution's sandbox is a JSON text decoded strictly into builtin values, so an object with an
+solution's sandbox is JSON text decoded strictly into builtin values, so an object with an
 always-true `__eq__`, a str/int/list subclass, `__bool__` tricks or patched builtins do not exist
 there; the expected values were never in the solution's sandbox, so frames, gc, the program file,
 /work and the environment hold nothing to copy; exiting early or printing fake records only means
@@ -75,7 +76,7 @@ from .tasks.schema import Task
 
 SEED = 0
 MAX_SOLUTION_RUNS = 3
-SOLUTION_OUTPUT_LIMIT = 8 << 20
+SOLUTION_OUTPUT_LIMIT = 4 << 20  # what the host parses per solution run (json.loads)
 CHECK_OUTPUT_LIMIT = 8 << 20
 _HARNESS_VERSION = 1
 
@@ -83,19 +84,21 @@ with open(plaindata.__file__, encoding="utf-8") as _f:
     _PLAIN_SRC = _f.read()
 
 # Both harnesses import nothing beyond the interpreter's start-up modules (os, time, builtins):
-# data comes in as Python literals and goes out as ascii() literals (see plaindata), and the test
-# is rewritten on the host (transform_test), so neither json nor ast is imported in the sandbox.
+# data comes in as Python literals and goes out as JSON written by plaindata.to_json, and the
+# test is rewritten on the host (transform_test), so neither json nor ast is imported in the
+# sandbox. The host reads the output with json.loads (never ast.literal_eval: on a program's
+# output that would cost 0.5 GB and 6 s per MiB).
 _SOLUTION_HARNESS = r'''
 import os as _ko, time as _kt
 
 def _kimi_solution(SOLUTION, ENTRY, CALLS):
-    _write, _perf, _round, _ascii = _ko.write, _kt.perf_counter, round, ascii
+    _write, _perf, _round, _json = _ko.write, _kt.perf_counter, round, to_json
     with open(".kimi_nonce") as f:
         nonce = f.read().strip()
     _ko.unlink(".kimi_nonce")
 
     def emit(obj):
-        _write(1, ("\n" + nonce + " " + _ascii(obj) + "\n").encode())
+        _write(1, ("\n" + nonce + " " + _json(obj) + "\n").encode())
 
     def err(e):
         name = _type_name(type(e))
@@ -166,7 +169,7 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEE
     _write, _perf = _ko.write, _kt.perf_counter
 
     def emit(obj):
-        _write(1, ("\n" + NONCE + " " + ascii(obj) + "\n").encode())
+        _write(1, ("\n" + NONCE + " " + to_json(obj) + "\n").encode())
 
     def err(e):
         return (type(e).__name__ + ": " + str(e))[:500]
@@ -320,11 +323,23 @@ def transform_test(test: str, mode: str) -> tuple[str, int, bool]:
     return ast.unparse(tree), n, check is not None
 
 
+_LITERAL_MAX = 64 << 10
+
+
+def _data_expr(obj: Any) -> str:
+    """Source text of a JSON-like value for a harness: a Python literal when small; else one
+    string literal parsed by json at run time (compiling a large literal takes hundreds of MB)."""
+    text = ascii(obj)
+    if len(text) <= _LITERAL_MAX:
+        return text
+    return f"__import__('json').loads({plaindata.to_json(obj)!r})"
+
+
 def solution_program(solution: str, entry: str, calls: list) -> str:
     """The program run where the completion runs: the solution, then its entry point on `calls`
     (encoded with plaindata.encode_call); no test code, no expected value."""
     return (_PLAIN_SRC + _SOLUTION_HARNESS +
-            f"\n_kimi_solution({solution!r}, {entry!r}, {ascii(calls)})\n")
+            f"\n_kimi_solution({solution!r}, {entry!r}, {_data_expr(calls)})\n")
 
 
 def check_program(prompt: str, test: str, entry: str, known: list, mode: str, nonce: str) -> str:
@@ -334,20 +349,24 @@ def check_program(prompt: str, test: str, entry: str, known: list, mode: str, no
     src, n, has_check = transform_test(test, mode)
     seed_random = "random" in prompt or "random" in test
     return (_PLAIN_SRC + _CHECK_HARNESS + f"\nSEED = {SEED}\n" +
-            f"_kimi_check({prompt!r}, {src!r}, {entry!r}, {ascii(known)}, {mode!r}, {nonce!r}, "
+            f"_kimi_check({prompt!r}, {src!r}, {entry!r}, {_data_expr(known)}, {mode!r}, {nonce!r}, "
             f"{n}, {has_check}, {seed_random})\n")
 
 
+def _no_constant(name: str):
+    raise ValueError(f"JSON constant {name}")
+
+
 def parse_events(stdout: str, nonce: str) -> list[dict]:
-    """The nonce-tagged records of a harness's stdout (ascii() literals of dicts of JSON-like
-    values). Lines the program forged or broke (not a literal, other types, non-finite floats,
-    nesting deeper than plaindata allows) are dropped, never raised."""
+    """The nonce-tagged JSON records of a harness's stdout. Lines the program forged or broke
+    (not JSON, NaN/Infinity, non-finite numbers, nesting deeper than plaindata allows) are
+    dropped, never raised."""
     out, tag = [], nonce + " "
     for line in stdout.splitlines():
         if line.startswith(tag):
             try:
-                ev = ast.literal_eval(line[len(tag):])
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                ev = json.loads(line[len(tag):], parse_constant=_no_constant)
+            except (ValueError, RecursionError):
                 continue
             if isinstance(ev, dict) and _jsonish(ev, plaindata.MAX_DEPTH + 8):
                 out.append(ev)

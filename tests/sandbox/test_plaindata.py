@@ -143,3 +143,18 @@ def test_call_encoding_and_keys_are_canonical():
     for bad in ([1], [[1], {}], "x", [[], [[1, 2]]]):
         with pytest.raises(pd.PlainDataError):
             pd.decode_call(bad)
+
+
+def test_to_json_writes_what_json_dumps_writes():
+    import random
+
+    rng = random.Random(0)
+    texts = ["", "a\"b\\c\n\x00\x1f\t\r\b\f", "héllo", "\ud800", "\U0001f600"] + [
+        "".join(chr(rng.randrange(0x110000)) for _ in range(40)) for _ in range(100)]
+    values = texts + [0, -5, 2**52, 1.5, -0.0, 1e16, 5e-324, True, None,
+                      [1, [2, {"k": "v"}]], {"a": [], "b\n": {}}, pd.encode({(1,): {2.5}})]
+    for v in values:
+        assert pd.to_json(v) == json.dumps(v, separators=(",", ":")), v
+    for bad in (float("nan"), (1,), {1: 2}, b"x"):
+        with pytest.raises(pd.PlainDataError):
+            pd.to_json(bad)

@@ -77,6 +77,12 @@ def test_mutation_exceptions_dependent_calls_and_random(verifier):
                                 "    return a * b\n")[0] == 1.0
 
 
+def test_large_results_cross(verifier):
+    t = _task("def check(candidate):\n    assert candidate(300000) == list(range(300000))\n")
+    s, d = verifier.verify(t, "def f(n):\n    return list(range(n))\n")
+    assert s == 1.0, d
+
+
 def test_what_is_not_plain_data_fails_with_a_message(verifier):
     t = _task("def check(candidate):\n    assert list(candidate(3)) == [0, 1, 2]\n")
     s, d = verifier.verify(t, "def f(n):\n    return range(n)\n")
@@ -101,3 +107,34 @@ def test_statuses_scoring_and_noise(verifier):
     assert verifier.verify(frac, "def f(x):\n    return 1\n")[0] == pytest.approx(0.5)
     s, d = verifier.verify(_task("def check(candidate):\n    pass\n"), "def f(x):\n    return 1\n")
     assert s == 0.0 and d["status"] == "invalid_task"
+
+
+def test_forged_records_are_only_claims(verifier):
+    """The solution shares its process with the harness, so it can find the nonce and print
+    records of its own: deep or huge ones are dropped or bounded on the host (JSON parsing, not
+    literal evaluation), and a forged record is only a claimed return value."""
+    t = _task("def check(candidate):\n    assert candidate(2) == 4\n    assert candidate(3) == 9\n")
+    forge = r'''
+import sys
+def _nonce():
+    f = sys._getframe()
+    while f is not None:
+        if "nonce" in f.f_locals:
+            return f.f_locals["nonce"]
+        f = f.f_back
+def f(x):
+    n = _nonce()
+    w = sys.stdout.write
+    w("\n" + n + " " + "[" * 200000 + "]" * 200000 + "\n")                  # too deep
+    w("\n" + n + ' {"event": "call", "i": 1, "result": [' + "0," * 1000000 + '0]}\n')  # huge
+    w("\n" + n + ' {"event": "call", "i": 0, "result": 1e999}\n')           # not finite
+    w("\n" + n + ' {"event": "call", "i": 0, "result": {"int": "zz"}}\n')  # not plain data
+    sys.stdout.flush()
+    return x * x if x == 2 else 0
+'''
+    s, d = verifier.verify(t, forge)
+    assert s == 0.0 and d["status"] in ("fail", "output_limit") and d["check_status"] == "ok", d
+    assert [c["passed"] for c in d["cases"]] == [False, False], d
+    # forged records are claims like any other: the first record of a call counts, so this one
+    # (which claims {"int": "zz"} for call 0 and a million zeros for call 1) fails both cases
+    assert "bad hex int" in d["cases"][0]["error"], d
