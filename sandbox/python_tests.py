@@ -51,8 +51,9 @@ on str hash order: such cases fail (a false negative, never a false pass).
 
 Cost: two sandbox runs per verification (three when a collect run is needed and not cached);
 the harnesses import nothing but os and time, so each run costs about what a plain run of the
-solution does. HumanEval's 164 canonical solutions: 334 runs instead of 164, 1.6x the wall time
-of the previous single-run harness on the same 2 cores.
+solution does. HumanEval's 164 canonical solutions: 334 runs instead of 164, 1.6-1.9x the wall
+time of the previous single-run harness (2 cores shared with other jobs, load 3 and 6, the two
+harnesses alternated).
 """
 
 from __future__ import annotations
