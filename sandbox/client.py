@@ -106,12 +106,16 @@ def req_to_sf(req: dict[str, Any]) -> dict[str, Any]:
         body["collect_limit_bytes"] = req["collect_limit_bytes"]
     if req.get("max_procs"):
         body["max_procs"] = req["max_procs"]
+    if req.get("isolated"):
+        body["isolated"] = True  # verifier checks: see sandbox.result.normalize_request
     return body
 
 
 def req_to_native(req: dict[str, Any]) -> dict[str, Any]:
     body = {k: req[k] for k in ("code", "language", "timeout_s", "memory_mb", "output_limit_bytes",
                                 "collect", "collect_limit_bytes", "max_procs") if req.get(k) is not None}
+    if req.get("isolated"):
+        body["isolated"] = True
     if req.get("stdin") is not None:
         body["stdin"] = req["stdin"].decode("utf-8", errors="surrogateescape")
     if req.get("files"):

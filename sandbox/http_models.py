@@ -84,6 +84,7 @@ class RunCodeRequest(_Strict):
     output_limit_bytes: int | None = Field(None, gt=0)
     collect_limit_bytes: int | None = Field(None, gt=0)
     max_procs: int | None = None
+    isolated: bool = False
 
     @field_validator("language")
     @classmethod
@@ -121,6 +122,8 @@ class RunCodeRequest(_Strict):
         kw["collect_limit_bytes"] = _capped("collect_limit_bytes", self.collect_limit_bytes, max_output_bytes)
         if self.max_procs is not None:
             kw["max_procs"] = self.max_procs
+        if self.isolated:
+            kw["isolated"] = True
         return self.code, kw
 
 
@@ -137,6 +140,8 @@ class NativeRunRequest(_Strict):
     collect: list[str] = Field(default_factory=list)
     collect_limit_bytes: int | None = Field(None, gt=0)
     max_procs: int | None = None
+    isolated: bool = Field(False, description="checks: interpreter and environment nothing in "
+                           "/work can influence (see sandbox.result.normalize_request)")
 
     @field_validator("files")
     @classmethod
@@ -157,6 +162,8 @@ class NativeRunRequest(_Strict):
             kw["collect"] = _fetch_list(self.collect, max_fetch_files)
         if self.max_procs is not None:
             kw["max_procs"] = self.max_procs
+        if self.isolated:
+            kw["isolated"] = True
         return self.code, kw
 
 

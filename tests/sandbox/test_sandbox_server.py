@@ -238,3 +238,21 @@ def test_server_command_line(secret_token):
     out = proc.stdout.read().decode()
     assert proc.returncode == 0, out
     assert "bearer token required" in out and secret_token not in out
+
+
+def test_remote_checks_run_isolated(server):
+    # A verifier on a remote fleet judges like a local pool: the check's `isolated` flag crosses
+    # HTTP (native /run_sequence and SandboxFusion /run_code), so a package the completion writes
+    # into /work cannot hijack the check's interpreter.
+    from sandbox.tasks.generators import make_split
+    (task, demo), = make_split("terminal", "train", 1, seed=5, difficulty=1)
+    hack = "mkdir encodings; printf 'import os\\nos._exit(0)\\n' > encodings/__init__.py"
+    with SandboxClient(server.url, max_concurrency=2) as c:
+        got = [s for s, _ in Verifier(c).verify_batch([task, task], [demo, hack])]
+        assert got == [1.0, 0.0], got
+    check = "import sys\nsys.exit(0)"
+    files = {"encodings/__init__.py": base64.b64encode(b"raise SystemExit(3)").decode()}
+    out = post(server.url + "/run_code", {"code": check, "files": files})
+    assert out["run_result"]["return_code"] != 0  # plain run: /work is on the path
+    out = post(server.url + "/run_code", {"code": check, "files": files, "isolated": True})
+    assert out["status"] == "Success", out
