@@ -3,7 +3,7 @@
     python scripts/train_rl.py --config configs/rl.py:grpo_tiny              # RL only (needs an
                                                                              # SFT checkpoint)
     python scripts/demo.py --config configs/rl.py:demo                        # SFT+RL+eval, <=20 min
-    python scripts/demo.py --config configs/rl.py:smoke                       # ~2 min
+    python scripts/demo.py --config configs/rl.py:smoke                       # 3-5 min
     ... --config.rl.algo.name=dapo --config.rl.steps=50 --config.model.d_model=96
 
 Variants: demo (the README's main job on 2 CPU cores), smoke (the same pipeline, smaller),
@@ -44,8 +44,8 @@ def _algo(name: str, rl: ml_collections.ConfigDict, **kw) -> ml_collections.Conf
                 else v)
     c.filled_from = name  # --config.rl.algo.name=<other preset> re-fills untouched fields
     c.max_len = rl.get_ref("max_new_tokens").identity()  # the generation budget (tokens)
-    if name == "dapo":
-        c.overlong_cache_len = rl.get_ref("max_new_tokens") // 6  # soft window: 8 of 48
+    # DAPO's soft overlong window (8 of 48 tokens); unused unless overlong_shaping is on
+    c.overlong_cache_len = rl.get_ref("max_new_tokens") // 6
     return c
 
 

@@ -250,6 +250,11 @@ def get_algorithm(name: str, **overrides: Any) -> AlgoConfig:
     return AlgoConfig(**fields)
 
 
+# Fields that make one choice together: when a preset switch keeps one of them (because the
+# config chose it), it keeps the others too (e.g. KL in the loss with k3 at 0.05).
+_FIELD_GROUPS = (("kl_placement", "kl_kind", "kl_coef"),)
+
+
 def preset_fields(name: str) -> dict[str, Any]:
     """Every AlgoConfig field of preset ``name`` (defaults + the preset's own values), unvalidated
     (run-dependent fields such as max_len may still be None)."""
@@ -267,7 +272,7 @@ def algo_from_config(config: Mapping[str, Any]) -> AlgoConfig:
     which preset filled them in ``filled_from``. When ``name`` names another preset (e.g.
     ``--config.rl.algo.name=dapo`` on a GRPO config), fields still equal to the filling preset's
     value follow the new preset; fields that differ from it (the config's run choices and your
-    overrides) are kept."""
+    overrides) are kept, the KL fields (placement, kind, coefficient) as one choice."""
     d = dict(config.to_dict() if hasattr(config, "to_dict") else config)
     name = d.pop("name", "custom")
     filled_from = d.pop("filled_from", None)
@@ -277,7 +282,11 @@ def algo_from_config(config: Mapping[str, Any]) -> AlgoConfig:
                              f"other fields were filled from preset {filled_from!r}: give a "
                              "preset name, or write every field and drop filled_from")
         base = preset_fields(filled_from)
-        d = {k: v for k, v in d.items() if k not in base or v != base[k]}
+        chosen = {k for k, v in d.items() if k not in base or v != base[k]}
+        for group in _FIELD_GROUPS:  # one choice: keep all of a group or none
+            if chosen & set(group):
+                chosen |= set(group) & set(d)
+        d = {k: d[k] for k in chosen}
     if name in PRESETS:
         return get_algorithm(name, **d)
     _check_fields(d)

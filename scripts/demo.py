@@ -2,7 +2,7 @@
 evaluation, on 2 CPU cores.
 
     python scripts/demo.py                                   # configs/rl.py:demo, <= 20 min
-    python scripts/demo.py --config configs/rl.py:smoke      # the same pipeline, ~2 min
+    python scripts/demo.py --config configs/rl.py:smoke      # the same pipeline, 3-5 min
     python scripts/demo.py --config.rl.steps=300             # any field is overridable
 
 Writes to <workdir>: sft/ and rl/ (orbax checkpoints, TensorBoard events, metrics.jsonl),

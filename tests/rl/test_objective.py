@@ -211,13 +211,19 @@ def test_derived_config_values_follow_overrides():
     a = algo_from_config(d.rl.algo)
     assert (a.clip_high, a.clip_c, a.tis_cap) == (0.28, 3.0, 2.0)
     # switching the preset by name re-fills the fields the config did not choose
-    # (fields the config set away from GRPO's preset, here tis_cap and kl_coef 0.05, are kept;
-    # GSPO has no KL, so the kept kl_coef conflicts and says so)
-    g = rl_configs.get_config("grpo_tiny")
-    g.rl.algo.name = "gspo"
-    with pytest.raises(ValueError, match="kl_coef=0.05"):
-        algo_from_config(g.rl.algo)
-    g.rl.algo.kl_coef = 0.0
+    # and keeps what the config chose away from GRPO's preset (tis_cap, the KL to the SFT policy
+    # as one choice), so it equals the project's own variant of that preset
+    for name in ("gspo", "dapo"):
+        g = rl_configs.get_config("grpo_tiny")
+        g.rl.algo.name = name
+        a = algo_from_config(g.rl.algo)
+        want = algo_from_config(rl_configs.get_config(f"{name}_tiny").rl.algo)
+        assert a == want, (a, want)
+    g = rl_configs.get_config("grpo_tiny")  # rloo_tiny folds the KL into the reward; a switch
+    g.rl.algo.name = "rloo"                   # keeps this config's choice (KL in the loss)
     a = algo_from_config(g.rl.algo)
-    assert (a.name, a.ratio_level, a.clip_low, a.kl_placement, a.tis_cap, a.max_len) == (
-        "gspo", "sequence", 3e-4, "none", 2.0, 48)
+    assert (a.name, a.estimator, a.kl_placement, a.kl_coef) == ("rloo", "rloo", "loss", 0.05)
+    g = rl_configs.get_config("grpo_tiny")
+    g.rl.algo.update(dict(name="gspo", kl_placement="none", kl_coef=0.0))
+    a = algo_from_config(g.rl.algo)
+    assert (a.name, a.ratio_level, a.kl_placement, a.tis_cap) == ("gspo", "sequence", "none", 2.0)
