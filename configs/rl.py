@@ -10,11 +10,26 @@ Variants: demo (the README's main job on 2 CPU cores), smoke (the same pipeline,
 grpo_tiny / dapo_tiny / gspo_tiny / drgrpo_tiny / rloo_tiny / ppo_tiny (algorithm presets on the
 tiny model; ppo also trains a value head, rl.critic). Every knob is a field here; rl.algo is
 validated against rl/algorithms.py's registries.
+
+Scale-out (docs/scaling.md): `sharding` holds the mesh and the logical-axis rules
+(model.sharding.sharding_config; presets one_device, all_devices, eight_devices,
+multihost_slice). The CPU variants above use one_device. Multi-device variants:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/train_rl.py \
+        --config configs/rl.py:smoke_8dev --config.rl.init_from=scratch     # 8 fake CPU devices
+    python scripts/train_rl.py --config configs/rl.py:small_8dev             # one 8-GPU host
+    python scripts/train_rl.py --config configs/rl.py:reference \
+        --config.sharding.mesh=fsdp=16,expert=8,tensor=4                      # a pod slice
+
+smoke_8dev is the smoke pipeline on an (data 2, fsdp 2, expert 2) mesh with expert-parallel
+MoE (all_to_all); small_8dev the `small` model on the same mesh (bf16 compute, f32 params);
+reference the reference_2p8t model on the multihost_slice preset (launch: docs/scaling.md).
 """
 
 import ml_collections
 
 from configs import models
+from model import sharding as shd
 from rl import algorithms
 
 # Types of the AlgoConfig fields whose value may be None (ml_collections placeholders keep them
@@ -100,8 +115,16 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # prompts per generate call (x samples per task = rows) = the RL batch's rows
     # (prompts_per_batch x group_size), so eval and rollouts share one compiled sampler
     c.eval.batch_prompts = c.rl.get_ref("prompts_per_batch") * c.rl.get_ref("group_size")
+    # sandbox scoring, per process (each process scores its own rollouts): workers = the local
+    # pool's size; remote = comma-separated server URLs (a fleet shared by every process);
+    # client_concurrency = requests in flight from this process to the fleet, 0 = derived:
+    # ceil(fleet_slots / process count) so that all processes together keep every fleet slot
+    # busy (fleet_slots = the fleet's total workers; 0 = unknown -> 16). docs/scaling.md.
     c.sandbox = ml_collections.ConfigDict(dict(
-        workers=2, timeout_s=5.0, memory_mb=256, remote=""))  # remote: comma-separated URLs
+        workers=2, timeout_s=5.0, memory_mb=256, remote="", client_concurrency=0,
+        fleet_slots=0))
+    # mesh + logical-axis rules (model/sharding.py); the CPU variants run on one device
+    c.sharding = shd.sharding_config("one_device")
     return c
 
 
@@ -133,7 +156,51 @@ def smoke() -> ml_collections.ConfigDict:
     return c
 
 
-VARIANTS = {"demo": demo, "smoke": smoke}
+def smoke_8dev() -> ml_collections.ConfigDict:
+    """The smoke pipeline on 8 devices (data 2, fsdp 2, expert 2) with expert-parallel MoE:
+    runs on 8 fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) and is the
+    model of the two-process test (tests/rl/test_multihost.py)."""
+    c = smoke()
+    c.name = "smoke_8dev"
+    c.workdir = "runs/smoke_8dev"
+    c.model.moe.expert_parallel = "all_to_all"
+    c.sharding = shd.sharding_config("eight_devices")
+    return c
+
+
+def small_8dev() -> ml_collections.ConfigDict:
+    """The `small` model (16 layers, d_model 1024, 32 experts) on one 8-accelerator host:
+    (data 2, fsdp 2, expert 2), expert-parallel MoE (all_to_all), bf16 compute with f32 params
+    and f32 Adam moments; RL from scratch unless an SFT checkpoint is in the workdir."""
+    c = _base("grpo")
+    c.name = "small_8dev"
+    c.workdir = "runs/small_8dev"
+    c.model = models.get_config("small")
+    c.model.moe.expert_parallel = "all_to_all"
+    c.model.remat = "full"
+    c.sharding = shd.sharding_config("eight_devices")
+    c.sandbox.workers = 8
+    return c
+
+
+def reference() -> ml_collections.ConfigDict:
+    """reference_2p8t on a multi-host slice (preset multihost_slice: fsdp=-1,expert=8,tensor=4;
+    override --config.sharding.mesh for the slice at hand). Plan its memory first:
+    python scripts/plan.py --config configs/rl.py:reference --device tpu-v5p --batch 256."""
+    c = _base("grpo")
+    c.name = "reference"
+    c.workdir = "runs/reference"
+    c.model = models.get_config("reference_2p8t")
+    c.model.moe.expert_parallel = "ragged_all_to_all"  # GPU/TPU (XLA:CPU lacks the collective)
+    c.sharding = shd.sharding_config("multihost_slice")
+    c.rl.update(dict(prompts_per_batch=64, group_size=4, max_prompt_len=1024,
+                     max_new_tokens=3072))
+    c.sandbox.update(dict(workers=0, remote="http://sandbox-fleet:8080", fleet_slots=4096))
+    return c
+
+
+VARIANTS = {"demo": demo, "smoke": smoke, "smoke_8dev": smoke_8dev, "small_8dev": small_8dev,
+            "reference": reference}
 for _a in ("grpo", "dapo", "gspo", "drgrpo", "rloo", "ppo"):
     VARIANTS[f"{_a}_tiny"] = (lambda a: lambda: _base(a))(_a)
 

@@ -122,20 +122,61 @@ def make_rules(overrides: Mapping[str, Any] | None = None) -> dict[str, tuple[st
     return rules
 
 
-def sharding_config():
+# Named meshes for `sharding_config(preset)`; --config.sharding.mesh overrides the preset's.
+SHARDING_PRESETS: dict[str, str] = {
+    # one device (the CPU demo): no collectives; with more devices present, the first is used
+    "one_device": "data=1",
+    # every device, pure data parallelism (parameters replicated)
+    "all_devices": "data=-1",
+    # one host with 8 accelerators (or 8 fake CPU devices): ZeRO-3 over fsdp x expert, experts
+    # split in two (every preset model's expert count is even)
+    "eight_devices": "data=2,fsdp=2,expert=2",
+    # a multi-host slice: tensor inside a node / 4-chip TPU host, experts over 8, the rest of
+    # the devices (every host's) on fsdp; sized for reference_2p8t (1000 experts / 8)
+    "multihost_slice": "fsdp=-1,expert=8,tensor=4",
+}
+
+
+def sharding_config(preset: str = "all_devices"):
     """The ml_collections node a run config embeds as `config.sharding`:
 
-        mesh   "data=-1" style axis sizes (-1: the remaining devices), see `parse_mesh`
-        rules  DEFAULT_RULES as strings; override entries, e.g. --config.sharding.rules.heads=none or
-               --config.sharding.rules.batch="data,fsdp" (strings: "none" or comma lists)
+        preset  the SHARDING_PRESETS name the mesh came from (informational)
+        mesh    "data=-1" style axis sizes (-1: the remaining devices), see `parse_mesh`; a mesh
+                of fewer devices than the process sees uses the first ones (single process only)
+        rules   DEFAULT_RULES as strings; override entries, e.g. --config.sharding.rules.heads=none
+                or --config.sharding.rules.batch="data,fsdp" (strings: "none" or comma lists)
     """
     import ml_collections
 
+    if preset not in SHARDING_PRESETS:
+        raise ValueError(f"unknown sharding preset {preset!r}; valid: {sorted(SHARDING_PRESETS)}")
     c = ml_collections.ConfigDict()
-    c.mesh = "data=-1"
+    c.preset = preset
+    c.mesh = SHARDING_PRESETS[preset]
     c.rules = ml_collections.ConfigDict(
         {k: ",".join(_as_axes(v)) or "none" for k, v in DEFAULT_RULES.items()})
     return c
+
+
+def mesh_from_config(cfg: Any, devices: Sequence[Any] | None = None) -> tuple[Mesh, dict]:
+    """(Mesh, rules) of a run config (its `sharding` node, or the node itself).
+
+    The mesh spans every process's devices. A mesh smaller than the device count (e.g. the
+    "one_device" preset on an 8-device host) takes the first devices of a single process; in a
+    multi-process job it must use every device (else a clear error)."""
+    node = cfg.sharding if "sharding" in cfg else cfg
+    devices = list(jax.devices() if devices is None else devices)
+    spec = parse_mesh(node.mesh)
+    if -1 not in spec.values():
+        need = math.prod(spec.values()) if spec else 1
+        if need < len(devices):
+            if jax.process_count() > 1:
+                raise ValueError(
+                    f"sharding.mesh={node.mesh!r} uses {need} of the {len(devices)} devices of "
+                    f"this {jax.process_count()}-process job: a multi-process mesh must span "
+                    "every device (use -1 on one axis, e.g. data=-1)")
+            devices = devices[:need]
+    return make_mesh(spec, devices=devices), rules_from_config(node)
 
 
 def rules_from_config(cfg: Any = None) -> dict[str, tuple[str, ...]]:
@@ -290,6 +331,14 @@ def model_shardings(model, mesh: Mesh, rules: Rules | None = None):
     return logical_to_sharding(model.abstract_init(), mesh, rules)
 
 
+def variables_shardings(var_shardings: Mapping, variables: Mapping, mesh: Mesh) -> dict:
+    """`var_shardings` (model_shardings) matched to a variables dict: collections the model
+    does not declare (e.g. an empty router_state of a dense model) are replicated."""
+    rep = replicated(mesh)
+    return {k: var_shardings[k] if k in var_shardings else jax.tree.map(lambda _: rep, v)
+            for k, v in variables.items()}
+
+
 def shard_params(variables, mesh: Mesh, rules: Rules | None = None, *, abstract=None):
     """Place variables on the mesh. `variables` boxed (nn.Partitioned leaves: their names are
     used) or unboxed together with `abstract` (the boxed abstract tree, Model.abstract_init())."""
@@ -317,7 +366,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def opt_state_shardings(optimizer, params, param_shardings):
     """Shardings for `optimizer.init(params)`: every parameter-shaped leaf (Adam moments, ...)
     gets its parameter's sharding (found with optax.tree_map_params), everything else
-    (step counts, scalars) is replicated. `params` may be arrays or ShapeDtypeStructs."""
+    (step counts, scalars) is replicated; frozen parameters' empty slots (optax.MaskedNode, e.g.
+    make_optimizer(trainable=...)) stay empty. `params` may be arrays or ShapeDtypeStructs."""
     import optax
 
     mesh = jax.tree.leaves(param_shardings)[0].mesh
@@ -327,8 +377,12 @@ def opt_state_shardings(optimizer, params, param_shardings):
     def non_param(x):
         return rep if hasattr(x, "shape") else x
 
-    return optax.tree_map_params(optimizer, lambda _, s: s, abstract_state, param_shardings,
-                                 transform_non_params=non_param)
+    def masked(x):  # a frozen parameter's slot (optax.multi_transform / masked): no state
+        return isinstance(x, optax.MaskedNode)
+
+    return optax.tree_map_params(optimizer, lambda v, s: v if masked(v) else s, abstract_state,
+                                 param_shardings, transform_non_params=non_param,
+                                 is_leaf=masked)
 
 
 def sharded_abstract(tree, shardings):
@@ -494,3 +548,230 @@ def host_local_to_global(local: Any, mesh: Mesh, rules: Rules | None = None,
         return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x, gshape)
 
     return jax.tree.map(one, local)
+
+
+# --------------------------------------------------------------------------- batches and caches
+def batch_sharding(mesh: Mesh, n: int, rules: Rules | None = None) -> NamedSharding:
+    """Sharding of an array whose leading dimension (n rows) is the batch: rows over the mesh
+    axes rules["batch"] gives (those that divide n), every other dimension whole. Usable as a
+    prefix for a dict of [n, ...] arrays (jit in_shardings)."""
+    return NamedSharding(mesh, P(batch_axes(mesh, n, rules) or None))
+
+
+# Logical axes of the decode-cache leaves, by leaf name (model/layers: KDA "conv" [B,W,C] and
+# "state" [B,H,K,V] f32; DSA "kv" [B,S,latent] and "k_idx" [B,S,index_head_dim]; "lengths" [B]).
+# The conv window's channels concatenate q, k and v of every head, so they stay whole.
+CACHE_AXES = {"state": ("batch", "act_heads", None, None), "conv": ("batch", None, None),
+              "kv": ("batch", "length", None), "k_idx": ("batch", "length", None),
+              "lengths": ("batch",)}
+
+
+def cache_axes(path) -> tuple:
+    """Logical axes of one cache leaf from its path (its last dict key); unknown leaves are split
+    over the batch only."""
+    key = str(getattr(path[-1], "key", "")) if path else ""
+    return CACHE_AXES.get(key, ("batch",))
+
+
+def constrain_cache(cache):
+    """`constrain` every leaf of a decode cache (Model.init_cache / init_draft_cache) with its
+    CACHE_AXES: batch over the data axes, KDA state heads over tensor. No-op outside use_mesh."""
+    def one(path, x):
+        names = cache_axes(path)
+        return constrain(x, names + (None,) * (x.ndim - len(names)))
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
+# --------------------------------------------------------------------------- mesh programs
+class MeshJit:
+    """A function jitted for one mesh: every trace runs inside `use_mesh(mesh, rules)` (so
+    activation constraints and expert parallelism see the mesh), with explicit in/out shardings
+    and donation.
+
+    in_shardings / out_shardings: pytrees (prefixes allowed) as for jax.jit, or callables
+    (*args) -> such a tree for shardings that depend on the arguments' shapes (e.g. the batch
+    axes of a batch of n rows); one jit per argument signature (tree structure, shapes, dtypes).
+    In a multi-process job every new program is compiled explicitly (`lower().compile()`) and
+    the processes meet at a barrier before its first run: CPU (gloo) collectives give up when
+    peers arrive far apart, e.g. when one process hits the persistent compilation cache and
+    another compiles."""
+
+    def __init__(self, fn, mesh: Mesh, rules: Rules | None = None, *, in_shardings=None,
+                 out_shardings=None, donate_argnums=(), name: str = "program"):
+        self.fn, self.mesh, self.rules = fn, mesh, _rules(rules)
+        self._in, self._out, self._donate = in_shardings, out_shardings, donate_argnums
+        self.name = name
+        self._jits: dict = {}
+        self._compiled: dict = {}
+
+    @staticmethod
+    def _signature(args):
+        leaves, tree = jax.tree.flatten(args)
+        return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))))
+                           for x in leaves)
+
+    def _jit(self, args):
+        key = self._signature(args)
+        j = self._jits.get(key)
+        if j is None:
+            ins = self._in(*args) if callable(self._in) else self._in
+            outs = self._out(*args) if callable(self._out) else self._out
+            kw = {} if ins is None else {"in_shardings": ins}
+            if outs is not None:
+                kw["out_shardings"] = outs
+            j = self._jits[key] = jax.jit(self.fn, donate_argnums=self._donate, **kw)
+        return key, j
+
+    def lower(self, *args):
+        _, j = self._jit(args)
+        with use_mesh(self.mesh, self.rules):
+            return j.lower(*args)
+
+    def __call__(self, *args):
+        key, j = self._jit(args)
+        if jax.process_count() == 1:
+            with use_mesh(self.mesh, self.rules):
+                return j(*args)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            with use_mesh(self.mesh, self.rules):
+                compiled = j.lower(*args).compile()
+            _BARRIERS[0] += 1
+            barrier(f"compiled-{self.name}-{_BARRIERS[0]}")
+            self._compiled[key] = compiled
+        return compiled(*args)
+
+
+_BARRIERS = [0]  # every process compiles the same programs in the same order
+
+
+# --------------------------------------------------------------------------- host <-> global
+def global_rows(n_local: int, mesh: Mesh, rules: Rules | None = None) -> int:
+    """The global row count of a batch of which this process holds n_local rows: n_local x the
+    number of processes when the batch axes split rows across processes, n_local when every
+    process holds every row (batch axes inside each process). Raises when neither holds."""
+    n = jax.process_count()
+    if n == 1:
+        return n_local
+    for total in (n_local * n, n_local):
+        rows = host_batch_slice(total, mesh=mesh, rules=rules)
+        if rows.stop - rows.start == n_local:
+            return total
+    raise ValueError(f"a batch of {n_local} rows per process does not map onto mesh "
+                     f"{dict(mesh.shape)} (rules batch={_rules(rules)['batch']}): choose a batch "
+                     "size the batch axes divide")
+
+
+def to_global(local: Any, mesh: Mesh, rules: Rules | None = None, n_global: int | None = None):
+    """Host-local rows -> global jax.Arrays with `batch_sharding` (leading dim = batch): this
+    process's rows (`host_batch_slice(n_global, mesh=...)`) are `local`; n_global defaults to
+    `global_rows`. Single process: the whole batch, placed on the mesh."""
+    def one(x):
+        x = np.asarray(x)
+        n = global_rows(x.shape[0], mesh, rules) if n_global is None else n_global
+        return jax.make_array_from_process_local_data(batch_sharding(mesh, n, rules), x,
+                                                      (n,) + x.shape[1:])
+    return jax.tree.map(one, local)
+
+
+def host_rows(x: Any) -> Any:
+    """The rows of global arrays (leading dim = batch) that this process's devices hold, as
+    numpy (single process: the whole array). Other dimensions must be whole on this process."""
+    def one(a):
+        if not isinstance(a, jax.Array) or a.is_fully_addressable:
+            return np.asarray(a)
+        shards = a.addressable_shards
+        starts = [(s.index[0].start or 0) if s.index else 0 for s in shards]
+        stops = [a.shape[0] if (not s.index or s.index[0].stop is None) else s.index[0].stop
+                 for s in shards]
+        lo, hi = min(starts), max(stops)
+        out = np.empty((hi - lo,) + a.shape[1:], a.dtype)
+        seen = np.zeros(hi - lo, bool)
+        for s, b, e in zip(shards, starts, stops):
+            if s.data.shape[1:] != a.shape[1:]:
+                raise ValueError(f"host_rows: an array of shape {a.shape} is split beyond its "
+                                 f"rows on this process (shard {s.data.shape})")
+            out[b - lo:e - lo] = np.asarray(s.data)
+            seen[b - lo:e - lo] = True
+        if not seen.all():
+            raise ValueError(f"host_rows: this process's rows of {a.shape} are not contiguous")
+        return out
+    return jax.tree.map(one, x)
+
+
+def allgather_json(obj: Any) -> list:
+    """Every process's JSON-serialisable `obj`, in process order (one collective; single
+    process: [obj])."""
+    import json
+
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    n = multihost_utils.process_allgather(np.array([data.size], np.int32))
+    buf = np.zeros(int(np.max(n)), np.uint8)
+    buf[:data.size] = data
+    allb = multihost_utils.process_allgather(buf)
+    n = np.asarray(n).reshape(-1)
+    return [json.loads(bytes(allb[i][: int(n[i])]).decode()) for i in range(allb.shape[0])]
+
+
+def reduce_host_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Host-side metrics (each process's own rollouts) -> one value per key over all processes:
+    keys ending in "_max" take the max, "_min" the min, count keys ("sandbox_failed",
+    "rows_trained", ..."_count") the sum, everything else the mean over the processes that
+    report the key (every process holds the same number of rows). Single process: unchanged."""
+    if jax.process_count() == 1:
+        return dict(metrics)
+    per = allgather_json({k: float(v) for k, v in metrics.items()})
+    out = {}
+    for k in sorted({k for m in per for k in m}):
+        vals = [m[k] for m in per if k in m]
+        if k.endswith("_max"):
+            out[k] = max(vals)
+        elif k.endswith("_min"):
+            out[k] = min(vals)
+        elif k in _SUM_METRICS or k.endswith("_count"):
+            out[k] = float(sum(vals))
+        else:
+            out[k] = float(np.mean(vals))
+    return out
+
+
+_SUM_METRICS = {"sandbox_failed", "rows_trained", "_sandbox_failed"}
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Host values that are the same on every process (numpy, or arrays of one device) ->
+    fully replicated global jax.Arrays on `mesh` (what a multi-process program takes for
+    small state such as a value head or an rng key)."""
+    rep = replicated(mesh)
+
+    def one(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, rep, lambda i: x[i])
+    return jax.tree.map(one, tree)
+
+
+def replica_mismatches(tree: Any) -> list[str]:
+    """Leaves whose replicas disagree: every device holding the same slice of a leaf (a
+    replicated parameter on every data-parallel device, a shard on every tensor-parallel peer)
+    must hold the same bits. Hashes each process's shards (copied to host one at a time, never
+    gathered) and compares them over every process (one small gather). [] when all agree."""
+    import hashlib
+
+    local: dict[str, list] = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(x, jax.Array):
+            continue
+        name = jax.tree_util.keystr(path)
+        for s in x.addressable_shards:
+            idx = str(tuple((i.start, i.stop) for i in s.index))
+            h = hashlib.sha1(np.ascontiguousarray(np.asarray(s.data)).tobytes()).hexdigest()
+            local.setdefault(f"{name}{idx}", []).append(h)
+    merged: dict[str, set] = {}
+    for part in allgather_json(local):
+        for k, hs in part.items():
+            merged.setdefault(k, set()).update(hs)
+    return sorted({k for k, hs in merged.items() if len(hs) > 1})

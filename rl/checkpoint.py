@@ -165,7 +165,6 @@ def _as_words(x):
     raise TypeError(f"no digest for dtype {dt}")
 
 
-@jax.jit
 def _leaf_digest(x):
     """Two wrapping uint32 sums: of the words, and of a position-keyed nonlinear mix of them."""
     w = _as_words(x)
@@ -179,6 +178,36 @@ def _leaf_digest(x):
     return jnp.stack([h1, h2])
 
 
+def tree_digest(tree) -> str:
+    """One sha256 hex string over every leaf's path, shape, dtype and content digest: equal
+    for equal trees (bit for bit), whatever their shardings or the process count. Computed on
+    device per leaf (sharded arrays are never gathered); every process must call it."""
+    d = _describe(tree, digests=True)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+@jax.jit
+def _tree_digests(xs: list):
+    """[_leaf_digest(x) for x in xs] as ONE program: one dispatch for a whole tree. (One small
+    program per leaf, dispatched asynchronously, deadlocked XLA:CPU's collectives on fake
+    multi-device hosts: several all-reduce programs in flight starve its thread pool.)"""
+    return [_leaf_digest(x) for x in xs]
+
+
+def _digests(xs: list) -> list:
+    """uint32[2] content digest of every array in xs (numpy), computed on device: one program
+    for all of them; arrays committed to different device sets (which one program cannot
+    take) are digested one at a time, each finished before the next starts."""
+    if not xs:
+        return []
+    try:
+        return [np.asarray(d) for d in jax.device_get(_tree_digests(list(xs)))]
+    except ValueError as e:
+        if "devices" not in str(e):
+            raise
+    return [np.asarray(jax.device_get(_tree_digests([x]))[0]) for x in xs]
+
+
 def _dtype_name(dt) -> str:
     return str(dt) if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key) else jnp.dtype(dt).name
 
@@ -190,7 +219,7 @@ def _leaves(tree):
 def _describe(tree, *, digests: bool) -> dict:
     """{keystr path: {shape, dtype, digest}} for every leaf of a pytree of arrays."""
     leaves = [(k, x if hasattr(x, "shape") else np.asarray(x)) for k, x in _leaves(tree)]
-    ds = jax.device_get([_leaf_digest(x) for _, x in leaves]) if digests else [None] * len(leaves)
+    ds = _digests([x for _, x in leaves]) if digests else [None] * len(leaves)
     return {k: {"shape": [int(s) for s in x.shape], "dtype": _dtype_name(x.dtype),
                 "digest": None if d is None else [int(v) for v in np.asarray(d)]}
             for (k, x), d in zip(leaves, ds)}
@@ -200,8 +229,10 @@ def _verify(tree, described: dict, what: str):
     bad = []
     leaves = _leaves(tree)
     want = [described.get(k, {}).get("digest") for k, _ in leaves]
-    got = jax.device_get([_leaf_digest(x) if w is not None else None
-                          for (_, x), w in zip(leaves, want)])
+    todo = [i for i, w in enumerate(want) if w is not None]
+    got = [None] * len(leaves)
+    for i, d in zip(todo, _digests([leaves[i][1] for i in todo])):
+        got[i] = d
     for (k, _), w, g in zip(leaves, want, got):
         if w is not None and [int(v) for v in np.asarray(g)] != list(w):
             bad.append(k)
@@ -287,11 +318,20 @@ def _unseal(manifest, where: str) -> dict:
     return body
 
 
+def _all_devices_replicated():
+    """A sharding that replicates over every device of every process (multi-process jobs)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
 def _abstract(tree):
     """ShapeDtypeStructs for a target given as abstract or concrete arrays; on a single-device
-    process leaves without a sharding get that device (else orbax uses the saved sharding)."""
+    process leaves without a sharding get that device, in a multi-process job they are
+    replicated over every device (else orbax uses the saved sharding)."""
     single = jax.process_count() == 1 and jax.device_count() == 1
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if single else None
+    if jax.process_count() > 1:
+        dev = _all_devices_replicated()
 
     def f(x):
         sh = getattr(x, "sharding", None)
@@ -544,6 +584,10 @@ class Checkpointer:
         if rng is not None:
             typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
             key_data = jax.random.key_data(rng) if typed else jnp.asarray(rng)
+            if jax.process_count() > 1:  # every process holds the same key: one global array
+                kd = np.asarray(key_data)
+                key_data = jax.make_array_from_callback(kd.shape, _all_devices_replicated(),
+                                                        lambda i: kd[i])
             rng_tree = {"key_data": key_data}
             items["rng"] = ocp.args.StandardSave(rng_tree)
             manifest["rng"] = {"typed": bool(typed),

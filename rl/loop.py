@@ -15,6 +15,18 @@ into the rewards when kl_placement="reward"), one jit train step on batch i. The
 and optimizer state live in the train state and are checkpointed with it.
 Timings per iteration are split into generate / score-wait / train, and the fraction of scoring
 time hidden behind generation is logged (score_hidden_frac).
+
+Scale-out (docs/scaling.md): every driver runs on the mesh of config.sharding
+(model.sharding.mesh_from_config; one device for the CPU configs). Parameters are initialised
+(or restored) straight into their shardings, the optimizer state is created sharded, the frozen
+reference policy is a sharded copy, and the train step, the log-prob forward and the sampler are
+MeshJit programs with explicit shardings (the train state donated). In a multi-process job (one
+process per host, model.sharding.maybe_initialize_distributed) every process reads the same
+global data stream and keeps its rows (rl.pipeline.host_prompt_slice), generates and scores its
+own rollouts in its own sandbox pool, and the global batch the trainer sees is assembled from
+every process's rows (model.sharding.to_global); host-side metrics are reduced over processes
+(model.sharding.reduce_host_metrics) and written by process 0; evaluation is split over the
+processes and gathered once; checkpoints are written and restored sharded by every process.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 
@@ -29,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import sharding as shd
 from model.config import ModelConfig
 from model.tokenizer import load_tokenizer
 from model.transformer import Model
@@ -36,17 +50,25 @@ from rl.algorithms import algo_from_config
 from rl.checkpoint import Checkpointer
 from rl.critic import CriticConfig, critic_optim_config, init_value_params
 from rl.metrics import MetricsWriter
-from rl.pipeline import RolloutWorker, build_train_batch, evaluate, task_dataset
+from rl.pipeline import (
+    RolloutWorker,
+    build_train_batch,
+    evaluate,
+    host_prompt_slice,
+    task_dataset,
+)
 from rl.sampler import SamplingConfig
 from rl.train_step import (
     TrainState,
     indexer_mask,
     init_train_state,
+    init_train_state_sharded,
     make_logp_fn,
     make_logp_value_fn,
     make_optimizer,
     make_sft_step,
     make_train_step,
+    train_state_shardings,
 )
 
 log = logging.getLogger(__name__)
@@ -100,10 +122,27 @@ def _open_pool(config):
 
     s = config.sandbox
     if s.remote:
-        pool = connect([u.strip() for u in s.remote.split(",") if u.strip()])
+        pool = connect([u.strip() for u in s.remote.split(",") if u.strip()],
+                       max_concurrency=client_concurrency(config))
     else:
         pool = connect("local", workers=s.workers)
     return pool, Verifier(executor=pool)
+
+
+def client_concurrency(config) -> int:
+    """Requests this process keeps in flight to a remote sandbox fleet: sandbox.client_concurrency
+    when set, else ceil(sandbox.fleet_slots / process count) (together the processes fill every
+    fleet slot and queue nothing on the servers), else 16."""
+    s = config.sandbox
+    if s.get("client_concurrency", 0):
+        return int(s.client_concurrency)
+    if s.get("fleet_slots", 0):
+        return max(1, -(-int(s.fleet_slots) // jax.process_count()))
+    return 16
+
+
+def _primary() -> bool:
+    return jax.process_index() == 0
 
 
 def _progress(total, desc, initial=0):
@@ -137,27 +176,37 @@ def _sft_stream(examples, tok, s, seed):
     return iter(ds.to_iter_dataset())
 
 
-def _supervised_phase(name, model, opt, state, it, *, steps, objective, workdir, seed, log_every,
-                      checkpoint_every, resume, progress, postfix):
-    """Runs `steps` supervised steps of `objective` from `state` (resuming from
-    workdir/checkpoints), logging under `name/`. Returns the final state."""
+def _supervised_phase(name, model, opt, variables, it, *, steps, objective, workdir, seed,
+                      log_every, checkpoint_every, resume, progress, postfix, mesh, rules):
+    """Runs `steps` supervised steps of `objective` from `variables` (sharded on `mesh`;
+    resuming from workdir/checkpoints), logging under `name/`. Every process reads the same
+    global batch stream and feeds its rows. Returns the final state."""
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     rng = jax.random.key(seed)
+    state_sh = train_state_shardings(model, opt, mesh, rules)
+    state = init_train_state_sharded(variables, opt, state_sh)
     if resume:
-        restored = ckpt.restore_latest(jax.eval_shape(lambda: state), data_iter=it)
+        restored = ckpt.restore_latest(_sharded_target(state, state_sh), data_iter=it)
         if restored is not None:
             state, rng, _, _ = restored
+            rng = _local_key(rng)
             log.info("%s resumed at step %d", name, int(state.step))
-    step_fn = make_sft_step(model, opt, objective=objective)
-    writer = MetricsWriter(workdir)
+    step_fn = make_sft_step(model, opt, objective=objective, mesh=mesh, rules=rules,
+                            state_shardings=state_sh)
+    writer = MetricsWriter(workdir) if _primary() else None
     start = int(state.step)
-    bar = _progress(steps, name, start) if progress else None
+    bar = _progress(steps, name, start) if progress and _primary() else None
     for i in range(start, steps):
-        batch = next(it)
-        state, met = step_fn(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        batch = next(it)  # the global batch; this process feeds its rows
+        n = len(batch["tokens"])
+        rows = shd.host_batch_slice(n, mesh=mesh, rules=rules)
+        gb = shd.to_global({k: np.asarray(v)[rows] for k, v in batch.items()}, mesh, rules,
+                           n_global=n)
+        state, met = step_fn(state, gb)
         if (i + 1) % log_every == 0 or i + 1 == steps:
             m = jax.device_get(met)
-            writer.write(i + 1, m, name + "/")
+            if writer is not None:
+                writer.write(i + 1, m, name + "/")
             if bar is not None:
                 bar.set_postfix({postfix: f"{float(m[postfix]):.3f}"})
         if (i + 1) % checkpoint_every == 0 or i + 1 == steps:
@@ -168,8 +217,52 @@ def _supervised_phase(name, model, opt, state, it, *, steps, objective, workdir,
         bar.close()
     ckpt.wait()
     ckpt.close()
-    writer.close()
+    if writer is not None:
+        writer.close()
     return state
+
+
+def _local_key(rng):
+    """A restored rng key (a replicated global array in a multi-process job) as this process's
+    own key with the same bits."""
+    return jax.random.wrap_key_data(np.asarray(jax.random.key_data(rng)),
+                                    impl=jax.random.key_impl(rng))
+
+
+def _sharded_target(state, shardings):
+    """The restore target of a (sharded) state: its shapes/dtypes with `shardings`."""
+    return shd.sharded_abstract(jax.eval_shape(lambda: state), shardings)
+
+
+def check_run_config(config, num_devices: int, phase: str = "rl") -> str:
+    """Validate a run config for a job of `num_devices` devices without touching any: the model
+    config, the mesh (config.sharding.mesh, -1 resolved), the rules, the expert axis against
+    num_experts when the MoE is expert-parallel, and how the phase's batches split (rows over
+    the batch axes; an axis that does not divide leaves them replicated over it). Raises
+    ValueError on what cannot run; returns a report (warnings included)."""
+    cfg = ModelConfig.from_dict(config.model)
+    shape = shd.mesh_shape(config.sharding.mesh, num_devices)
+    rules = shd.rules_from_config(config)
+    lines = [f"config {config.name}: model {cfg.name}, mesh "
+             + ",".join(f"{a}={n}" for a, n in shape.items()) + f" ({num_devices} devices)"]
+    ep = shape["expert"]
+    if cfg.moe.num_experts and cfg.moe.expert_parallel != "none" and cfg.moe.num_experts % ep:
+        raise ValueError(f"model.moe.num_experts={cfg.moe.num_experts} is not divisible by the "
+                         f"expert axis ({ep}): expert parallelism cannot run on this mesh")
+    full = math.prod(shape[a] for a in rules["batch"] if a in shape)
+    batches = {"sft": {"sft.batch_size": config.sft.batch_size},
+               "rl": {"rollout rows (rl.prompts_per_batch x rl.group_size)":
+                      config.rl.prompts_per_batch * config.rl.group_size,
+                      "eval rows (eval.batch_prompts)": config.eval.batch_prompts}}[phase]
+    for what, n in batches.items():
+        axes = shd.batch_axes(shape, n, rules)
+        split = math.prod(shape[a] for a in axes)
+        lines.append(f"  {what} = {n}: split {split} ways over {', '.join(axes) or 'nothing'}")
+        if split < full:
+            lines.append(f"  warning: {what} = {n} is not divisible by the {full} devices of "
+                         f"the batch axes {rules['batch']}: rows are replicated over the rest")
+    lines.append("  OK (memory: python scripts/plan.py --config <this config> --device ...)")
+    return "\n".join(lines)
 
 
 def has_indexer(cfg: ModelConfig) -> bool:
@@ -199,64 +292,88 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     s = config.sft
     workdir = os.path.join(config.workdir, "sft")
     model, tok = _model(config), load_tokenizer(config.tokenizer)
+    mesh, rules = shd.mesh_from_config(config)
     splits = load_task_splits(config)
     examples = generators.sft_examples(splits["train"], s.imperfect_frac, config.seed)
     it = _sft_stream(examples, tok, s, config.seed)
 
-    opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay))
-    variables = model.init(jax.random.key(config.seed))
+    opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,
+                                optim_numerics(config)))
+    variables = shd.init_sharded(model, jax.random.key(config.seed), mesh, rules)
     done = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     sft_started = resume and done.latest_step() is not None
     done.close()
     warm_steps = int(s.get("indexer_warmup_steps", 0))
     if warm_steps and has_indexer(model.cfg) and not sft_started:
         wopt = make_optimizer(_optim(s.indexer_warmup_lr, max(warm_steps // 10, 1), warm_steps,
-                                     0.0), trainable=indexer_mask)
+                                     0.0, optim_numerics(config)), trainable=indexer_mask)
         wstate = _supervised_phase(
-            "sft_indexer_warmup", warmup_model(model.cfg), wopt, init_train_state(variables, wopt),
+            "sft_indexer_warmup", warmup_model(model.cfg), wopt, variables,
             _sft_stream(examples, tok, s, config.seed + 1), steps=warm_steps,
             objective="indexer_warmup", workdir=os.path.join(workdir, "indexer_warmup"),
             seed=config.seed, log_every=s.log_every, checkpoint_every=s.checkpoint_every,
-            resume=resume, progress=progress, postfix="indexer_kl")
+            resume=resume, progress=progress, postfix="indexer_kl", mesh=mesh, rules=rules)
         variables = wstate.variables
     return _supervised_phase(
-        "sft", model, opt, init_train_state(variables, opt), it, steps=s.steps, objective="lm",
+        "sft", model, opt, variables, it, steps=s.steps, objective="lm",
         workdir=workdir, seed=config.seed, log_every=s.log_every,
-        checkpoint_every=s.checkpoint_every, resume=resume, progress=progress, postfix="ce")
+        checkpoint_every=s.checkpoint_every, resume=resume, progress=progress, postfix="ce",
+        mesh=mesh, rules=rules)
 
 
-def _optim(lr, warmup, total, wd):
+def optim_numerics(config) -> dict:
+    """The optimizer's numerics fields of config.optim (mu_dtype, master_dtype), shared by the
+    SFT phases' optimizers."""
+    o = config.get("optim", {})
+    return {k: o[k] for k in ("mu_dtype", "master_dtype") if k in o}
+
+
+def _optim(lr, warmup, total, wd, numerics=None):
     import ml_collections
     return ml_collections.ConfigDict(dict(lr=lr, warmup_steps=warmup, total_steps=total,
                                           final_lr_frac=0.1, weight_decay=wd, b1=0.9, b2=0.99,
-                                          eps=1e-8, clip_norm=1.0))
+                                          eps=1e-8, clip_norm=1.0, **(numerics or {})))
 
 
-def load_sft_variables(config, model: Model) -> dict:
-    """The final SFT weights from workdir/sft (error if absent)."""
-    opt = make_optimizer(_optim(1e-3, 1, 2, 0.0))
-    template = init_train_state(model.init(jax.random.key(0)), opt)
-    ckpt = Checkpointer(os.path.join(config.workdir, "sft", "checkpoints"), keep=2)
-    restored = ckpt.restore_latest(jax.eval_shape(lambda: template))
+def _restore_variables(directory, model: Model, opt, mesh=None, rules=None, abstract_fn=None):
+    """The variables of the latest good train state under `directory` (None if there is none),
+    restored straight into their shardings on `mesh` (default: this process's first device),
+    with no unsharded copy: the target is built from shapes only."""
+    if abstract_fn is None:
+        abstract = jax.eval_shape(
+            lambda: init_train_state(model.init(jax.random.key(0)), opt))
+    else:
+        abstract = abstract_fn()
+    if mesh is not None:
+        vp = getattr(abstract, "value_params", None)
+        abstract = shd.sharded_abstract(abstract, train_state_shardings(
+            model, opt, mesh, rules, value_params=vp))
+    ckpt = Checkpointer(directory, keep=2)
+    restored = ckpt.restore_latest(abstract)
     ckpt.close()
-    if restored is None:
+    return None if restored is None else next(iter(restored)).variables
+
+
+def load_sft_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
+    """The final SFT weights from workdir/sft (error if absent); sharded on `mesh` if given."""
+    opt = make_optimizer(_optim(1e-3, 1, 2, 0.0, optim_numerics(config)))
+    v = _restore_variables(os.path.join(config.workdir, "sft", "checkpoints"), model, opt, mesh,
+                           rules)
+    if v is None:
         raise FileNotFoundError(
             f"no SFT checkpoint under {config.workdir}/sft/checkpoints: run scripts/sft.py with "
             f"the same --config first, or set --config.rl.init_from=scratch")
-    return next(iter(restored)).variables
+    return v
 
 
-def load_warmup_variables(config, model: Model) -> dict | None:
+def load_warmup_variables(config, model: Model, *, mesh=None, rules=None) -> dict | None:
     """The weights after the indexer warm-up (workdir/sft/indexer_warmup), or None if the run
     had no warm-up checkpoint."""
     s = config.sft
-    wopt = make_optimizer(_optim(s.indexer_warmup_lr, 1, 2, 0.0), trainable=indexer_mask)
-    template = init_train_state(model.init(jax.random.key(0)), wopt)
-    ckpt = Checkpointer(os.path.join(config.workdir, "sft", "indexer_warmup", "checkpoints"),
-                        keep=2)
-    restored = ckpt.restore_latest(jax.eval_shape(lambda: template))
-    ckpt.close()
-    return None if restored is None else next(iter(restored)).variables
+    wopt = make_optimizer(_optim(s.indexer_warmup_lr, 1, 2, 0.0, optim_numerics(config)),
+                          trainable=indexer_mask)
+    return _restore_variables(os.path.join(config.workdir, "sft", "indexer_warmup",
+                                           "checkpoints"), model, wopt, mesh, rules)
 
 
 def heldout_text(config, tokenizer, n: int = 64, width: int = 128):
@@ -291,20 +408,29 @@ class _Position:
         self._it.set_state(json.loads(state))
 
 
-def init_rl_state(config, model: Model, algo, init_vars: dict):
+def init_rl_state(config, model: Model, algo, init_vars: dict, *, mesh=None, rules=None):
     """The fresh RL train state for `algo`: (state, optimizer, critic, value optimizer). With a
     critic (algo.needs_values) the state holds a new value head (config.rl.critic, rl/critic.py)
     and its optimizer state (config.optim with lr * critic.lr_scale); else critic and value
-    optimizer are None."""
+    optimizer are None. mesh/rules: the state is created straight into its shardings
+    (rl.train_step.train_state_shardings; init_vars sharded or not, they are not donated)."""
     opt = make_optimizer(config.optim)
-    if not algo.needs_values:
-        return init_train_state(init_vars, opt), opt, None, None
-    critic = CriticConfig.from_config(config.rl.get("critic"))
-    value_opt = make_optimizer(critic_optim_config(config.optim, critic))
-    value_params = init_value_params(critic, model.cfg,
-                                     jax.random.fold_in(jax.random.key(config.seed), 2))
-    state = init_train_state(init_vars, opt, value_params=value_params,
-                             value_optimizer=value_opt)
+    critic = value_opt = value_params = None
+    if algo.needs_values:
+        critic = CriticConfig.from_config(config.rl.get("critic"))
+        value_opt = make_optimizer(critic_optim_config(config.optim, critic))
+        value_params = init_value_params(critic, model.cfg,
+                                         jax.random.fold_in(jax.random.key(config.seed), 2))
+    if mesh is None:
+        state = init_train_state(init_vars, opt, value_params=value_params,
+                                 value_optimizer=value_opt)
+        return state, opt, critic, value_opt
+    if value_params is not None:  # the same values on every process: replicated global arrays
+        value_params = shd.replicate(jax.device_get(value_params), mesh)
+    sh = train_state_shardings(model, opt, mesh, rules, value_params=value_params,
+                               value_optimizer=value_opt)
+    state = init_train_state_sharded(init_vars, opt, sh, value_params=value_params,
+                                     value_optimizer=value_opt)
     return state, opt, critic, value_opt
 
 
@@ -341,22 +467,29 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     train_tasks = [t for t, _ in splits["train"]]
     val_tasks = _balanced([t for t, _ in splits["val"]], config.eval.val_tasks)
     it = iter(task_dataset(train_tasks, seed=config.seed, batch_size=r.prompts_per_batch))
+    mesh, rules = shd.mesh_from_config(config)
+    mine = host_prompt_slice(r.prompts_per_batch, r.group_size, mesh, rules)  # my prompts
 
     if r.init_from == "sft":
-        init_vars = load_sft_variables(config, model)
+        init_vars = load_sft_variables(config, model, mesh=mesh, rules=rules)
     elif r.init_from == "scratch":
-        init_vars = model.init(jax.random.key(config.seed))
+        init_vars = shd.init_sharded(model, jax.random.key(config.seed), mesh, rules)
     else:
         raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {r.init_from!r}")
-    state, opt, critic, value_opt = init_rl_state(config, model, algo, init_vars)
-    # frozen reference policy: the initial (SFT) model; its own buffers (the state is donated)
-    ref_vars = jax.tree.map(jnp.copy, init_vars)
+    state, opt, critic, value_opt = init_rl_state(config, model, algo, init_vars, mesh=mesh,
+                                                  rules=rules)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    # frozen reference policy: the initial (SFT) model, sharded like the policy, in its own
+    # buffers (the train state is donated to each update)
+    ref_vars = init_vars
     rng = jax.random.key(config.seed + 1)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=r.keep_checkpoints)
     if resume:
-        restored = ckpt.restore_latest(jax.eval_shape(lambda: state), data_iter=it)
+        restored = ckpt.restore_latest(shd.sharded_abstract(jax.eval_shape(lambda: state),
+                                                            state_sh), data_iter=it)
         if restored is not None:
             state, rng, _, _ = restored
+            rng = _local_key(rng)
             log.info("RL resumed at step %d", int(state.step))
 
     own_pool = pool is None
@@ -366,39 +499,44 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         from sandbox.verifiers import Verifier
         verifier = Verifier(executor=pool)
     sampling = rollout_sampling(config, tok.eos_id)
+    on_mesh = dict(mesh=mesh, rules=rules)
     worker = RolloutWorker(model, tok, sampling, verifier, group_size=r.group_size,
-                           max_prompt_len=r.max_prompt_len)
+                           max_prompt_len=r.max_prompt_len, **on_mesh)
     eval_worker = RolloutWorker(model, tok, dataclasses.replace(
         sampling, temperature=0.0 if config.eval.greedy else config.eval.temperature),
-        verifier, group_size=1, max_prompt_len=r.max_prompt_len)
+        verifier, group_size=1, max_prompt_len=r.max_prompt_len, **on_mesh)
     width = r.max_prompt_len + r.max_new_tokens
     step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
-                              sampling=sampling, critic=critic, value_optimizer=value_opt)
-    logp_fn = make_logp_fn(model, sampling)
-    logp_value_fn = (make_logp_value_fn(model, critic, sampling) if critic is not None
-                     else None)
-    writer = MetricsWriter(workdir)
+                              sampling=sampling, critic=critic, value_optimizer=value_opt,
+                              state_shardings=state_sh, **on_mesh)
+    logp_fn = make_logp_fn(model, sampling, **on_mesh)
+    logp_value_fn = (make_logp_value_fn(model, critic, sampling, **on_mesh)
+                     if critic is not None else None)
+    writer = MetricsWriter(workdir) if _primary() else None
 
     def rollout_forward(state):
         """The rollout-time forward for build_train_batch: old log-probs (and, with a critic,
-        old values from the same forward) under the current policy, ref log-probs if needed."""
+        old values from the same forward) under the current policy, ref log-probs if needed.
+        Takes and returns this process's rows; runs on the global batch."""
         def forward(tokens, mask):
+            gt, gm = shd.to_global((np.asarray(tokens), np.asarray(mask)), mesh, rules)
             out = {}
             if logp_value_fn is not None:
                 out["old_logp"], out["old_values"] = logp_value_fn(
-                    state.variables, state.value_params, tokens, mask)
+                    state.variables, state.value_params, gt, gm)
             else:
-                out["old_logp"] = logp_fn(state.variables, tokens, mask)
+                out["old_logp"] = logp_fn(state.variables, gt, gm)
             if algo.needs_ref:
-                out["ref_logp"] = logp_fn(ref_vars, tokens, mask)
-            return out
+                out["ref_logp"] = logp_fn(ref_vars, gt, gm)
+            return shd.host_rows(out)
         return forward
 
     def do_eval(step):
         res = evaluate(eval_worker, state.variables, val_tasks,
                        jax.random.key(step), batch_prompts=config.eval.batch_prompts)
-        writer.write(step, {f"{d}/pass1": v["pass@1"] for d, v in res.items()
-                            if isinstance(v, dict)}, "val/")
+        if writer is not None:
+            writer.write(step, {f"{d}/pass1": v["pass@1"] for d, v in res.items()
+                                if isinstance(v, dict)}, "val/")
         if on_eval is not None:
             on_eval(step, res)
         return res
@@ -411,10 +549,10 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     def launch(rng):
         launch_point.update(rng=rng, pos=it.get_state())
         rng, sub = jax.random.split(rng)
-        return rng, worker.start(state.variables, next(it), sub, version=int(state.step))
+        return rng, worker.start(state.variables, next(it)[mine], sub, version=int(state.step))
 
     start = int(state.step)
-    bar = _progress(r.steps, "rl", start) if progress else None
+    bar = _progress(r.steps, "rl", start) if progress and _primary() else None
     if start == 0 and config.eval.every:
         do_eval(0)
     rng, pending = launch(rng)
@@ -427,7 +565,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         t_train = time.perf_counter()  # old/ref log-probs (+ values), advantages, the update
         batch, met = build_train_batch(group, algo, width, forward=rollout_forward(state))
         met["staleness"] = int(state.step) - group.policy_version  # updates behind
-        jb = {k: jnp.asarray(v) for k, v in batch.items()}
+        jb = shd.to_global(batch, mesh, rules)  # the global batch from every process's rows
         state, tmet = step_fn(state, jb)
         tmet = jax.device_get(tmet)
         train_s = time.perf_counter() - t_train
@@ -441,7 +579,9 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
                     "time/iteration_s": time.perf_counter() - t_iter,
                     "score_hidden_frac": 1.0 - group.score_wait_s / max(group.score_s, 1e-9)})
         if step % r.log_every == 0 or step == r.steps:
-            writer.write(step, met, "rl/")
+            met = shd.reduce_host_metrics(met)  # host-side values over every process's rows
+            if writer is not None:
+                writer.write(step, met, "rl/")
         if bar is not None:
             bar.set_postfix(reward=f"{met['reward_mean']:.2f}", kl=f"{met.get('kl_ref', 0):.3f}")
             bar.update(1)
@@ -454,21 +594,23 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         bar.close()
     ckpt.wait()
     ckpt.close()
-    writer.close()
+    if writer is not None:
+        writer.close()
     if own_pool:
         pool.close()
     return state
 
 
-def load_rl_variables(config, model: Model, directory: str | None = None) -> dict:
-    """The latest good RL checkpoint's variables (workdir/rl/checkpoints or `directory`)."""
+def load_rl_variables(config, model: Model, directory: str | None = None, *, mesh=None,
+                      rules=None) -> dict:
+    """The latest good RL checkpoint's variables (workdir/rl/checkpoints or `directory`),
+    restored into their shardings on `mesh` (default: this process's first device). A
+    checkpoint written on any mesh and process count restores here."""
     algo = algo_from_config(config.rl.algo)  # with a critic the state holds a value head
-    template = jax.eval_shape(
-        lambda: init_rl_state(config, model, algo, model.init(jax.random.key(0)))[0])
+    opt = make_optimizer(config.optim)
     d = directory or os.path.join(config.workdir, "rl", "checkpoints")
-    ckpt = Checkpointer(d, keep=config.rl.keep_checkpoints)
-    restored = ckpt.restore_latest(template)
-    ckpt.close()
-    if restored is None:
+    v = _restore_variables(d, model, opt, mesh, rules, abstract_fn=lambda: jax.eval_shape(
+        lambda: init_rl_state(config, model, algo, model.init(jax.random.key(0)))[0]))
+    if v is None:
         raise FileNotFoundError(f"no RL checkpoint under {d}: run scripts/train_rl.py first")
-    return next(iter(restored)).variables
+    return v

@@ -25,6 +25,7 @@ Also here: `evaluate` (pass@k per family on a task list, through the same sample
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import defaultdict
 
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import sharding as shd
 from rl import losses
 from rl.algorithms import AlgoConfig, prepare_advantages
 from rl.metrics import clustered_interval, pass_at_k
@@ -42,19 +44,33 @@ from rl.sampler import Sampler, SamplingConfig, pack
 # --------------------------------------------------------------------------- data
 def task_dataset(tasks: list, *, seed: int, batch_size: int, shuffle: bool = True,
                  repeat: bool = True) -> grain.IterDataset:
-    """grain stream of task batches (lists), sharded by host: this host sees every
-    jax.process_count()-th task. Its iterator has get_state/set_state for checkpoints."""
+    """grain stream of GLOBAL task batches (lists of batch_size tasks): every process iterates
+    the same stream (tasks are small) and keeps its share (`host_prompt_slice`), so the global
+    batch, the data order and a resumed position do not depend on the process count. Its
+    iterator has get_state/set_state for checkpoints."""
     if not tasks:
         raise ValueError("task_dataset: the task list is empty")
-    n_hosts, host = jax.process_count(), jax.process_index()
     ds = grain.MapDataset.source(list(tasks))
-    if n_hosts > 1:
-        ds = ds.slice(slice(host, None, n_hosts))
     if shuffle:
         ds = ds.shuffle(seed=seed)
     if repeat:
         ds = ds.repeat()
     return ds.batch(batch_size, drop_remainder=repeat, batch_fn=list).to_iter_dataset()
+
+
+def host_prompt_slice(n_prompts: int, group_size: int, mesh=None, rules=None) -> slice:
+    """This process's prompts of a global batch of n_prompts x group_size rows: the prompts
+    whose rows its devices hold (model.sharding.host_batch_slice); all of them on one process
+    or when the batch axes do not split rows across processes. A process's rows must hold
+    whole groups (GRPO's advantages are per group, computed by the process that scored it)."""
+    if mesh is None or jax.process_count() == 1:
+        return slice(0, n_prompts)
+    rows = shd.host_batch_slice(n_prompts * group_size, mesh=mesh, rules=rules)
+    if rows.start % group_size or rows.stop % group_size:
+        raise ValueError(f"this process holds rows {rows.start}:{rows.stop} of a batch of "
+                         f"{n_prompts} prompts x {group_size} samples, which splits a group: "
+                         "make prompts_per_batch divisible by the number of row blocks")
+    return slice(rows.start // group_size, rows.stop // group_size)
 
 
 def encode_prompts(tokenizer, prompts: list[str], width: int | None = None):
@@ -116,11 +132,27 @@ class PendingScores:
 
 
 class RolloutWorker:
+    """Generates completions for a list of tasks and submits them for scoring.
+
+    mesh/rules: the sampler runs on the mesh (rl.sampler.Sampler); `tasks` are then this
+    process's share of the global batch (host_prompt_slice), and everything returned is about
+    this process's rows, which it scores itself."""
+
     def __init__(self, model, tokenizer, sampling: SamplingConfig, verifier, *,
-                 group_size: int, max_prompt_len: int):
+                 group_size: int, max_prompt_len: int, mesh=None, rules=None):
         self.model, self.tok, self.verifier = model, tokenizer, verifier
-        self.sampler = Sampler(model, sampling)
+        self.mesh, self.rules = mesh, rules
+        self.sampler = Sampler(model, sampling, mesh=mesh, rules=rules)
         self.group_size, self.max_prompt_len = group_size, max_prompt_len
+
+    def row_blocks(self, n_rows: int) -> tuple[int, int]:
+        """(number of distinct row blocks of a global batch, this process's block) when each
+        process passes n_rows rows: (process count, process index) when the batch axes split
+        rows across processes, (1, 0) on one process or when every process holds every row."""
+        if self.mesh is None or jax.process_count() == 1:
+            return 1, 0
+        n = shd.global_rows(n_rows, self.mesh, self.rules) // n_rows
+        return n, (jax.process_index() if n > 1 else 0)
 
     def generate(self, variables, tasks: list, rng, group_size: int | None = None,
                  pad_to: int | None = None):
@@ -134,8 +166,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         out = self.sampler.generate(variables, prompts, lens, rng)
         n = len(rep)
-        comp, cmask, lp = (np.asarray(x)[:n] for x in jax.device_get(
-            (out.tokens, out.mask, out.logprobs)))
+        comp, cmask, lp = (x[:n] for x in shd.host_rows((out.tokens, out.mask, out.logprobs)))
         prompts, lens = prompts[:n], lens[:n]
         gen_s = time.perf_counter() - t0
         texts = [self.tok.decode(c[m]) for c, m in zip(comp, cmask)]
@@ -239,29 +270,50 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     (`rl.metrics.clustered_interval`: Wilson, corrected for samples of one task being
     correlated). Sampling follows worker.sampler's config (temperature 0 -> greedy, n_samples 1).
     Chunks of batch_prompts tasks (the last one padded: one batch shape, one compile) are
-    generated while the previous chunk is scored."""
-    per_task = defaultdict(list)  # domain -> [(n, c)]
+    generated while the previous chunk is scored.
+
+    On a mesh with several processes (worker.mesh): the tasks are split over the processes that
+    hold distinct rows (task i to block i mod blocks), each generates and scores its own
+    (batch_prompts / blocks tasks per process and chunk, so a chunk's global batch has the
+    single-process shape; the same number of chunks everywhere, a process without tasks left
+    generates a dropped placeholder), and the per-task results are gathered once at the end."""
+    blocks, me = worker.row_blocks(batch_prompts * n_samples)
+    if batch_prompts % blocks:
+        raise ValueError(f"batch_prompts={batch_prompts} does not split over the {blocks} "
+                         "processes holding distinct rows")
+    batch_prompts //= blocks  # per process: the global chunk keeps the rollout batch's shape
+    mine = list(range(me, len(tasks), blocks))  # indices of this process's tasks
+    n_chunks = math.ceil(math.ceil(len(tasks) / blocks) / batch_prompts)
+    results = []  # (task index in `tasks`, correct samples)
     failed = 0
 
-    def collect(chunk, pending):
+    def collect(idx, pending):
         nonlocal failed
         g = pending.result()
-        failed += int(g.failed.sum())
-        for j, task in enumerate(chunk):
+        failed += int(g.failed[:len(idx) * n_samples].sum())
+        for j, t in enumerate(idx):
             r = g.rewards[j * n_samples:(j + 1) * n_samples]
-            per_task[task_domain(task)].append((n_samples, int((r >= 1.0).sum())))
+            results.append((t, int((r >= 1.0).sum())))
 
     prev = None
-    for i in range(0, len(tasks), batch_prompts):
-        chunk = tasks[i:i + batch_prompts]
+    for c in range(n_chunks):
+        idx = mine[c * batch_prompts:(c + 1) * batch_prompts]
+        chunk = [tasks[t] for t in idx] or tasks[:1]  # an empty share still joins the program
         rng, sub = jax.random.split(rng)
-        cur = (chunk, worker.start(variables, chunk, sub, group_size=n_samples,
-                                   pad_to=batch_prompts))
+        pending = worker.start(variables, chunk, sub, group_size=n_samples, pad_to=batch_prompts)
+        cur = (idx, pending)
         if prev is not None:
             collect(*prev)
         prev = cur
     if prev is not None:
         collect(*prev)
+    if blocks > 1:  # one gather: every process's (task, correct) pairs and failure count
+        gathered = shd.allgather_json({"results": results, "failed": failed})
+        results = [tuple(r) for g in gathered for r in g["results"]]
+        failed = sum(g["failed"] for g in gathered)
+    per_task = defaultdict(list)  # domain -> [(n, c)] in task order
+    for t, c in sorted(results):
+        per_task[task_domain(tasks[t])].append((n_samples, c))
     out = {}
     for dom, nc in sorted(per_task.items()):
         d = {"tasks": len(nc)}

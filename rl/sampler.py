@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import sharding as shd
 from model.transformer import Model
 
 SPECULATIVE = ("none", "mtp")
@@ -159,51 +160,104 @@ def _hits_stop(buf, t, cfg: SamplingConfig):
     return hit
 
 
-# One compiled program per (model config, sampling config without its temperature): every
+# One compiled program per (model config, sampling config without its temperature, mesh): every
 # Sampler of the same model shares it (the temperature is a traced argument), so greedy eval,
 # sampled eval and RL rollouts of one batch shape compile once per process.
 _PROGRAMS: dict = {}
 
 
-def _program(model: Model, cfg: SamplingConfig):
-    key = (model.cfg, dataclasses.replace(cfg, temperature=1.0))
+def _mesh_key(mesh, rules):
+    if mesh is None:
+        return None
+    return mesh, tuple(sorted(shd._rules(rules).items()))
+
+
+def _program(model: Model, cfg: SamplingConfig, mesh=None, rules=None):
+    key = (model.cfg, dataclasses.replace(cfg, temperature=1.0), _mesh_key(mesh, rules))
     fn = _PROGRAMS.get(key)
     if fn is None:
         impl = _generate_speculative_impl if cfg.speculative == "mtp" else _generate_impl
-        fn = _PROGRAMS[key] = jax.jit(functools.partial(impl, model, key[1]))
+        fn = functools.partial(impl, model, key[1])
+        fn = _PROGRAMS[key] = (jax.jit(fn) if mesh is None else
+                               _mesh_program(fn, model, mesh, rules, cfg.speculative == "mtp"))
     return fn
 
 
+def _mesh_program(impl, model: Model, mesh, rules, speculative: bool):
+    """The sampler on a mesh (model.sharding.MeshJit): parameters with the model's shardings,
+    prompts/lengths and every output row over the batch axes, the decode caches constrained
+    likewise inside (`model.sharding.constrain_cache`), the rng key (as raw key data) and the
+    temperature replicated. One program per batch shape."""
+    var_sh = shd.model_shardings(model, mesh, rules)
+    rep = shd.replicated(mesh)
+
+    def run(variables, prompts, lengths, key_data, temperature, *, typed):
+        rng = jax.random.wrap_key_data(key_data) if typed else key_data
+        return impl(variables, prompts, lengths, rng, temperature)
+
+    def ins(variables, prompts, *_):
+        b = shd.batch_sharding(mesh, prompts.shape[0], rules)
+        return shd.variables_shardings(var_sh, variables, mesh), b, b, rep, rep
+
+    def outs(variables, prompts, *_):
+        b = shd.batch_sharding(mesh, prompts.shape[0], rules)
+        return SampleOutput(tokens=b, logprobs=b, mask=b, lengths=b, finished=b,
+                            draft_stats=rep if speculative else None)
+
+    progs = {t: shd.MeshJit(functools.partial(run, typed=t), mesh, rules, in_shardings=ins,
+                            out_shardings=outs, name="sampler") for t in (True, False)}
+
+    def call(variables, prompts, lengths, rng, temperature):
+        typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+        data = np.asarray(jax.random.key_data(rng) if typed else rng)
+        data = jax.make_array_from_callback(data.shape, rep, lambda i: data[i])
+        temp = jax.make_array_from_callback((), rep, lambda i: np.float32(temperature))
+        return progs[typed](variables, prompts, lengths, data, temp)
+
+    return call
+
+
 class Sampler:
-    def __init__(self, model: Model, cfg: SamplingConfig):
+    """Generation with one compiled program per batch shape (see the module docstring).
+
+    mesh/rules (model.sharding.mesh_from_config): the program runs on the mesh: variables are
+    the (sharded) train-state variables, each process passes ITS rows of the global batch
+    (prompts [b,P] numpy; the global batch is every process's rows, model.sharding.to_global)
+    and gets global jax.Arrays back (this process's rows: model.sharding.host_rows)."""
+
+    def __init__(self, model: Model, cfg: SamplingConfig, *, mesh=None, rules=None):
         if cfg.speculative == "mtp" and not model.cfg.mtp.depth:
             raise ValueError("speculative='mtp' needs a model with an MTP module (mtp.depth >= 1)")
         self.model, self.cfg = model, cfg
-        self._generate = _program(model, cfg)
+        self.mesh, self.rules = mesh, rules
+        self._generate = _program(model, cfg, mesh, rules)
 
     def generate(self, variables, prompts, prompt_lengths, rng) -> SampleOutput:
-        """prompts [B,P] int32 right-padded, prompt_lengths [B] (>= 1)."""
-        prompts = jnp.asarray(prompts, jnp.int32)
-        lengths = jnp.asarray(prompt_lengths, jnp.int32)
+        """prompts [B,P] int32 right-padded, prompt_lengths [B] (>= 1). On a mesh: this
+        process's rows of the global batch."""
+        prompts = np.asarray(prompts, np.int32)
+        lengths = np.asarray(prompt_lengths, np.int32)
         if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
             raise ValueError(f"prompts must be [B,P] and prompt_lengths [B]; got {prompts.shape}, "
                              f"{lengths.shape}")
-        if int(jnp.min(lengths)) < 1:
+        if int(np.min(lengths)) < 1:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
         need = prompts.shape[1] + self.cfg.max_new_tokens
         if need > self.model.cfg.max_seq_len:
             raise ValueError(f"prompt width {prompts.shape[1]} + max_new_tokens "
                              f"{self.cfg.max_new_tokens} exceeds model max_seq_len "
                              f"{self.model.cfg.max_seq_len}")
+        if self.mesh is not None:
+            prompts, lengths = shd.to_global((prompts, lengths), self.mesh, self.rules)
         return self._generate(variables, prompts, lengths, rng,
-                              jnp.float32(self.cfg.temperature))
+                              np.float32(self.cfg.temperature))
 
 
 def _generate_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths, rng,
                    temperature):
     B, P = prompts.shape
     G = cfg.max_new_tokens
-    cache = model.init_cache(B, P + G)
+    cache = shd.constrain_cache(model.init_cache(B, P + G))  # no-op without a mesh
     logits, cache, _ = model.prefill(variables, prompts, lengths, cache)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,V]
     rng, sub = jax.random.split(rng)
@@ -293,7 +347,7 @@ def _generate_speculative_impl(model: Model, cfg: SamplingConfig, variables, pro
     def logp_of(logits):
         return process_logits(logits, cfg, temp)
 
-    cache = model.init_cache(B, S)
+    cache = shd.constrain_cache(model.init_cache(B, S))
     logits, cache, hidden = model.prefill(variables, prompts, lengths, cache)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,V]
     rng, sub = jax.random.split(rng)
@@ -302,7 +356,7 @@ def _generate_speculative_impl(model: Model, cfg: SamplingConfig, variables, pro
     nxt = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1))).at[rows, lengths - 1].set(tok)  # [B,P]
     pvalid = jnp.arange(P)[None] < lengths[:, None]
     dlogits, dcache = model.mtp_draft(variables, hidden, nxt, pvalid,
-                                      model.init_draft_cache(B, S))
+                                      shd.constrain_cache(model.init_draft_cache(B, S)))
     q = logp_of(jnp.take_along_axis(dlogits, (lengths - 1)[:, None, None], axis=1)[:, 0])
     rng, sub = jax.random.split(rng)
     draft = _sample_rows(q, sub, greedy)

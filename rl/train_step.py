@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import optax
 
 from model import objectives
+from model import sharding as shd
 from model.layers.moe import aux_free_bias_update
 from model.transformer import Model, moe_layer_names
 from rl import losses
@@ -139,8 +140,10 @@ def make_optimizer(ocfg, *, trainable=None) -> optax.GradientTransformation:
         decay_steps=max(int(ocfg.total_steps), int(ocfg.warmup_steps) + 1),
         end_value=ocfg.lr * ocfg.final_lr_frac)
     parts = [optax.clip_by_global_norm(ocfg.clip_norm)] if ocfg.clip_norm else []
+    mu_dtype = ocfg.get("mu_dtype", None) or None  # None: the parameter's dtype (optax)
     parts.append(optax.adamw(sched, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
-                             weight_decay=ocfg.weight_decay, mask=decay_mask))
+                             weight_decay=ocfg.weight_decay, mask=decay_mask,
+                             mu_dtype=mu_dtype))
     opt = optax.chain(*parts)
     if trainable is None:
         return opt
@@ -165,6 +168,74 @@ def init_train_state(variables: dict, optimizer: optax.GradientTransformation, *
                             value_opt_state=(value_optimizer or optimizer).init(value_params))
 
 
+def train_state_shardings(model: Model, optimizer: optax.GradientTransformation, mesh, rules=None,
+                          *, value_params=None,
+                          value_optimizer: optax.GradientTransformation | None = None):
+    """NamedSharding tree of the TrainState (CriticTrainState when value_params is given, arrays
+    or ShapeDtypeStructs) on `mesh`: params and router state by the model's logical axes
+    (model.sharding.model_shardings), every parameter-shaped optimizer leaf like its parameter
+    (Adam moments, masks' inner states), step/skipped/counts and the (small) value head
+    replicated."""
+    var_sh = shd.model_shardings(model, mesh, rules)
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    rep = shd.replicated(mesh)
+    common = dict(params=var_sh["params"], router_state=var_sh.get("router_state", {}),
+                  opt_state=shd.opt_state_shardings(optimizer, abstract["params"],
+                                                    var_sh["params"]),
+                  step=rep, skipped=rep)
+    if value_params is None:
+        return TrainState(**common)
+    vsh = jax.tree.map(lambda _: rep, value_params)
+    return CriticTrainState(**common, value_params=vsh, value_opt_state=shd.opt_state_shardings(
+        value_optimizer or optimizer, value_params, vsh))
+
+
+def init_train_state_sharded(variables: dict, optimizer: optax.GradientTransformation,
+                             shardings, *, value_params: dict | None = None,
+                             value_optimizer: optax.GradientTransformation | None = None,
+                             donate: bool = False):
+    """init_train_state computed by one program straight into `shardings`
+    (train_state_shardings): the optimizer state is created sharded, never whole on one device.
+    donate: the variables' buffers become the state's (do not reuse them)."""
+    def init(v, vp):
+        return init_train_state(v, optimizer, value_params=vp, value_optimizer=value_optimizer)
+    fn = jax.jit(init, out_shardings=shardings, donate_argnums=(0,) if donate else ())
+    return fn(variables, value_params)
+
+
+def _state_shardings_fn(model, optimizer, mesh, rules, value_optimizer, given):
+    """state -> its shardings (given, or train_state_shardings for the state's kind)."""
+    cache = {}
+
+    def get(state):
+        if given is not None:
+            return given
+        kind = type(state)
+        if kind not in cache:
+            vp = getattr(state, "value_params", None)
+            cache[kind] = train_state_shardings(model, optimizer, mesh, rules, value_params=vp,
+                                                value_optimizer=value_optimizer)
+        return cache[kind]
+    return get
+
+
+def _mesh_step(step, model, optimizer, mesh, rules, value_optimizer, state_shardings, donate,
+               name):
+    """`step(state, batch) -> (state, metrics)` as a MeshJit: state in and out with its
+    shardings (donated), batch rows over the batch axes, metrics replicated (global values)."""
+    state_sh = _state_shardings_fn(model, optimizer, mesh, rules, value_optimizer,
+                                   state_shardings)
+
+    def ins(state, batch):
+        return state_sh(state), shd.batch_sharding(mesh, batch["loss_mask"].shape[0], rules)
+
+    def outs(state, batch):
+        return state_sh(state), shd.replicated(mesh)
+
+    return shd.MeshJit(step, mesh, rules, in_shardings=ins, out_shardings=outs,
+                       donate_argnums=(0,) if donate else (), name=name)
+
+
 def update_router_bias(cfg, router_state: dict, expert_counts) -> dict:
     """Aux-free bias step for every MoE layer (sigmoid routers); identity otherwise.
     expert_counts [n_layers, E] in moe_layer_names order (MTP blocks last, maybe absent)."""
@@ -176,6 +247,20 @@ def update_router_bias(cfg, router_state: dict, expert_counts) -> dict:
                                   cfg.moe.bias_update_rate)
         rs[name] = {**rs[name], "ffn": {**rs[name]["ffn"], "bias": nb}}
     return rs
+
+
+def split_micro_batches(x, m: int):
+    """[N,...] -> [m, N/m, ...]: micro-batch j = rows j*N/m .. (j+1)*N/m - 1. Under a mesh each
+    micro-batch is constrained to be split over the batch axes (model.sharding.constrain: one
+    small reshuffle of the batch rows instead of micro-batches living on a part of the devices);
+    without one the constraint is a no-op."""
+    y = x.reshape(m, x.shape[0] // m, *x.shape[1:])
+    return shd.constrain(y, (None, "batch") + (None,) * (y.ndim - 2))
+
+
+def merge_micro_batches(x):
+    """Inverse of split_micro_batches: [m, N/m, ...] -> [N, ...]."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def _pad_left(x):  # [N,L-1] -> [N,L] (position t holds target t)
@@ -254,7 +339,7 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
                     micro_batches: int = 1, sampling: SamplingConfig | None = None,
                     donate: bool = True, critic: CriticConfig | None = None,
                     value_optimizer: optax.GradientTransformation | None = None,
-                    mtp_loss_weight=None):
+                    mtp_loss_weight=None, mesh=None, rules=None, state_shardings=None):
     """The RL update: rl_loss (policy + KL + entropy [+ value]) + the model's auxiliary terms
     (model.objectives.auxiliary_losses: MTP, MoE balance, DSA indexer KL, each weighted by its
     model-config field, exactly as in SFT).
@@ -266,7 +351,13 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
     head (default CriticConfig()) runs on the same forward's hidden states, the batch must hold
     old_values and returns ([N,L], from the rollout-time forward and the estimator), and the
     state's value_params are updated by value_optimizer (default: optimizer) with their own
-    state; an update is skipped when either gradient is not finite."""
+    state; an update is skipped when either gradient is not finite.
+
+    mesh (model.sharding.make_mesh / mesh_from_config) and rules: the step runs on the mesh as a
+    model.sharding.MeshJit: traced under use_mesh (activation constraints, expert-parallel MoE),
+    the state in and out with `state_shardings` (default train_state_shardings of the state's
+    kind) and donated, the batch's rows over the batch axes (a global batch: see
+    model.sharding.to_global), metrics replicated (reduced over the whole global batch)."""
     if mtp_loss_weight is not None:
         raise ValueError("make_train_step(mtp_loss_weight=...) was removed: the MTP weight is "
                          "model.mtp.loss_weight, shared by SFT and RL (model/objectives.py)")
@@ -302,8 +393,7 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
         counts = losses.agg_counts(mask)
         tcounts = objectives.target_counts(mask, cfg.mtp.depth if with_mtp else 0)
         n_targets = jnp.sum(mask.astype(jnp.float32))
-        mbs = jax.tree.map(lambda x: x.reshape(micro_batches, N // micro_batches, *x.shape[1:]),
-                           batch)
+        mbs = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)
         trainable = (state.params, state.value_params if with_critic else None)
 
         def body(acc, mb):
@@ -332,7 +422,7 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
             finite = finite & jnp.isfinite(vgnorm)
             # value metrics over the whole batch (exact whatever micro_batches is)
             _, vmet = losses.value_loss(
-                vals.reshape(N, *vals.shape[2:]), batch["old_values"], batch["returns"], mask,
+                merge_micro_batches(vals), batch["old_values"], batch["returns"], mask,
                 clip=algo.vf_clip, agg=algo.agg, max_len=algo.max_len, counts=counts)
             extra = {**vmet, "value_grad_norm": vgnorm}
             v_updates, new_vopt = value_optimizer.update(v_grads, state.value_opt_state,
@@ -355,37 +445,60 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
                "target_tokens": n_targets}
         return new_state, met
 
+    if mesh is not None:
+        return _mesh_step(step, model, optimizer, mesh, rules, value_optimizer, state_shardings,
+                          donate, "rl_step")
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
-def make_logp_fn(model: Model, sampling: SamplingConfig | None = None):
+def _mesh_forward(fn, model, mesh, rules, n_extra_params: int, name: str):
+    """fn(variables, [value_params,] tokens, loss_mask) on the mesh: variables with the model's
+    shardings, value params replicated, rows over the batch axes, outputs by rows."""
+    var_sh = shd.model_shardings(model, mesh, rules)
+    rep = shd.replicated(mesh)
+
+    def ins(*args):
+        b = shd.batch_sharding(mesh, args[-1].shape[0], rules)
+        return (shd.variables_shardings(var_sh, args[0], mesh),) + (rep,) * n_extra_params + (b, b)
+
+    def outs(*args):
+        return shd.batch_sharding(mesh, args[-1].shape[0], rules)
+
+    return shd.MeshJit(fn, mesh, rules, in_shardings=ins, out_shardings=outs, name=name)
+
+
+def make_logp_fn(model: Model, sampling: SamplingConfig | None = None, *, mesh=None, rules=None):
     """Jitted teacher-forced log-probs [N,L] (position t = log p(tok_t | tok_<t), 0 elsewhere)
     for old_logp / ref_logp under the sampler's distribution (`sampling`: temperature, top-k,
-    top-p; None = raw logits, see rl.sampler.sampled_logprobs); no MTP, no gradients."""
+    top-p; None = raw logits, see rl.sampler.sampled_logprobs); no MTP, no gradients.
+    mesh/rules: a MeshJit on the mesh (global tokens/mask in, log-probs sharded like them)."""
 
-    @jax.jit
     def logp_fn(variables, tokens, loss_mask):
         out = model.apply(variables, tokens, _input_valid(loss_mask), with_mtp=False)
         lp = _pad_left(sampled_logprobs(out.logits[:, :-1], tokens[:, 1:], sampling)[0])
         return jnp.where(loss_mask, lp, 0.0)
 
-    return logp_fn
+    if mesh is not None:
+        return _mesh_forward(logp_fn, model, mesh, rules, 0, "logp")
+    return jax.jit(logp_fn)
 
 
-def make_logp_value_fn(model: Model, critic: CriticConfig, sampling: SamplingConfig | None = None):
+def make_logp_value_fn(model: Model, critic: CriticConfig, sampling: SamplingConfig | None = None,
+                       *, mesh=None, rules=None):
     """Jitted rollout-time forward of an algorithm with a critic: (old_logp, old_values), both
     [N,L] f32, 0 outside loss_mask, from ONE forward (the value head reads its hidden states).
     Call as fn(state.variables, state.value_params, tokens, loss_mask); no MTP, no gradients.
-    Log-probs under `sampling` as in make_logp_fn."""
+    Log-probs under `sampling` as in make_logp_fn; mesh/rules as there (value head replicated)."""
 
-    @jax.jit
     def logp_value_fn(variables, value_params, tokens, loss_mask):
         out = model.apply(variables, tokens, _input_valid(loss_mask), with_mtp=False)
         lp = _pad_left(sampled_logprobs(out.logits[:, :-1], tokens[:, 1:], sampling)[0])
         v = token_values(critic, value_params, out.hidden)  # [N,L]
         return jnp.where(loss_mask, lp, 0.0), jnp.where(loss_mask, v, 0.0)
 
-    return logp_value_fn
+    if mesh is not None:
+        return _mesh_forward(logp_value_fn, model, mesh, rules, 1, "logp_value")
+    return jax.jit(logp_value_fn)
 
 
 SFT_OBJECTIVES = ("lm", "indexer_warmup")
@@ -411,7 +524,8 @@ def make_sft_loss(model: Model, objective: str = "lm"):
 
 
 def make_sft_step(model: Model, optimizer: optax.GradientTransformation, *,
-                  objective: str = "lm", donate: bool = True):
+                  objective: str = "lm", donate: bool = True, mesh=None, rules=None,
+                  state_shardings=None):
     """Supervised step on packed rows with the same state and guard as RL.
 
     objective "lm": model.objectives.lm_loss (next-token CE over loss_mask targets + MTP, MoE
@@ -419,7 +533,8 @@ def make_sft_step(model: Model, optimizer: optax.GradientTransformation, *,
     DSA indexer's dense warm-up (DeepSeek-V3.2): only dsa.indexer_loss_weight * indexer KL; build
     the model with dsa.indexer_stage="dense_warmup" (dense attention, KL over every causal key)
     and the optimizer with make_optimizer(..., trainable=indexer_mask) so everything else stays
-    frozen (the KL's inputs are detached, so only the indexer gets gradient anyway)."""
+    frozen (the KL's inputs are detached, so only the indexer gets gradient anyway).
+    mesh/rules/state_shardings: on a mesh, as make_train_step."""
     if objective not in SFT_OBJECTIVES:
         raise ValueError(f"objective must be one of {SFT_OBJECTIVES}, got {objective!r}")
     cfg = model.cfg
@@ -446,4 +561,7 @@ def make_sft_step(model: Model, optimizer: optax.GradientTransformation, *,
             skipped=state.skipped + (~finite).astype(jnp.int32))
         return new_state, {**met, "grad_norm": gnorm, "skipped": new_state.skipped}
 
+    if mesh is not None:
+        return _mesh_step(step, model, optimizer, mesh, rules, None, state_shardings, donate,
+                          "sft_step")
     return jax.jit(step, donate_argnums=(0,) if donate else ())

@@ -10,6 +10,14 @@ terms the RL step trains) on (prompt, completion) pairs from sandbox/tasks/gener
 config.sft.imperfect_frac well-formed but wrong demonstrations; grain input, orbax checkpoints in
 <workdir>/sft/indexer_warmup/checkpoints and <workdir>/sft/checkpoints (resumed automatically;
 --noresume starts over).
+
+Scale-out: runs on the mesh of config.sharding, one process per host in a multi-process job
+(docs/scaling.md), e.g. on 8 fake CPU devices:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/sft.py \
+        --config configs/rl.py:smoke_8dev
+
+--check_devices=N only validates the config for a job of N devices (no device touched).
 """
 
 import _common  # noqa: F401  (sys.path, cache)
@@ -18,9 +26,15 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:demo", "RL/SFT config")
 _RESUME = flags.DEFINE_bool("resume", True, "continue from the last good checkpoint")
+_CHECK = flags.DEFINE_integer("check_devices", 0, "only validate the config (mesh, rules, "
+                              "batch and expert splits) for a job of this many devices, then exit")
 
 
 def main(_):
+    if _CHECK.value:
+        from rl.loop import check_run_config
+        print(check_run_config(_CONFIG.value, _CHECK.value, phase="sft"))
+        return
     _common.setup_jax()
     from rl.loop import run_sft
 

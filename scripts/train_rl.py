@@ -3,9 +3,19 @@
     python scripts/train_rl.py --config configs/rl.py:grpo_tiny               # needs SFT first
     python scripts/train_rl.py --config configs/rl.py:dapo_tiny --config.rl.steps=50
     python scripts/train_rl.py --config configs/rl.py:smoke --config.rl.init_from=scratch
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/train_rl.py \
+        --config configs/rl.py:smoke_8dev --config.rl.init_from=scratch       # 8 fake devices
 
 Progress bar, TensorBoard events + metrics.jsonl in <workdir>/rl, periodic held-out eval,
 orbax checkpoints (params, optimizer, rng, data position) resumed automatically.
+
+Scale-out: the run uses the mesh of config.sharding (docs/scaling.md); in a multi-process job
+(JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or JAX_DISTRIBUTED_AUTO=1) every
+process runs this same command. At the end every process prints a digest of the final
+parameters (equal bits give equal digests, whatever the mesh or process count) and checks that
+all replicas of every parameter agree. --check_devices=N only validates the config for a mesh
+of N devices (no device is touched: a pod slice's launch line checked on a laptop); plan its
+memory with scripts/plan.py --config <the same config>.
 """
 
 import _common  # noqa: F401
@@ -14,15 +24,32 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:grpo_tiny", "RL config")
 _RESUME = flags.DEFINE_bool("resume", True, "continue from the last good checkpoint")
+_CHECK = flags.DEFINE_integer("check_devices", 0, "only validate the config (mesh, rules, "
+                              "batch and expert splits) for a job of this many devices, then exit")
 
 
 def main(_):
+    if _CHECK.value:
+        from rl.loop import check_run_config
+        print(check_run_config(_CONFIG.value, _CHECK.value, phase="rl"))
+        return
     _common.setup_jax()
+    import jax
+
+    from model import sharding as shd
+    from rl.checkpoint import tree_digest
     from rl.loop import run_rl
 
     state = run_rl(_CONFIG.value, resume=_RESUME.value)
+    digest = tree_digest(state.params)
+    bad = shd.replica_mismatches(state.params)
+    print(f"process {jax.process_index()}/{jax.process_count()}: params digest {digest}; "
+          + (f"REPLICAS DISAGREE in {len(bad)} slices: {bad[:5]}" if bad else
+             "all replicas agree"))
     print(f"RL done: step {int(state.step)} (skipped {int(state.skipped)} non-finite updates), "
           f"checkpoints in {_CONFIG.value.workdir}/rl")
+    if bad:
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":

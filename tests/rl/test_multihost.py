@@ -1,0 +1,185 @@
+"""Multi-process pieces of the RL loop, on two local processes joined by jax.distributed (gloo
+collectives over 4 fake CPU devices each, one (data 2, fsdp 2, expert 2) mesh across both):
+
+* each process's share of a global batch (rl.pipeline.host_prompt_slice) and the global array
+  assembled from every process's rows (model.sharding.to_global), reduced by a MeshJit program
+  (compiled, then a barrier, then run, with donation), and this process's rows back
+  (host_rows);
+* host-side metrics reduced over processes (reduce_host_metrics: mean / max / sum by key, keys
+  only some processes report) and a JSON gather (allgather_json);
+* the Checkpointer saving a sharded state with rng and the data-iterator position from both
+  processes and restoring it into its shardings on both; then this (single-device) process
+  restores the same checkpoint: equal values, equal tree digests (rl.checkpoint.tree_digest)
+  across processes and meshes;
+* replica_mismatches: agrees when replicas agree, and names the slice when one device's replica
+  of a "replicated" array was made to differ (the silent divergence the issue describes).
+
+The full loop on two processes (scripts/train_rl.py, 3 RL steps, compared with one process) is
+`python scripts/multihost_check.py` (too slow for the suite; its last result is in
+docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _values():
+    """The state both processes save: deterministic host values (shapes divisible by 8)."""
+    return {"w": np.arange(8 * 16, dtype=np.float32).reshape(8, 16) / 7.0,
+            "e": np.arange(4 * 8 * 4, dtype=np.float32).reshape(4, 8, 4) - 3.0,
+            "step": np.int32(2)}
+
+
+def test_two_processes_share_batches_metrics_and_sharded_checkpoints(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ)
+        flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count",
+                                                 "--_x")
+        env.update(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4".strip(),
+                   JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid),
+                   PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(pathlib.Path(__file__).resolve()), str(tmp_path)], env=env,
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=600))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (so, se) in zip(procs, outs):
+        assert p.returncode == 0, f"worker failed:\n{so[-3000:]}\n{se[-6000:]}"
+    digests = [json.loads(so.strip().splitlines()[-1])["digest"] for so, _ in outs]
+    assert digests[0] == digests[1]
+
+    # this process (one device) restores what the two processes wrote
+    import jax
+
+    from rl.checkpoint import Checkpointer, tree_digest
+
+    want = _values()
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                          want)
+    restored = ckpt.restore_latest(target)
+    ckpt.close()
+    assert restored is not None and restored.step == 2
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(restored.state[k]), want[k])
+    np.testing.assert_array_equal(jax.random.key_data(restored.rng),
+                                  jax.random.key_data(jax.random.key(12)))
+    assert tree_digest(restored.state) == digests[0]
+
+
+# =========================================================================== worker
+def worker(tmp):
+    sys.path.insert(0, str(ROOT))
+    from model._xla_env import configure_xla_env
+
+    configure_xla_env(fast_compile=True)
+    from model import sharding as shd
+
+    assert shd.maybe_initialize_distributed()
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rl.checkpoint import Checkpointer, tree_digest
+    from rl.pipeline import host_prompt_slice, task_dataset
+
+    me = jax.process_index()
+    assert jax.process_count() == 2 and jax.device_count() == 8
+    mesh = shd.make_mesh((2, 2, 2, 1))  # data across the two processes
+
+    # -- batches: 4 prompts x 2 samples; process p holds prompts 2p, 2p+1 (rows 4p..4p+3)
+    assert host_prompt_slice(4, 2, mesh) == slice(2 * me, 2 * me + 2)
+    local = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) + 100 * me  # my 4 rows
+    g = shd.to_global(local, mesh)
+    assert g.shape == (8, 3) and g.sharding.spec == P(("data", "fsdp", "expert"))
+    total = shd.MeshJit(lambda x: (jnp.sum(x, axis=0), x * 2), mesh, in_shardings=(
+        shd.batch_sharding(mesh, 8),), out_shardings=(shd.replicated(mesh),
+                                                      shd.batch_sharding(mesh, 8)),
+        donate_argnums=(0,), name="sum")
+    s, doubled = total(g)
+    want = np.concatenate([np.arange(12, dtype=np.float32).reshape(4, 3) + 100 * p
+                           for p in range(2)]).sum(0)
+    np.testing.assert_array_equal(np.asarray(s), want)
+    np.testing.assert_array_equal(shd.host_rows(doubled), local * 2)
+    assert g.is_deleted()  # donated
+    # the host share of a batch that splits a group is refused
+    try:
+        host_prompt_slice(3, 2, mesh=shd.make_mesh((2, 1, 1, 4)))
+    except ValueError as e:
+        assert "splits a group" in str(e)
+    else:
+        raise AssertionError("a group split over processes was accepted")
+
+    # -- host metrics
+    met = {"reward_mean": float(me), "logp_gap_max": 1.0 + me, "sandbox_failed": 1.0}
+    if me == 1:
+        met["reward/code"] = 0.5
+    red = shd.reduce_host_metrics(met)
+    assert red == {"reward_mean": 0.5, "logp_gap_max": 2.0, "sandbox_failed": 2.0,
+                   "reward/code": 0.5}, red
+    assert shd.allgather_json({"p": me}) == [{"p": 0}, {"p": 1}]
+
+    # -- sharded checkpoints written by both processes, restored on both
+    vals = _values()
+    sh = {"w": NamedSharding(mesh, P(("fsdp", "expert"))),
+          "e": NamedSharding(mesh, P("expert", "fsdp")), "step": shd.replicated(mesh)}
+    state = {k: jax.make_array_from_callback(np.shape(v), sh[k], lambda i, v=v: np.asarray(v)[i])
+             for k, v in vals.items()}
+    it = iter(task_dataset(list(range(10)), seed=0, batch_size=2))
+    ckpt = Checkpointer(pathlib.Path(tmp) / "ckpt", keep=2)
+    for step in (1, 2):
+        batch = next(it)
+        ckpt.save(step, state, rng=jax.random.key(10 + step), data_iter=it, force=True)
+    ckpt.wait()
+    after = next(it)
+    it2 = iter(task_dataset(list(range(10)), seed=0, batch_size=2))
+    target = shd.sharded_abstract(jax.eval_shape(lambda: state), sh)
+    r = ckpt.restore_latest(target, data_iter=it2)
+    ckpt.close()
+    assert r.step == 2 and next(it2) == after and batch != after
+    from jax.experimental import multihost_utils
+
+    for k in vals:
+        assert r.state[k].sharding == sh[k], (k, r.state[k].sharding)
+        np.testing.assert_array_equal(multihost_utils.process_allgather(r.state[k], tiled=True),
+                                      vals[k])
+    digest = tree_digest(r.state)
+    assert digest == tree_digest(state)
+
+    # -- replicas: agree, then one device's replica of a replicated array is made to differ
+    assert shd.replica_mismatches(r.state) == []
+    devs = [d for d in mesh.devices.flat if d.process_index == me]
+    bad_val = 1.0 if me == 1 else 0.0  # process 1's last device holds a different replica
+    shards = [jax.device_put(np.full((4,), bad_val if (d is devs[-1]) else 0.0, np.float32), d)
+              for d in devs]
+    diverged = jax.make_array_from_single_device_arrays((4,), shd.replicated(mesh), shards)
+    bad = shd.replica_mismatches({"bias": diverged})
+    assert bad == ["['bias']((None, None),)"], bad
+    print(json.dumps({"digest": digest}))
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])

@@ -1,0 +1,255 @@
+"""The real RL train step and sampler on a mesh equal the single-device ones.
+
+On 8 fake CPU devices, one step of `rl.train_step.make_train_step` (GRPO with the k3 KL to a
+reference policy in the loss, TIS against rollout log-probs, sampled log-probs at temperature
+0.8, the test model: KDA + DSA layers, MoE with expert parallelism (all_to_all dispatch), MTP)
+on the meshes (data, fsdp, expert, tensor) = (8,1,1,1), (2,2,2,1), (1,2,4,1), (2,1,2,2) gives
+the loss, metrics, gradients, updated parameters, router state and optimizer state of the
+single-device step (f32); the mesh step's state keeps the shardings the rules give (experts
+over "expert", Adam moments like their parameters) and the old state is donated; greedy
+rollouts of the sharded sampler (`rl.sampler.Sampler(mesh=...)`, KDA/DSA caches sharded over
+the batch) equal the single-device ones token for token.
+
+The gradients are read from the optimizer state: the step's optimizer is the real
+`make_optimizer` (clipping + AdamW with the weight-decay mask) behind a transformation that
+keeps the last gradient in its state, so one compiled step per mesh yields everything.
+
+Multi-device work runs in child processes (`python tests/rl/test_sharded_rl.py CHILD ...`,
+XLA_FLAGS=--xla_force_host_platform_device_count=8 set before jax is imported): first the
+single-device reference (pickled), then the meshes, two children at a time, two meshes per
+child. Not covered here: more than one process (tests/rl/test_multihost.py), micro-batches
+on a mesh (the split is tested against the full batch in tests/rl/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MESHES = [(8, 1, 1, 1), (2, 2, 2, 1), (1, 2, 4, 1), (2, 1, 2, 2)]  # (data, fsdp, expert, tensor)
+GROUPS = [MESHES[:2], MESHES[2:]]  # two meshes per child process
+N, P, L, G = 8, 6, 16, 6  # rows, prompt width, packed width, greedy tokens
+TOL = dict(rtol=1e-5, atol=1e-5)  # f32; see _close
+
+
+# =========================================================================== plumbing
+def _env(devices: int = 8) -> dict:
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count", "--_x")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(k, None)
+    return env
+
+
+def _run_child(*args, timeout=900) -> str:
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *map(str, args)]
+    r = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    if r.returncode != 0:
+        raise AssertionError(f"child {args} failed (rc {r.returncode}):\n--- stdout\n"
+                             f"{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-8000:]}")
+    return r.stdout
+
+
+def _mesh_arg(meshes) -> str:
+    return ";".join(",".join(map(str, m)) for m in meshes)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Runs the reference child, then the mesh children two at a time; {mesh: stdout or the
+    child's failure}."""
+    ref = tmp_path_factory.mktemp("sharded_rl") / "reference.pkl"
+    _run_child("reference", ref)
+    with ThreadPoolExecutor(2) as ex:
+        futs = {tuple(g): ex.submit(_run_child, "meshes", ref, _mesh_arg(g)) for g in GROUPS}
+    out = {}
+    for group, f in futs.items():
+        try:
+            text = f.result()
+        except AssertionError as e:
+            text = e
+        for m in group:
+            out[m] = text
+    return out
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
+def test_rl_step_and_greedy_rollouts_on_mesh_equal_one_device(outcomes, mesh):
+    text = outcomes[mesh]
+    if isinstance(text, Exception):
+        raise text
+    assert f"OK step {mesh}" in text, text[-3000:]
+    assert f"OK rollouts {mesh}" in text, text[-3000:]
+
+
+# =========================================================================== children
+def _setup():
+    sys.path.insert(0, str(ROOT))
+    from model._xla_env import configure_xla_env
+
+    configure_xla_env(fast_compile=True)  # before jax is imported, as tests/conftest.py
+    import jax
+
+    cache = ROOT / ".cache" / "jax"
+    cache.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _parts():
+    """(model, algo, optimizer, sampling) of the test: every piece the real RL step has."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from ml_collections import ConfigDict
+
+    from configs import models
+    from model.config import ModelConfig
+    from model.transformer import Model
+    from rl.algorithms import get_algorithm
+    from rl.sampler import SamplingConfig
+    from rl.train_step import make_optimizer
+
+    c = models.get_config("test")  # "KD" + MTP (a DSA block), 4 experts, top-2, shared expert
+    c.moe.expert_parallel = "all_to_all"  # the shard_map dispatch under a mesh
+    c.moe.router = "sigmoid"  # aux-free bias moves with the global expert counts
+    model = Model(ModelConfig.from_dict(c))
+    algo = get_algorithm("grpo", kl_placement="loss", kl_kind="k3", kl_coef=0.05, tis_cap=2.0)
+    inner = make_optimizer(ConfigDict(dict(
+        lr=1e-4, warmup_steps=1, total_steps=10, final_lr_frac=0.1, weight_decay=0.1, b1=0.9,
+        b2=0.99, eps=1e-8, clip_norm=1.0)))
+
+    def init(params):
+        return jax.tree.map(jnp.zeros_like, params), inner.init(params)
+
+    def update(g, state, params=None):
+        u, s = inner.update(g, state[1], params)
+        return u, (g, s)
+
+    opt = optax.GradientTransformation(init, update)  # the real optimizer + the last gradient
+    return model, algo, opt, SamplingConfig(max_new_tokens=8, temperature=0.8)
+
+
+def _greedy(model):
+    from rl.sampler import SamplingConfig
+
+    return SamplingConfig(max_new_tokens=G, temperature=0.0, eos_id=-1)
+
+
+def child_reference(path):
+    _setup()
+    import jax
+    import jax.numpy as jnp
+
+    from rl.sampler import Sampler, pack
+    from rl.train_step import init_train_state, make_logp_fn, make_train_step
+
+    model, algo, opt, sampling = _parts()
+    variables = model.init(jax.random.key(0))
+    ref_vars = model.init(jax.random.key(7))  # a different reference policy: KL is not 0
+    rng = np.random.default_rng(0)
+    plen = rng.integers(2, P + 1, N).astype(np.int32)
+    prompts = np.where(np.arange(P)[None] < plen[:, None], rng.integers(3, 250, (N, P)), 0)
+    prompts = prompts.astype(np.int32)
+    comps = rng.integers(3, 250, (N, L - P)).astype(np.int32)
+    cmask = np.arange(L - P)[None] < rng.integers(2, L - P + 1, (N, 1))
+    tokens, mask = pack(prompts, plen, comps, cmask, width=L)
+    logp = make_logp_fn(model, sampling)
+    old = np.asarray(logp(variables, tokens, mask))
+    batch = {"tokens": tokens, "loss_mask": mask,
+             "advantages": rng.normal(size=(N, 1)).astype(np.float32),
+             "old_logp": old, "ref_logp": np.asarray(logp(ref_vars, tokens, mask)),
+             "rollout_logp": np.where(mask, old + rng.normal(0, 0.05, old.shape), 0.0
+                                      ).astype(np.float32)}
+    step = make_train_step(model, algo, opt, sampling=sampling, donate=False)
+    new, met = step(init_train_state(variables, opt), {k: jnp.asarray(v) for k, v in
+                                                        batch.items()})
+    out = Sampler(model, _greedy(model)).generate(variables, prompts, plen, jax.random.key(3))
+    with open(path, "wb") as f:
+        pickle.dump(jax.device_get({"batch": batch, "prompts": prompts, "plen": plen,
+                                    "state": new, "metrics": met, "tokens": out.tokens,
+                                    "rollout_mask": out.mask}), f)
+    print("OK reference")
+
+
+def _close(name, got, want, rtol=TOL["rtol"], atol=TOL["atol"]):
+    import jax
+
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(want)]
+    gl, wl = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(gl) == len(wl), f"{name}: {len(gl)} leaves vs {len(wl)}"
+    worst = 0.0
+    for p, g, w in zip(paths, gl, wl):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape, f"{name}{p}: {g.shape} vs {w.shape}"
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=f"{name}{p}")
+        if w.size:
+            worst = max(worst, float(np.max(np.abs(g - w))))
+    return worst
+
+
+def child_meshes(path, meshes):
+    _setup()
+    import jax
+
+    from model import sharding as shd
+    from rl.sampler import Sampler
+    from rl.train_step import init_train_state_sharded, make_train_step, train_state_shardings
+
+    with open(path, "rb") as f:
+        ref = pickle.load(f)
+    model, algo, opt, sampling = _parts()
+    for shape in [tuple(int(x) for x in m.split(",")) for m in meshes.split(";")]:
+        mesh = shd.make_mesh(shape)
+        sh = train_state_shardings(model, opt, mesh)
+        variables = shd.init_sharded(model, jax.random.key(0), mesh)  # never whole anywhere
+        state = init_train_state_sharded(variables, opt, sh)
+        batch = shd.to_global(ref["batch"], mesh)
+        assert batch["tokens"].sharding.spec == shd.batch_sharding(mesh, N).spec
+        step = make_train_step(model, algo, opt, sampling=sampling, mesh=mesh)
+        new, met = step(state, batch)
+        assert state.params["layer_0"]["ffn"]["w_gate"].is_deleted()  # the state was donated
+        # layout: experts over "expert" (and fsdp / tensor on their dims), moments alike
+        w = new.params["layer_0"]["ffn"]["w_gate"]
+        mu = new.opt_state[1][1][0].mu["layer_0"]["ffn"]["w_gate"]
+        assert w.sharding == mu.sharding == sh.params["layer_0"]["ffn"]["w_gate"]
+        E, D, F = w.shape
+        assert w.addressable_shards[0].data.shape == (E // shape[2], D // shape[1],
+                                                      F // shape[3])
+        assert len(new.step.sharding.device_set) == 8  # scalars replicated
+        want = ref["state"]
+        errs = {"loss": _close("loss", met["loss"], ref["metrics"]["loss"]),
+                "metrics": _close("metrics", met, ref["metrics"], rtol=1e-4, atol=1e-5),
+                "grads": _close("grads", new.opt_state[0], want.opt_state[0]),
+                "params": _close("params", new.params, want.params),
+                "router_state": _close("router_state", new.router_state, want.router_state),
+                "opt_state": _close("opt_state", new.opt_state[1], want.opt_state[1])}
+        assert int(new.step) == 1 and int(new.skipped) == 0
+        print(f"OK step {shape} max abs errors " + " ".join(f"{k}={v:.1e}"
+                                                             for k, v in errs.items()))
+        out = Sampler(model, _greedy(model), mesh=mesh).generate(
+            variables, ref["prompts"], ref["plen"], jax.random.key(3))
+        assert out.tokens.sharding.spec == shd.batch_sharding(mesh, N).spec
+        np.testing.assert_array_equal(shd.host_rows(out.tokens), ref["tokens"])
+        np.testing.assert_array_equal(shd.host_rows(out.mask), ref["rollout_mask"])
+        print(f"OK rollouts {shape}")
+
+
+CHILDREN = {"reference": child_reference, "meshes": child_meshes}
+
+if __name__ == "__main__":
+    CHILDREN[sys.argv[1]](*sys.argv[2:])
