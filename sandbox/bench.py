@@ -13,6 +13,9 @@ Side by side in one run, with the same concurrency (W = CPU count):
   generated  every demonstration of the generated families (arithmetic, code, terminal) scores 1
   load       3,000 runs (quick: 300) with 1% adversarial programs and two reward hacks mixed in
              (sandbox/bench_load.py): lost, misattributed, clean and up afterwards
+  sessions   3-command episodes (open a session, 3 commands, isolated check, close) per second
+             through the pool and through the HTTP server, next to the same runs as one
+             run_sequence (sandbox/bench_sessions.py)
 Closed loop: W client threads each submit a run and wait for it, so latency excludes queueing;
 runs/s is completed runs over wall time. `cpu_ms_per_run` is the CPU time (all processes of a
 run, user + system, from rusage of a reaped run) so numbers taken on a busy machine can be read as
@@ -175,6 +178,7 @@ def _generated_demos(pool, quick: bool) -> dict:
 def run(quick: bool = False) -> dict:
     from .bench_http import run_http
     from .bench_load import run_load
+    from .bench_sessions import run_sessions
     from .pool import SandboxPool
 
     n = 60 if quick else 400
@@ -199,6 +203,7 @@ def run(quick: bool = False) -> dict:
         out["humaneval"] = _humaneval(pool, quick)
         out["generated_demos"] = _generated_demos(pool, quick)
         out["load"] = run_load(pool, runs=300 if quick else 3000, adversarial=0.01)
+        out["sessions"] = run_sessions(quick, workers=w, pool=pool)
     out["cpu"] = _cpu_per_sandbox_run(20 if quick else 60)
     out["loadavg_end"] = os.getloadavg()
     s, p, h = out["sandbox"], out["plain"], out["http"]
@@ -225,6 +230,10 @@ def run(quick: bool = False) -> dict:
                 f"{out['load']['lost']}, misattributed {out['load']['misattributed']}, wrong status "
                 f"{out['load']['wrong_status']}, dirty after {out['load']['dirty_after']}, "
                 f"{out['load']['runs_per_s']} runs/s",
+        "session_episodes_per_s": f"pool {out['sessions']['summary']['pool_episodes_per_s']}, "
+                                  f"http {out['sessions']['summary']['http_episodes_per_s']}, "
+                                  f"as one run_sequence {out['sessions']['summary']['sequence_episodes_per_s']} "
+                                  f"(failed {out['sessions']['summary']['failed']})",
         "sandbox_cpu_ms_per_run": out["cpu"].get("sandbox_cpu_ms_per_run"),
         "plain_cpu_ms_per_run": out["cpu"].get("plain_cpu_ms_per_run"),
     }

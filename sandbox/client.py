@@ -16,6 +16,13 @@ at once if one is not resting) and sends again, for up to `busy_timeout_s` in al
 retried `retries` times on the next URL with exponential backoff (or the server's Retry-After). A
 request that still fails comes back as a `sandbox_error` result (never an exception, never lost).
 With `token` (or env KIMI_SANDBOX_TOKEN) every request carries `Authorization: Bearer <token>`.
+
+`client.session(files=..., limits=...)` opens a `sandbox.Session` on the server (POST /sessions):
+the same interface as a local pool's session (submit/run/check/read_files/usage/close). Each
+command carries a per-session sequence number, so a retried request (a connection reset after the
+server got it) returns the command's result instead of running it twice; a create carries a
+request id for the same reason. Session errors (closed, limit, busy, cap) come back as the same
+`SessionError` subclasses, through the command's Future.
 """
 
 from __future__ import annotations
@@ -42,11 +49,12 @@ TOKEN_ENV = "KIMI_SANDBOX_TOKEN"
 
 class RemoteError(RuntimeError):
     def __init__(self, msg: str, transient: bool, status: int | None = None,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, body: Any = None) -> None:
         super().__init__(msg)
         self.transient = transient
         self.status = status
         self.retry_after_s = retry_after_s
+        self.body = body  # the parsed JSON error body, when there is one
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -189,11 +197,12 @@ class SandboxClient:
 
     def _post_once(self, i: int, path: str, body: dict, timeout: float) -> dict:
         base = self._parsed[i].path.rstrip("/")
-        data = json.dumps(body).encode()
+        data = json.dumps(body).encode() if body is not None else None
         for attempt in (0, 1):  # one silent reconnect for a stale keep-alive connection
             try:
                 c = self._conn(i, timeout)
-                c.request("POST", base + path, body=data, headers=self._headers)
+                c.request("POST" if data is not None else "GET", base + path, body=data,
+                          headers=self._headers)
                 resp = c.getresponse()
                 raw = resp.read()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
@@ -211,9 +220,14 @@ class SandboxClient:
                     self._drop(i)
                 msg = raw[:300].decode(errors="replace")
                 hint = " (set token= or env KIMI_SANDBOX_TOKEN)" if resp.status == 401 else ""
+                try:
+                    body = json.loads(raw) if len(raw) < 1 << 16 else None
+                except ValueError:
+                    body = None
                 raise RemoteError(f"{self.urls[i]}{path}: HTTP {resp.status}: {msg}{hint}",
                                   transient=resp.status in RETRY_HTTP, status=resp.status,
-                                  retry_after_s=parse_retry_after(resp.getheader("Retry-After")))
+                                  retry_after_s=parse_retry_after(resp.getheader("Retry-After")),
+                                  body=body)
             try:
                 return json.loads(raw)
             except ValueError as e:
@@ -235,11 +249,16 @@ class SandboxClient:
         now = time.monotonic()
         return max(0.0, min(self._down_until) - now)
 
-    def _post(self, path: str, body: dict, timeout: float) -> dict:
+    def _get(self, path: str, timeout: float, url: int | None = None) -> dict:
+        return self._post(path, None, timeout, url=url)
+
+    def _post(self, path: str, body: dict | None, timeout: float, url: int | None = None) -> dict:
+        """POST (GET when body is None) with the retry rules of the module docstring; `url`
+        pins the request to one of self.urls (a session's server)."""
         attempt = 0  # transient failures other than 429
         busy_deadline = time.monotonic() + self.busy_timeout_s
         while True:
-            i = self._pick()
+            i = self._pick() if url is None else url
             try:
                 out = self._post_once(i, path, body, timeout)
                 self._down_until[i] = 0.0
@@ -252,10 +271,11 @@ class SandboxClient:
                 if e.status == 429:  # full: wait as told (jittered), not counted against retries
                     wait = (e.retry_after_s if e.retry_after_s is not None else 1.0) * (1 + 0.25 * random.random())
                     self._down_until[i] = max(self._down_until[i], time.monotonic() + wait)
-                    wait = self._rest()  # another URL may be free now
+                    wait = (self._rest() if url is None  # another URL may be free now
+                            else max(0.0, self._down_until[i] - time.monotonic()))
                     if time.monotonic() + wait > busy_deadline:
                         raise RemoteError(f"{e} (still busy after {self.busy_timeout_s:g}s of 429s)",
-                                          transient=False, status=429) from e
+                                          transient=False, status=429, body=e.body) from e
                     with self._lock:
                         self._stats["busy_retries"] += 1
                     time.sleep(wait)
@@ -327,6 +347,17 @@ class SandboxClient:
         futs = [self.submit(r["code"], **{k: v for k, v in r.items() if k != "code"}) for r in requests]
         return [f.result() for f in futs]
 
+    # ---- sessions ----------------------------------------------------------------------------
+    def open_session(self, *, files: dict | None = None, limits=None):
+        """The backend of a `Session` on the server; use `session()`."""
+        return RemoteSession(self, files, limits)
+
+    def session(self, *, files: dict[str, str | bytes] | None = None, limits=None):
+        """Opens a `sandbox.Session` on the server (see sandbox/session.py)."""
+        from .session import Session
+
+        return Session(self, files=files, limits=limits)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             lat = sorted(self._lat)
@@ -348,6 +379,105 @@ class SandboxClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _session_error(e: RemoteError, sid: str | None):
+    """A RemoteError that carries a session error -> that SessionError (else None)."""
+    from .session import ERRORS, SessionClosed
+
+    kind = e.body.get("session_error") if isinstance(e.body, dict) else None
+    if kind is None:
+        return None
+    if kind == "unknown":
+        return SessionClosed(f"the server has no session {sid}: {e.body.get('message')}")
+    return ERRORS.get(kind, ERRORS["session"])(e.body.get("message") or str(e))
+
+
+class RemoteSession:
+    """The backend of a `Session` over HTTP. A session lives on one server: every request of it
+    goes to the URL that created it (a client with several URLs picks one per session)."""
+
+    def __init__(self, client: SandboxClient, files: dict | None, limits) -> None:
+        from .session import SessionLimits
+
+        self.c = client
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._closed = False
+        self.url = client._pick()
+        req = normalize_request("", files=files or {})  # validates paths and contents
+        body = {"files": {k: base64.b64encode(v).decode() for k, v in req["files"].items()},
+                "limits": SessionLimits.coerce(limits).to_dict(),
+                "request_id": "c-" + os.urandom(12).hex()}
+        try:
+            resp = self._post("/sessions", body, client.timeout_pad_s)
+        except RemoteError as e:
+            err = _session_error(e, None)
+            if err is not None:
+                raise err from e
+            raise
+        self.id = resp["session_id"]
+        self.limits = SessionLimits(**resp["limits"])
+
+    def _post(self, path: str, body: dict, timeout: float) -> dict:
+        return self.c._post(path, body, timeout, url=self.url)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, req: dict, budget: bool = True) -> Future:
+        with self._lock:
+            self._seq += 1
+            body = {**req_to_native(req), "budget": budget, "seq": self._seq}
+        return self.c._pool.submit(self._do_run, body, req["timeout_s"] + self.c.timeout_pad_s)
+
+    def _do_run(self, body: dict, timeout: float) -> ExecutionResult:
+        t0 = time.monotonic()
+        try:
+            r = ExecutionResult.from_dict(self._post(f"/sessions/{self.id}/run", body, timeout))
+        except RemoteError as e:
+            err = _session_error(e, self.id)
+            if err is not None:
+                raise err from e
+            with self.c._lock:
+                self.c._stats["failures"] += 1
+            r = ExecutionResult.sandbox_error(f"remote sandbox failed: {e}")
+        except (KeyError, TypeError) as e:
+            r = ExecutionResult.sandbox_error(f"remote sandbox sent a malformed result: {e}")
+        self.c._record([r], t0)
+        return r
+
+    def read_files(self, paths: list[str], limit_bytes: int = 1 << 20) -> dict[str, bytes]:
+        try:
+            resp = self._post(f"/sessions/{self.id}/files", {"paths": paths, "limit_bytes": limit_bytes},
+                              self.c.timeout_pad_s)
+        except RemoteError as e:
+            err = _session_error(e, self.id)
+            if err is not None:
+                raise err from e
+            raise
+        return {k: base64.b64decode(v) for k, v in resp["files"].items()}
+
+    def usage(self) -> dict[str, Any]:
+        try:
+            return self.c._get(f"/sessions/{self.id}", self.c.timeout_pad_s, url=self.url)
+        except RemoteError as e:
+            err = _session_error(e, self.id)
+            if err is not None:
+                raise err from e
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._post(f"/sessions/{self.id}/close", {}, self.c.timeout_pad_s)
+        except RemoteError as e:
+            if _session_error(e, self.id) is None:
+                raise  # the server may still hold it: its idle timeout closes it
 
 
 def connect(target: str | Iterable[str] | None = None, **kw: Any):

@@ -161,20 +161,24 @@ def _mountpoints() -> set[str]:
     return out
 
 
-def _proc_uids() -> dict[int, list[int]]:
-    """uid -> pids, from /proc (real uid)."""
+def _proc_uids(live_only: bool = False) -> dict[int, list[int]]:
+    """uid -> pids, from /proc (real uid). live_only: without zombies (dead processes whose
+    parent has not reaped them yet: they hold no resources and cannot be killed again)."""
     res: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/status", "rb") as f:
+                zombie = False
                 for line in f:
-                    if line.startswith(b"Uid:"):
-                        uid = int(line.split()[1])
-                        res.setdefault(uid, []).append(int(name))
+                    if line.startswith(b"State:"):
+                        zombie = line.split()[1] == b"Z"
+                    elif line.startswith(b"Uid:"):
+                        if not (live_only and zombie):
+                            res.setdefault(int(line.split()[1]), []).append(int(name))
                         break
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             continue
     return res
 
@@ -183,13 +187,18 @@ def pids_of_uid(uid: int) -> list[int]:
     return _proc_uids().get(uid, [])
 
 
+def live_pids_of_uid(uid: int) -> list[int]:
+    """pids_of_uid without zombies (an orphan's zombie waits for init, which may reap slowly)."""
+    return _proc_uids(live_only=True).get(uid, [])
+
+
 def kill_uid(uid: int, timeout_s: float = 5.0) -> bool:
     """SIGKILLs every process whose real uid is `uid` (never uid 0). True when none is left."""
     if uid == 0:
         raise ValueError("refusing to kill uid 0")
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = pids_of_uid(uid)
+        pids = live_pids_of_uid(uid)
         if not pids:
             return True
         for p in pids:

@@ -5,7 +5,8 @@ meaning: `files` maps a path to base64 content, a null content is skipped, `comp
 accepted and unused since python and bash are not compiled, `memory_limit_MB` <= 0 means this
 sandbox's default of 512 MB) plus this project's extensions `output_limit_bytes`, `max_procs`,
 `collect_limit_bytes`. `NativeRunRequest` is the body of `POST /run` and one step of
-`POST /run_sequence` (the arguments of `SandboxPool.run`, files base64). Unknown fields are
+`POST /run_sequence` (the arguments of `SandboxPool.run`, files base64). `SessionCreateRequest`,
+`SessionRunRequest` and `SessionFilesRequest` are the bodies of the session endpoints. Unknown fields are
 refused (422 naming them) rather than ignored, so a misspelt limit never silently falls back to a
 default. Limits that depend on the server are applied by `to_run_kwargs`: `output_limit_bytes` and
 `collect_limit_bytes` default to the server's output cap and are lowered to it when larger (the
@@ -169,6 +170,41 @@ class NativeRunRequest(_Strict):
 
 class RunSequenceRequest(_Strict):
     steps: list[NativeRunRequest] = Field(min_length=1)
+
+
+class SessionCreateRequest(_Strict):
+    """`POST /sessions`: files placed in the new session's /work (base64, null skipped), its
+    limits (SessionLimits fields; absent ones default), and an optional request_id: a resend of
+    the same id (a client retrying a create whose answer it lost) gets the same session back."""
+
+    files: dict[str, str | None] = Field(default_factory=dict)
+    limits: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = Field(None, min_length=8, max_length=128)
+
+    @field_validator("files")
+    @classmethod
+    def _files_b64(cls, v: dict[str, str | None]) -> dict[str, str | None]:
+        _decode_files(v)
+        return v
+
+    def decoded_files(self) -> dict[str, bytes]:
+        return _decode_files(self.files)
+
+
+class SessionRunRequest(NativeRunRequest):
+    """`POST /sessions/{id}/run`: a native run request plus `budget` (False: a task run such as
+    a setup or a check, see sandbox/session.py) and `seq` (1, 2, ... per session: a resend of the
+    last number returns that command's result instead of running it twice)."""
+
+    budget: bool = Field(True, strict=True)
+    seq: int | None = Field(None, ge=1, strict=True)
+
+
+class SessionFilesRequest(_Strict):
+    """`POST /sessions/{id}/files`: regular files of the session's /work to read back."""
+
+    paths: list[str] = Field(min_length=1)
+    limit_bytes: int | None = Field(None, ge=0)
 
 
 def _capped(name: str, value: int | None, cap: int) -> int:

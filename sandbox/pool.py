@@ -14,6 +14,11 @@ Typical use (the RL side):
     with SandboxPool(workers=8) as pool:
         results = pool.run_batch([{"code": c, "timeout_s": 5} for c in programs])
         print(pool.stats())
+
+Sessions (sandbox/session.py): `pool.session(files=..., limits=...)` opens one episode's private
+working directory kept across commands; its commands go through the same queue and workers as
+every other run (any worker runs them with the session's uid, tmpfs and cgroup), at most
+`max_sessions` open at once.
 """
 
 from __future__ import annotations
@@ -220,11 +225,13 @@ class SandboxPool:
     `isolation="none"` for trusted local debugging, which warns). Per-call limits (timeout_s,
     memory_mb, output_limit_bytes, ...) are arguments of `submit`/`run`.
 
+    max_sessions: hard cap on sessions open at once (`session()`; see sandbox/session.py).
+
     Raises IsolationUnavailable at construction when bubblewrap isolation cannot be set up.
     """
 
     def __init__(self, workers: int | None = None, *, config: SandboxConfig | None = None,
-                 hang_grace_s: float = 60.0, **overrides: Any) -> None:
+                 hang_grace_s: float = 60.0, max_sessions: int = 64, **overrides: Any) -> None:
         if config is None:
             config = SandboxConfig(**overrides)
         elif overrides:
@@ -244,6 +251,11 @@ class SandboxPool:
 
             self._layout = CgroupLayout()
         self.hang_grace_s = hang_grace_s
+        if type(max_sessions) is not int or max_sessions < 1:
+            raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
+        self.max_sessions = max_sessions
+        self._sessions = None  # SessionManager, made by the first session
+        self._sessions_lock = threading.Lock()
         self._q: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._stats = _Stats()
@@ -271,7 +283,10 @@ class SandboxPool:
 
     # ---- worker management (one thread per worker: it spawns, feeds and replaces it) ---------
     def _spawn(self, i: int, sweep: bool) -> _Worker:
-        return _Worker(i, self.config, sweep=sweep, layout=self._layout)
+        w = _Worker(i, self.config, sweep=sweep, layout=self._layout)
+        if self._sessions is not None and w.info.get("uid") is not None:
+            self._sessions.reaper.add(w.info["uid"])  # swept if this process dies
+        return w
 
     def _manage(self, i: int, ready: threading.Event, errors: list) -> None:
         try:
@@ -307,7 +322,7 @@ class SandboxPool:
             self._workers[i] = None
 
     def _run_item(self, i: int, item: tuple) -> None:
-        fut, msg, n_results, t_sub, budget = item
+        fut, msg, n_results, t_sub, budget, on_reply = item
         w = self._workers[i]
         if w.proc is None or w.proc.poll() is not None:  # died while idle: replace it first
             self._replace(i, f"worker died while idle (exit {w.proc.poll() if w.proc else None})",
@@ -330,6 +345,8 @@ class SandboxPool:
             results = reply["results"]
             broken = reply.get("broken")
             w.runs += 1
+            if on_reply is not None:
+                on_reply(reply)
         except Exception as e:  # noqa: BLE001 - WorkerDied, a broken pipe, a malformed reply
             results = [ExecutionResult.sandbox_error(f"sandbox worker crashed: {e}",
                                                      wall_s=time.monotonic() - t_start)
@@ -348,7 +365,7 @@ class SandboxPool:
         fut.set_result(results if msg["op"] == "seq" else results[0])
 
     def _fail(self, item: tuple, message: str) -> None:
-        fut, msg, n_results, t_sub, _ = item
+        fut, msg, n_results, t_sub, _, _ = item
         if not fut.set_running_or_notify_cancel():
             with self._cv:
                 self._in_flight -= 1
@@ -369,6 +386,8 @@ class SandboxPool:
                 old.kill()
             else:
                 old.close(timeout=30.0)  # a broken slot exits on its own after answering
+            if self._sessions is not None and old.info.get("uid") is not None:
+                self._sessions.reaper.remove(old.info["uid"])
         with self._stats.lock:
             if crashed:
                 self._stats.restarts += 1
@@ -443,16 +462,46 @@ class SandboxPool:
         return req
 
     # ---- API --------------------------------------------------------------------------------
-    def _enqueue(self, msg: dict, n_results: int, budget: float) -> Future:
+    def _enqueue(self, msg: dict, n_results: int, budget: float, on_reply=None) -> Future:
         fut: Future = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError("SandboxPool is closed")
             t_sub = self._stats.submit(n_results)
             self._in_flight += 1
-            self._q.append((fut, msg, n_results, t_sub, budget))
+            self._q.append((fut, msg, n_results, t_sub, budget, on_reply))
             self._cv.notify()
         return fut
+
+    def _enqueue_session(self, desc: dict, req: dict, on_reply) -> Future:
+        """One command of a session (sandbox/session.py): any worker runs it with the session's
+        uid, directories and cgroup. `on_reply(reply)` sees the worker's whole reply."""
+        return self._enqueue({"op": "session", "session": desc, "req": req}, 1, req["timeout_s"],
+                             on_reply)
+
+    # ---- sessions -------------------------------------------------------------------------
+    @property
+    def sessions(self):
+        """The SessionManager of this pool (created on first use: it starts the reaper)."""
+        with self._sessions_lock:
+            if self._sessions is None:
+                if self._closed:
+                    raise RuntimeError("SandboxPool is closed")
+                from .session import SessionManager
+
+                self._sessions = SessionManager(self, self.max_sessions)
+            return self._sessions
+
+    def open_session(self, *, files: dict | None = None, limits=None):
+        """The backend of a `Session` (sandbox/session.py); use `session()`."""
+        return self.sessions.open(files=files, limits=limits)
+
+    def session(self, *, files: dict[str, str | bytes] | None = None, limits=None):
+        """Opens a Session: one episode's private working directory kept across commands, with
+        its own limits (SessionLimits or a dict of its fields). See sandbox/session.py."""
+        from .session import Session
+
+        return Session(self, files=files, limits=limits)
 
     def submit(self, code: str, **kw: Any) -> Future:
         """Schedules one run; returns a Future[ExecutionResult]. Invalid requests raise
@@ -493,6 +542,8 @@ class SandboxPool:
             inflight = self._in_flight
         s = self._stats.snapshot(inflight)
         s["workers"] = self.n
+        if self._sessions is not None:
+            s["sessions"] = self._sessions.stats()
         return s
 
     def reset_stats(self) -> None:
@@ -509,7 +560,10 @@ class SandboxPool:
         return dict(w.info) if w is not None else {}
 
     def close(self, cancel_pending: bool = False) -> None:
-        """Stops the workers after the queued tasks finish (or cancels them)."""
+        """Stops the workers after the queued tasks finish (or cancels them); closes every
+        session first."""
+        if self._sessions is not None and not self._closed:
+            self._sessions.shutdown()
         with self._cv:
             if self._closed:
                 return

@@ -19,6 +19,22 @@ Endpoints
                       /v1/ping answers "pong" (SandboxFusion's liveness probe).
   GET  /stats         pool.stats() plus "server": this server's counters (429s, cancellations, ...).
 
+Sessions (sandbox/session.py: one episode's private working directory across commands; the
+server owns them, as a pool's caller would):
+  POST /sessions               {"files": {path: base64}, "limits": {SessionLimits fields},
+                               "request_id"} -> {"session_id", "limits"}; 429 + Retry-After when
+                               the pool's `--max-sessions` are open (client waits, as for 429s).
+  POST /sessions/{id}/run      a native request + "budget" (false: setup/check runs) + "seq"
+                               (1, 2, ...: a resend of the last seq returns its result, never runs
+                               it twice) -> ExecutionResult dict.
+  POST /sessions/{id}/files    {"paths", "limit_bytes"} -> {"files": {path: base64}, "notes"}
+  POST /sessions/{id}/close    (or DELETE /sessions/{id}) -> {"closed": true, "reason"}
+  GET  /sessions/{id}          usage: commands, wall_s, idle_s, limits, closed_reason
+  Session errors are JSON errors with "session_error": "closed" (410; 404 "unknown" for an id
+  never seen), "limit" or "busy" (409), "cap" (429). Session run and create requests count
+  against the same admission capacity as /run; every endpoint has the same auth, body and output
+  caps (read-back files at most max_output_bytes each, max_fetch_files of them).
+
 Behaviour under load and abuse (ServerConfig fields; each a command-line flag):
   - bounded queue: at most `workers + max_queue` run requests are admitted at once; beyond that
     the answer is 429 with Retry-After (seconds, from the queue length and the mean run time),
@@ -47,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hmac
 import ipaddress
 import json
@@ -74,15 +91,20 @@ from .http_models import (
     NativeRunRequest,
     RunCodeRequest,
     RunSequenceRequest,
+    SessionCreateRequest,
+    SessionFilesRequest,
+    SessionRunRequest,
+    _fetch_list,
     note_output_cap,
     result_to_sf,
 )
 from .http_protocol import ConnectionLimits, guarded_protocol
 from .pool import SandboxPool
-from .result import ExecutionResult, InvalidRequest
+from .result import ExecutionResult, InvalidRequest, check_rel_path, normalize_request
 
 TOKEN_ENV = "KIMI_SANDBOX_TOKEN"
 RUN_PATHS = frozenset({"/run_code", "/run", "/run_sequence"})
+SESSION_PREFIX = "/sessions"
 OPEN_PATHS = frozenset({"/health", "/v1/ping"})
 _OFFLOAD_BYTES = 256 << 10  # bodies / results larger than this are (de)serialised in a thread
 
@@ -137,9 +159,10 @@ class ServerState:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, detail: Any = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.detail, self.headers = status, message, detail, headers or {}
+        self.extra = extra or {}
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -152,11 +175,18 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 
 def error_response(status: int, message: str, detail: Any = None,
-                   headers: dict[str, str] | None = None) -> Response:
+                   headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> Response:
     body: dict[str, Any] = {"status": "SandboxError", "message": message}
     if detail is not None:
         body["detail"] = detail
+    if extra:
+        body.update(extra)
     return json_response(body, status, headers)
+
+
+def _is_session_run(path: str) -> bool:
+    """POST /sessions (create) and /sessions/{id}/run take a pool slot like /run."""
+    return path == SESSION_PREFIX or (path.startswith(SESSION_PREFIX + "/") and path.endswith("/run"))
 
 
 def is_loopback(host: str) -> bool:
@@ -203,20 +233,22 @@ class Guard:
                     401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
                     "(SandboxClient(token=...) or env " + TOKEN_ENV + ")",
                     headers={"www-authenticate": "Bearer", "connection": "close"})(scope, receive, send)
-        if scope["method"] != "POST" or path not in RUN_PATHS:
+        sessions = path == SESSION_PREFIX or path.startswith(SESSION_PREFIX + "/")
+        if scope["method"] != "POST" or not (path in RUN_PATHS or sessions):
             return await self.app(scope, receive, send)
         cl = headers.get(b"content-length")
         if cl is not None and (not cl.isdigit() or int(cl) > self.cfg.max_body_bytes):
             st.bump("body_too_large")  # (the HTTP parser already refuses a non-numeric length)
             return await self._too_large(scope, receive, send)
+        admit = path in RUN_PATHS or _is_session_run(path)  # files/close: bounded body only
         capacity = self.pool.n + self.cfg.max_queue
-        if st.admitted >= capacity:
+        if admit and st.admitted >= capacity:
             st.bump("rejected_busy")
             ra = self.retry_after()
             return await error_response(
                 429, f"the sandbox queue is full ({capacity} requests admitted); retry after {ra}s",
                 headers={"retry-after": str(ra)})(scope, receive, send)
-        st.admitted += 1
+        st.admitted += admit
         try:
             body = await self._read_body(scope, receive, send)
             if body is None:
@@ -232,7 +264,7 @@ class Guard:
 
             await self.app(scope, replay, send)
         finally:
-            st.admitted -= 1
+            st.admitted -= admit
 
     def retry_after(self) -> int:
         queued = max(1, self.state.admitted - self.pool.n)
@@ -305,8 +337,12 @@ class _ClientGone(Exception):
     pass
 
 
-def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState):
-    """The ASGI application (Guard in front of the Starlette routes)."""
+def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState,
+              owned_sessions: set[str] | None = None):
+    """The ASGI application (Guard in front of the Starlette routes). `owned_sessions` collects
+    the ids of the sessions opened through it (the server closes them when it stops)."""
+    owned = owned_sessions if owned_sessions is not None else set()
+    created_by_request: dict[str, str] = {}  # request_id -> session id (bounded below)
 
     def submit(fn: Callable[[], Future]) -> Future:
         try:
@@ -400,6 +436,103 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState):
         except (InvalidRequest, ValueError) as e:
             raise ApiError(422, f"invalid request: {e}") from e
 
+    # ---- sessions ------------------------------------------------------------------------
+    from .session import SessionError, SessionLimits
+
+    def session_error(e: SessionError) -> ApiError:
+        status = {"closed": 410, "limit": 409, "busy": 409, "cap": 429}.get(e.kind, 409)
+        state.bump(f"session_{e.kind}")
+        return ApiError(status, str(e), headers={"retry-after": "1"} if e.kind == "cap" else None,
+                        extra={"session_error": e.kind})
+
+    def lookup(request: Request):
+        sid = request.path_params["sid"]
+        try:
+            return pool.sessions.get(sid)
+        except SessionError as e:
+            raise session_error(e) from e
+        except KeyError:
+            raise ApiError(404, f"no session {sid!r} on this server",
+                           extra={"session_error": "unknown"}) from None
+
+    async def session_create(request: Request) -> Response:
+        req = await _parse_body(request, SessionCreateRequest)
+        try:
+            limits = SessionLimits.coerce(req.limits)
+            files = req.decoded_files()
+        except ValueError as e:
+            raise ApiError(422, f"invalid request: {e}") from e
+        if req.request_id is not None and req.request_id in created_by_request:
+            sid = created_by_request[req.request_id]
+            try:
+                s = pool.sessions.get(sid)
+                return json_response({"session_id": s.id, "limits": s.limits.to_dict()})
+            except (SessionError, KeyError):
+                pass  # closed since: open a new one
+        try:
+            s = await asyncio.to_thread(pool.sessions.open, files=files, limits=limits)
+        except SessionError as e:
+            raise session_error(e) from e
+        except (InvalidRequest, ValueError) as e:
+            raise ApiError(422, f"invalid request: {e}") from e
+        owned.add(s.id)
+        if req.request_id is not None:
+            created_by_request[req.request_id] = s.id
+            while len(created_by_request) > 4096:
+                created_by_request.pop(next(iter(created_by_request)))
+        state.bump("sessions_opened")
+        return json_response({"session_id": s.id, "limits": s.limits.to_dict()})
+
+    async def session_run(request: Request) -> Response:
+        s = lookup(request)
+        req = await _parse_body(request, SessionRunRequest)
+        code, kw = _kwargs(req)
+        try:
+            q = normalize_request(code, **kw)
+        except InvalidRequest as e:
+            raise ApiError(422, f"invalid request: {e}") from e
+        try:
+            r = await execute(request, lambda: s.submit(q, req.budget, req.seq))
+        except _ClientGone:
+            return Response(status_code=499)
+        except SessionError as e:
+            raise session_error(e) from e
+        learn([r])
+        note_output_cap(r, req.output_limit_bytes, cfg.max_output_bytes)
+        return await respond(r.to_dict(), size_of([r]))
+
+    async def session_files(request: Request) -> Response:
+        s = lookup(request)
+        req = await _parse_body(request, SessionFilesRequest)
+        try:
+            paths = [check_rel_path(p) for p in _fetch_list(req.paths, cfg.max_fetch_files)]
+        except (InvalidRequest, ValueError) as e:
+            raise ApiError(422, f"invalid request: {e}") from e
+        limit = min(req.limit_bytes if req.limit_bytes is not None else cfg.max_output_bytes,
+                    cfg.max_output_bytes)
+        try:
+            files, notes = await asyncio.to_thread(s.read_files_with_notes, paths, limit)
+        except SessionError as e:
+            raise session_error(e) from e
+        return await respond({"files": {k: base64.b64encode(v).decode() for k, v in files.items()},
+                              "notes": notes}, sum(len(v) for v in files.values()))
+
+    async def session_close(request: Request) -> Response:
+        sid = request.path_params["sid"]
+        try:
+            s = pool.sessions.get(sid)
+        except SessionError as e:  # closed already: closing is idempotent
+            return json_response({"closed": True, "reason": str(e)})
+        except KeyError:
+            raise ApiError(404, f"no session {sid!r} on this server",
+                           extra={"session_error": "unknown"}) from None
+        await asyncio.to_thread(s.close)
+        owned.discard(sid)
+        return json_response({"closed": True, "reason": s.closed_reason})
+
+    async def session_info(request: Request) -> Response:
+        return json_response(lookup(request).usage())
+
     async def health(request: Request) -> Response:
         h = pool.health()  # workers, up, down (+ whatever else the pool reports per slot)
         up = h["up"]
@@ -420,7 +553,7 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState):
 
     async def on_api_error(request: Request, exc: ApiError) -> Response:
         state.bump(f"http_{exc.status}")
-        return error_response(exc.status, exc.message, exc.detail, exc.headers)
+        return error_response(exc.status, exc.message, exc.detail, exc.headers, exc.extra)
 
     async def on_http_exc(request: Request, exc: HTTPException) -> Response:
         state.bump(f"http_{exc.status_code}")
@@ -435,7 +568,13 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState):
         routes=[Route("/run_code", run_code, methods=["POST"]), Route("/run", run_native, methods=["POST"]),
                 Route("/run_sequence", run_sequence, methods=["POST"]),
                 Route("/health", health, methods=["GET"]), Route("/", health, methods=["GET"]),
-                Route("/v1/ping", ping, methods=["GET"]), Route("/stats", stats, methods=["GET"])],
+                Route("/v1/ping", ping, methods=["GET"]), Route("/stats", stats, methods=["GET"]),
+                Route("/sessions", session_create, methods=["POST"]),
+                Route("/sessions/{sid}/run", session_run, methods=["POST"]),
+                Route("/sessions/{sid}/files", session_files, methods=["POST"]),
+                Route("/sessions/{sid}/close", session_close, methods=["POST"]),
+                Route("/sessions/{sid}", session_close, methods=["DELETE"]),
+                Route("/sessions/{sid}", session_info, methods=["GET"])],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_exc, Exception: on_error})
     return Guard(app, pool, cfg, state)
 
@@ -484,8 +623,9 @@ class SandboxServer:
         self.port = self.sock.getsockname()[1]
         protocol = guarded_protocol(ConnectionLimits(config.request_timeout_s, config.max_header_bytes,
                                                      config.max_connections), self.state.counters)
+        self.sessions: set[str] = set()  # ids opened through this server; closed by stop()
         self._uv = uvicorn.Server(uvicorn.Config(
-            build_app(pool, config, self.state), http=protocol, lifespan="off", loop="auto",
+            build_app(pool, config, self.state, self.sessions), http=protocol, lifespan="off", loop="auto",
             timeout_keep_alive=config.idle_timeout_s, backlog=config.backlog,
             timeout_graceful_shutdown=config.shutdown_grace_s, proxy_headers=False,
             server_header=False, access_log=verbose, log_level="info" if verbose else "warning"))
@@ -520,6 +660,13 @@ class SandboxServer:
             self.sock.close()
         except OSError:
             pass
+        if self.sessions and self.pool._sessions is not None:
+            for sid in list(self.sessions):
+                try:
+                    self.pool.sessions.get(sid).close("the sandbox server stopped", "pool")
+                except (KeyError, RuntimeError):
+                    pass
+            self.sessions.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -540,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s)
     p.add_argument("--max-connections", type=int, default=d.max_connections)
+    p.add_argument("--max-sessions", type=int, default=64,
+                   help="sessions open at once (POST /sessions beyond it: 429)")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -556,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with SandboxPool(workers=a.workers) as pool:
+    with SandboxPool(workers=a.workers, max_sessions=a.max_sessions) as pool:
         srv = SandboxServer(pool, a.host, a.port, config=cfg, insecure_no_token=a.insecure_no_token,
                             verbose=a.verbose).serve_in_thread()
         auth = "bearer token required" if cfg.token else "no token"

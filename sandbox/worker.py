@@ -7,6 +7,10 @@ which measured cheaper than forking the worker to set up in the child. It is the
 child subreaper of its sandboxes (the sandbox's pid 1 is reaped here, by pid, never by
 waitpid(-1)), and it dies with the pool (parent-death signal, and EOF on its request pipe).
 
+A command of a session (op "session") runs with the session's uid, tmpfs and cgroup, never the
+worker's own (sandbox/session.py); a session that breaks is reported as "session_broken" and
+closed by its owner, while the worker goes on.
+
 A slot that cannot guarantee a clean next run (`Slot.broken`: its working directory could not be
 reset, a process could not be killed) answers the current request with `"broken": reason` and
 the worker exits; the pool replaces it with a fresh worker and slot (new uid, new mount).
@@ -106,6 +110,13 @@ def main() -> int:
                     reply = {"ok": True, "results": [slot.run(msg["req"])]}
                 elif op == "seq":
                     reply = {"ok": True, "results": slot.run_sequence(msg["reqs"])}
+                elif op == "session":  # sandbox/session.py: the session's uid/tmpfs/cgroup, not ours
+                    from .session import run_session_command
+
+                    r, session_broken = run_session_command(slot, msg["session"], msg["req"])
+                    reply = {"ok": True, "results": [r]}
+                    if session_broken:
+                        reply["session_broken"] = session_broken
                 elif op == "ping":
                     reply = {"ok": True, "info": slot.info()}
                 else:
