@@ -1,5 +1,9 @@
-"""Task families and loaders (JSONL task files, HumanEval and MBPP formats)."""
+"""Task families and loaders (JSONL task files, HumanEval and MBPP formats, task folders).
 
+The generated families live in generators.py (one-shot) and multistep.py (multi-step episodes);
+folders.py loads Terminal-Bench/Harbor-style task folders."""
+
+from .folders import load_task_dir, load_task_dirs
 from .loaders import (
                       humaneval_task,
                       iter_jsonl,
@@ -12,4 +16,4 @@ from .loaders import (
 from .schema import FAMILIES, Task, TaskFormatError
 
 __all__ = ["FAMILIES", "Task", "TaskFormatError", "humaneval_task", "iter_jsonl", "load_humaneval",
-           "load_mbpp", "load_tasks", "mbpp_task", "save_tasks"]
+           "load_mbpp", "load_task_dir", "load_task_dirs", "load_tasks", "mbpp_task", "save_tasks"]

@@ -1,0 +1,230 @@
+"""The tool-call protocol of multi-step episodes: Hermes-style tags, as Qwen-style chat templates,
+verl and EasyDeL agent loops use them.
+
+    text = 'ls first\n<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
+    turn = parse_tool_calls(text)        # ParsedTurn(calls=[ToolCall("bash", {"command": "ls"})],
+                                         #            errors=[], text="ls first")
+    obs = format_result(result, budget_tokens=100)   # '<tool_response>\nexit 0\n...\n</tool_response>'
+
+Parsing (`parse_tool_calls`) never raises on model text: every problem becomes an entry of
+`errors` (shown to the model as an observation, see `format_error`):
+  - a `<tool_call>` without `</tool_call>`, a `</tool_call>` without an opening tag, "tool_call"
+    written without a well-formed tag;
+  - a body that is not JSON, not an object, without a non-empty string "name", with keys other
+    than "name" and "arguments", or with "arguments" that is not an object (a JSON string holding
+    an object is accepted: some models write arguments that way);
+  - more calls than `max_calls` (the extra ones are refused, never silently dropped).
+Text outside the tags is kept in `ParsedTurn.text` (thoughts, or the final answer of a turn
+without calls).
+
+Observations (`format_result`): `<tool_response>\n{header}\n{stdout}\nstderr:\n{stderr}\n
+</tool_response>` where the header is `exit N`, `timeout: killed after Ts (exit N)`, `memory
+limit of M MB exceeded (exit N)`, `output limit: killed after B bytes (exit N)` or `sandbox
+error: ...`. stdout and stderr together are cut to `budget_tokens` (counted by `count_tokens`,
+default UTF-8 bytes: the byte tokenizer's tokens); a cut part ends with `[... N more bytes]`.
+Control characters other than newline and tab are shown as `\\xNN`; output that is mostly not
+text (more than 10% control or undecodable characters, and more than 4) is replaced by `[binary
+output, N characters not shown]`; the protocol's own tags inside output are escaped (`&lt;tool_call>`), so a program
+cannot forge a response or a call in the transcript.
+
+Not covered: the chat template around turns (the rollout engine's, e.g. model/tokenizer.py's
+"Q: ... A: "), streaming parses of partial text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sandbox.result import ExecutionResult
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+_TAG_RE = re.compile(r"<(/?)(tool_call|tool_response)>")
+_CTRL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def byte_count(text: str) -> int:
+    """Tokens of the byte-level tokenizer (model/tokenizer.py): one per UTF-8 byte."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class ParsedTurn:
+    """One assistant turn: the well-formed calls in order, one error per malformed part, and
+    the text outside the tags (stripped)."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def is_final(self) -> bool:
+        """No call and nothing malformed: the turn is the model's last word."""
+        return not self.calls and not self.errors
+
+
+def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """The canonical, compact text of one call (what demonstrations teach)."""
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False,
+                      separators=(",", ":"))
+    return f"{CALL_OPEN}{body}{CALL_CLOSE}"
+
+
+def _parse_body(body: str) -> ToolCall | str:
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        msg = getattr(e, "msg", str(e))
+        pos = getattr(e, "pos", None)
+        return f"tool call is not valid JSON ({msg}{f' at character {pos}' if pos is not None else ''})"
+    if not isinstance(obj, dict):
+        return f"tool call must be a JSON object with name and arguments, got {type(obj).__name__}"
+    extra = sorted(set(obj) - {"name", "arguments"})
+    if extra:
+        return f"tool call has unknown key(s) {extra}; expected name and arguments"
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return "tool call needs a non-empty string \"name\""
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return "tool call \"arguments\" is a string that is not a JSON object"
+    if not isinstance(args, dict):
+        return f"tool call \"arguments\" must be an object, got {type(args).__name__}"
+    return ToolCall(name.strip(), args)
+
+
+def parse_tool_calls(text: str, max_calls: int | None = None) -> ParsedTurn:
+    """Splits one assistant turn into calls, errors and plain text (see the module docstring)."""
+    out = ParsedTurn()
+    rest: list[str] = []
+    pos = 0
+    while True:
+        i = text.find(CALL_OPEN, pos)
+        stray = text.find(CALL_CLOSE, pos)
+        if stray != -1 and (i == -1 or stray < i):
+            out.errors.append(f"{CALL_CLOSE} without a matching {CALL_OPEN}")
+            rest.append(text[pos:stray])
+            pos = stray + len(CALL_CLOSE)
+            continue
+        if i == -1:
+            rest.append(text[pos:])
+            break
+        rest.append(text[pos:i])
+        j = text.find(CALL_CLOSE, i + len(CALL_OPEN))
+        if j == -1:
+            out.errors.append(f"unterminated {CALL_OPEN} (no {CALL_CLOSE} after it)")
+            break
+        parsed = _parse_body(text[i + len(CALL_OPEN):j].strip())
+        if isinstance(parsed, str):
+            out.errors.append(parsed)
+        elif max_calls is not None and len(out.calls) >= max_calls:
+            out.errors.append(f"at most {max_calls} tool call(s) per turn: the call to "
+                              f"{parsed.name!r} was not run")
+        else:
+            out.calls.append(parsed)
+        pos = j + len(CALL_CLOSE)
+    out.text = "".join(rest).strip()
+    if "tool_call" in out.text:
+        out.errors.append(f"\"tool_call\" outside a well-formed {CALL_OPEN}...{CALL_CLOSE}")
+    return out
+
+
+# ---- observations ---------------------------------------------------------------------------
+
+
+def _escape_tags(text: str) -> str:
+    return _TAG_RE.sub(lambda m: f"&lt;{m.group(1)}{m.group(2)}>", text)
+
+
+def sanitize_output(text: str) -> str:
+    """Program output as observation text: binary -> a note; control characters -> \\xNN;
+    protocol tags escaped."""
+    if not text:
+        return ""
+    odd = len(_CTRL_RE.findall(text)) + text.count("\ufffd")
+    if odd > 4 and odd > 0.1 * len(text):
+        return f"[binary output, {len(text)} characters not shown]"
+    text = _CTRL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return _escape_tags(text)
+
+
+def truncate_tokens(text: str, budget: int, count_tokens: Callable[[str], int] = byte_count) -> str:
+    """`text` if it fits `budget` tokens, else its longest prefix that fits together with the
+    marker `[... N more bytes]` (N counts the bytes cut)."""
+    if count_tokens(text) <= budget:
+        return text
+    lo, hi = 0, len(text)
+    while lo < hi:  # the longest prefix whose text + marker fits
+        mid = (lo + hi + 1) // 2
+        cut = len(text[mid:].encode("utf-8", "surrogatepass"))
+        if count_tokens(text[:mid] + _marker(cut)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo] + _marker(len(text[lo:].encode("utf-8", "surrogatepass")))
+
+
+def _marker(n_bytes: int) -> str:
+    return f"[... {n_bytes} more bytes]"
+
+
+def wrap_response(body: str) -> str:
+    return f"{RESPONSE_OPEN}\n{body}\n{RESPONSE_CLOSE}"
+
+
+def format_error(message: str) -> str:
+    """An observation for a call that could not run (malformed, unknown tool, bad arguments)."""
+    return wrap_response("error: " + _escape_tags(message))
+
+
+def _header(r: ExecutionResult) -> str:
+    code = f" (exit {r.exit_code})" if r.exit_code is not None else ""
+    if r.status in ("ok", "error"):
+        return f"exit {r.exit_code}" if r.exit_code is not None else f"error: {r.message}"
+    if r.status == "timeout":
+        return f"timeout: {r.message or 'killed at the time limit'}{code}"
+    if r.status == "memory":
+        return f"{r.message or 'memory limit exceeded'}{code}"
+    if r.status == "output_limit":
+        return f"output limit: {r.message or 'too much output'}, program killed{code}"
+    return f"sandbox error: {r.message or 'the sandbox failed'}"
+
+
+def format_result(r: ExecutionResult, budget_tokens: int = 256,
+                  count_tokens: Callable[[str], int] = byte_count) -> str:
+    """The observation of one executed command (see the module docstring). stdout and stderr
+    share `budget_tokens`: each gets half, and what one does not use goes to the other."""
+    out, err = sanitize_output(r.stdout), sanitize_output(r.stderr)
+    if r.stdout_truncated and out:
+        out += "[... output cut at the sandbox's limit]"
+    if r.stderr_truncated and err:
+        err += "[... output cut at the sandbox's limit]"
+    n_out, n_err = count_tokens(out), count_tokens(err)
+    if n_out + n_err > budget_tokens:
+        half = budget_tokens // 2
+        if n_err <= half:
+            out = truncate_tokens(out, budget_tokens - n_err, count_tokens)
+        elif n_out <= half:
+            err = truncate_tokens(err, budget_tokens - n_out, count_tokens)
+        else:
+            out = truncate_tokens(out, half, count_tokens)
+            err = truncate_tokens(err, budget_tokens - half, count_tokens)
+    parts = [_escape_tags(_header(r))]
+    if out:
+        parts.append(out.rstrip("\n"))
+    if err:
+        parts += ["stderr:", err.rstrip("\n")]
+    return wrap_response("\n".join(parts))
