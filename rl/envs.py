@@ -23,7 +23,10 @@ turns at different times) drives many envs at once without blocking on the sandb
 
 `submit_step` never blocks: parsing is immediate, the turn's commands (and at the episode's end
 the check) are chained through Future callbacks; `step(a)` is `submit_step(a).result()`;
-`step_batch(envs, actions)` submits all, then waits.
+`step_batch(envs, actions)` submits all, then waits. One turn at a time per env: a second
+submit_step or a reset() while a turn runs raises EnvError; close() stops a running turn (its
+Future then ends the episode, truncated, status sandbox_error). Opening a session can raise
+SessionCapReached (the pool's max_sessions): size the batch to the cap.
 
 An episode (one task, one session):
   - reset(seed): closes the previous session, picks the task (`tasks[seed % len(tasks)]`, or
@@ -234,6 +237,9 @@ class SessionEnv:
         return task
 
     def reset(self, seed: int | None = None) -> str:
+        if self._turn_future is not None and not self._turn_future.done():
+            raise EnvError("a turn is still running: wait for its Future before reset() (close() "
+                           "stops it)")
         self.close()
         task = self._pick(seed)
         self.max_turns = min(self.config.max_turns,
@@ -294,7 +300,7 @@ class SessionEnv:
         info, c = turn.info, self.config
         self._over = True
         info["end"] = reason
-        session = self.session
+        session = turn.session
 
         def finish(check: ExecutionResult | None, status: str) -> None:
             score = 1.0 if check is not None and check.status == "ok" else 0.0
@@ -344,6 +350,7 @@ class _Turn:
 
     def __init__(self, env: SessionEnv, out: Future, info: dict, parsed) -> None:
         self.env, self.out, self.info, self.parsed = env, out, info, parsed
+        self.session = env.session  # this episode's, even if the env is closed meanwhile
         self.parts = [format_error(e) for e in parsed.errors]
         self.malformed = bool(parsed.errors)
         self.stop: str | None = None
@@ -380,7 +387,7 @@ class _Turn:
                 i += 1
                 continue
             try:
-                fut = tool.submit(env.session, call.arguments, env.config)
+                fut = tool.submit(self.session, call.arguments, env.config)
             except (ToolArgumentError, InvalidRequest) as e:
                 self._refuse(f"{call.name}: {e}")
                 i += 1
@@ -420,6 +427,8 @@ class _Turn:
             self.penalty = c.format_penalty
             env.penalties += c.format_penalty
         self.info["tokens"] = env.tokens
+        if self.stop is None and self.session.closed:  # env.close() (or an idle timeout) meanwhile
+            self.stop = "the session was closed"
         if self.stop is not None:
             return env._end(self, obs, False, self.stop)
         if capped or env.tokens >= c.max_episode_tokens:

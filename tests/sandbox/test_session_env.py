@@ -121,6 +121,20 @@ def test_many_envs_step_concurrently(pool):
             e.close()
 
 
+def test_close_during_a_turn_ends_it(pool):
+    e = SessionEnv(ROOMY, executor=pool, config=EnvConfig(command_timeout_s=20.0))
+    e.reset(0)
+    f = e.submit_step(bash("sleep 15"))
+    with pytest.raises(EnvError, match="still running"):
+        e.reset(1)
+    time.sleep(0.2)
+    e.close()
+    r = f.result(timeout=20)
+    assert r.truncated and r.reward == 0.0 and r.info["status"] == "sandbox_error", r.info
+    assert e.reset(1) == ROOMY[1].prompt  # the env goes on with a new episode
+    e.close()
+
+
 def _terminal_hacks():
     spec = importlib.util.spec_from_file_location("_reward_hacks", os.path.join(HERE, "test_reward_hacks.py"))
     mod = importlib.util.module_from_spec(spec)
