@@ -105,9 +105,12 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # hidden_dim 0: RMSNorm + linear head; critic lr = optim.lr * lr_scale.
     c.rl.critic = ml_collections.ConfigDict(dict(detached=True, hidden_dim=0, lr_scale=10.0))
 
+    # numerics: mu_dtype = Adam's first moment; master_dtype = an f32 master copy of every
+    # non-f32 parameter with the optimizer (both moments) in f32 (rl.train_step.with_master_copy;
+    # no effect on the f32 CPU models); "" for either: the parameter's dtype
     c.optim = ml_collections.ConfigDict(dict(
         lr=1e-4, warmup_steps=5, total_steps=100, final_lr_frac=0.5, weight_decay=0.0,
-        b1=0.9, b2=0.99, eps=1e-8, clip_norm=1.0))
+        b1=0.9, b2=0.99, eps=1e-8, clip_norm=1.0, mu_dtype="float32", master_dtype="float32"))
     c.optim.total_steps = c.rl.get_ref("steps").identity()  # follows --config.rl.steps
 
     c.eval = ml_collections.ConfigDict(dict(
@@ -186,7 +189,7 @@ def small_8dev() -> ml_collections.ConfigDict:
 def reference() -> ml_collections.ConfigDict:
     """reference_2p8t on a multi-host slice (preset multihost_slice: fsdp=-1,expert=8,tensor=4;
     override --config.sharding.mesh for the slice at hand). Plan its memory first:
-    python scripts/plan.py --config configs/rl.py:reference --device tpu-v5p --batch 256."""
+    python scripts/plan.py --config configs/rl.py:reference --devices 512 --device tpu-v5p."""
     c = _base("grpo")
     c.name = "reference"
     c.workdir = "runs/reference"
@@ -195,7 +198,7 @@ def reference() -> ml_collections.ConfigDict:
     c.sharding = shd.sharding_config("multihost_slice")
     c.rl.update(dict(prompts_per_batch=64, group_size=4, max_prompt_len=1024,
                      max_new_tokens=3072))
-    c.sandbox.update(dict(workers=0, remote="http://sandbox-fleet:8080", fleet_slots=4096))
+    c.sandbox.update(dict(workers=32))  # per host; or remote=<fleet URLs> with fleet_slots
     return c
 
 

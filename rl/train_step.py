@@ -43,12 +43,21 @@ targets of the whole batch; the MoE balance loss and indexer KL are averaged ove
 Guards and extras: updates whose gradients are not finite are skipped (params and optimizer state
 kept) and counted in state.skipped; the aux-free router bias moves by moe.bias_update_rate against
 each layer's load (sigmoid routers); metrics include grad norm, KL, entropy (of the sampling
-distribution), clip fractions, router max-violation, the auxiliary terms, and the
-sampler/trainer log-prob gap; with a critic, vf_loss, vf_clipfrac, vf_explained_var,
-values_mean, returns_mean (over the whole batch) and value_grad_norm.
+distribution), clip fractions, router max-violation, the auxiliary terms, the sampler/trainer
+log-prob gap and the router's dropped-assignment fraction (router_dropped_frac: mean over MoE
+layers; router_dropped_frac_max: the worst layer; per micro-batch, averaged); with a critic,
+vf_loss, vf_clipfrac, vf_explained_var, values_mean, returns_mean (over the whole batch) and
+value_grad_norm.
+
+Scale-out: mesh= runs every step as a model.sharding.MeshJit on the mesh (see make_train_step);
+the state's shardings come from train_state_shardings and a sharded state is created by
+init_train_state_sharded. Numerics: make_optimizer's mu_dtype / master_dtype
+(with_master_copy: f32 master and f32 moments for bf16 parameters).
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -130,7 +139,10 @@ def make_optimizer(ocfg, *, trainable=None) -> optax.GradientTransformation:
     leaves `decay_mask` selects (no decay on A_log, dt_bias, norms, biases, embeddings).
 
     ocfg fields: lr, warmup_steps, total_steps, final_lr_frac, weight_decay, b1, b2, eps,
-    clip_norm (0 disables clipping). trainable: optional function params -> bool pytree; leaves
+    clip_norm (0 disables clipping); optional numerics: mu_dtype (Adam's first moment, e.g.
+    "float32"; None: the parameter's dtype, optax's default) and master_dtype ("float32": an f32
+    master copy of every non-f32 parameter, the optimizer and both moments in f32,
+    `with_master_copy`; None/"": none). trainable: optional function params -> bool pytree; leaves
     where it is False are frozen (their updates are zero and they hold no optimizer state), e.g.
     `indexer_mask` for the indexer warm-up.
     """
@@ -145,12 +157,63 @@ def make_optimizer(ocfg, *, trainable=None) -> optax.GradientTransformation:
                              weight_decay=ocfg.weight_decay, mask=decay_mask,
                              mu_dtype=mu_dtype))
     opt = optax.chain(*parts)
-    if trainable is None:
-        return opt
+    if trainable is not None:
+        def labels(params):
+            return jax.tree.map(lambda t: "train" if t else "freeze", trainable(params))
+        opt = optax.multi_transform({"train": opt, "freeze": optax.set_to_zero()}, labels)
+    master = ocfg.get("master_dtype", None) or None
+    return with_master_copy(opt, master) if master else opt
 
-    def labels(params):
-        return jax.tree.map(lambda t: "train" if t else "freeze", trainable(params))
-    return optax.multi_transform({"train": opt, "freeze": optax.set_to_zero()}, labels)
+
+class MasterCopyState(NamedTuple):
+    """State of `with_master_copy`: the master copy (MaskedNode where the parameter itself is
+    in the master dtype) and the inner optimizer's state, built on the master view."""
+
+    master: Any
+    inner: Any
+
+
+def with_master_copy(inner: optax.GradientTransformation, dtype="float32"
+                     ) -> optax.GradientTransformation:
+    """Mixed-precision training: the inner optimizer runs on a `dtype` (f32) view of the
+    parameters, so AdamW's moments are f32 and small updates accumulate in f32 instead of
+    being lost to bf16 rounding. The state keeps an f32 master of every floating parameter
+    whose dtype is not `dtype`; the returned updates move each parameter to its master rounded
+    to the parameter's dtype. When every floating parameter already is `dtype` (the f32
+    configs) the state and the updates are exactly the inner optimizer's."""
+    dtype = jnp.dtype(dtype)
+
+    def node(x):
+        return isinstance(x, optax.MaskedNode)
+
+    def needs(x):
+        return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype
+
+    def view(master, params):
+        return jax.tree.map(lambda m, p: p if node(m) else m, master, params, is_leaf=node)
+
+    def init(params):
+        if not any(needs(x) for x in jax.tree.leaves(params)):
+            return inner.init(params)
+        master = jax.tree.map(lambda p: p.astype(dtype) if needs(p) else optax.MaskedNode(),
+                              params)
+        return MasterCopyState(master, inner.init(view(master, params)))
+
+    def update(grads, state, params=None):
+        if not isinstance(state, MasterCopyState):
+            return inner.update(grads, state, params)
+        if params is None:
+            raise ValueError("with_master_copy needs the parameters in update()")
+        v = view(state.master, params)
+        g = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, v)
+        u, inner_state = inner.update(g, state.inner, v)
+        new_v = optax.apply_updates(v, u)
+        master = jax.tree.map(lambda m, n: m if node(m) else n, state.master, new_v, is_leaf=node)
+        # in the master dtype: params + updates (apply_updates) rounds to the master's value
+        updates = jax.tree.map(lambda n, p: n - p.astype(n.dtype), new_v, params)
+        return updates, MasterCopyState(master, inner_state)
+
+    return optax.GradientTransformation(init, update)
 
 
 def init_train_state(variables: dict, optimizer: optax.GradientTransformation, *,
@@ -326,6 +389,10 @@ def make_rl_loss(model: Model, algo: AlgoConfig, *, micro_batches: int = 1,
                 jnp.sum(m), 1.0)
         if out.router is not None:
             met["router_max_vio"] = jnp.mean(out.router["max_vio"])
+            # assignments dropped by capacity (dispatch="capacity", or per-shard capacity under
+            # expert parallelism): mean over MoE layers, and the worst layer
+            met["router_dropped_frac"] = jnp.mean(out.router["dropped_fraction"])
+            met["router_dropped_frac_max"] = jnp.max(out.router["dropped_fraction"])
             met["router_dead_experts"] = jnp.mean(out.router["dead_experts"])
             met["router_entropy"] = jnp.mean(out.router["routing_entropy"])
         counts_e = out.expert_counts if out.expert_counts is not None else jnp.zeros((0, 0))
@@ -518,6 +585,9 @@ def make_sft_loss(model: Model, objective: str = "lm"):
         else:
             loss = cfg.dsa.indexer_loss_weight * out.indexer_kl
             met = {"indexer_kl": out.indexer_kl, "loss": loss}
+        if out.router is not None:
+            met["router_dropped_frac"] = jnp.mean(out.router["dropped_fraction"])
+            met["router_dropped_frac_max"] = jnp.max(out.router["dropped_fraction"])
         return loss, (met, out.expert_counts)
 
     return loss_fn

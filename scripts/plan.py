@@ -4,6 +4,8 @@ per-device memory on a mesh.
     python scripts/plan.py --config configs/models.py:reference_2p8t          # ~20 s on CPU
     python scripts/plan.py --config configs/models.py:reference_2p8t --json
     python scripts/plan.py --config configs/rl.py:grpo_tiny                    # uses config.model
+    python scripts/plan.py --config configs/rl.py:reference --devices 512 --device tpu-v5p \
+        --batch 256 --seq 4096          # an RL config: its mesh, optimizer numerics, reference
     python scripts/plan.py --config configs/models.py:reference_2p8t \
         --mesh fsdp=16,expert=8,tensor=8 --device h200 --batch 256 --seq 4096   # per-device table
     XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false python scripts/plan.py \
@@ -38,6 +40,13 @@ i.e. that dimension is replicated; those dims are listed). Assumptions, also pri
     is 1.5-1.8x XLA's compiled temp memory (`--compiled_memory`, docs/scaling.md);
   * inference holds the parameters as stored (MXFP4 experts) and the decode state for --batch
     sequences of --seq tokens (batch split as above, KDA heads over tensor);
+  * ZeRO-3 gathered weights and expert-parallel dispatch buffers (`fsdp_gathered_bytes`,
+    `ep_buffer_bytes`; a warning when the dropless all_to_all's buffers explode);
+  * with an RL config (`RunPlan`, `run_plan_from_config`): its optimizer dtypes
+    (optim.master_dtype / mu_dtype), the micro-batch gradient accumulator, the reference
+    policy, and a rollout verdict (the sampler next to the train state). For the tiny model on
+    8 fake devices the training total is within 10% of XLA's memory analysis of the compiled
+    RL train step (tests/rl/test_sharded_rl.py);
   * usable memory = device HBM x (1 - --headroom) (XLA workspace, collectives buffers,
     fragmentation).
 The verdict says what does not fit and by how much.
@@ -45,6 +54,7 @@ The verdict says what does not fit and by how much.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -80,6 +90,7 @@ _COMPILED = flags.DEFINE_bool("compiled_memory", False, "also compile the traini
                               "at --batch x --seq for every remat policy on this host's backend "
                               "and print XLA's memory analysis next to the planner's estimate "
                               "(small configs; see compiled_train_memory)")
+_DEVICES = flags.DEFINE_integer("devices", 0, "device count for a config mesh with a -1 axis")
 _HEADROOM = flags.DEFINE_float("headroom", 0.10, "fraction of HBM kept free (XLA workspace, "
                                "collective buffers, fragmentation)")
 
@@ -140,8 +151,17 @@ DEVICES = {
 
 ASSUMPTIONS = (
     "train: working params in the param dtype (MXFP4 experts trained as bf16 + QAT; router and "
-    "KDA gate params f32), grads in the param dtype, f32 master of every non-f32 param, AdamW "
-    "mu+nu in f32; all sharded like the params",
+    "KDA gate params f32), grads in the param dtype, f32 master of every non-f32 param and AdamW "
+    "mu+nu in f32 (optim.master_dtype / mu_dtype of an RL config; defaults as configs/rl.py), "
+    "a second gradient tree with micro-batches, the frozen reference policy when the algorithm "
+    "has one; all sharded like the params",
+    "ZeRO-3: weights gathered over the batch axes for compute (all blocks kept for the backward "
+    "without remat, one block with it) plus one block's full-size gradient before its "
+    "reduce-scatter; expert parallelism: send/receive buffers of one layer forward and backward "
+    "and the dispatched rows beyond k per token kept for the backward",
+    "rollouts: the sampler on the train state's params next to the train state, the decode "
+    "state of the rollout batch, the weight gathers hoisted out of the decode loop (every "
+    "block's gathered weights live)",
     "activations: under the configured remat policy (model.remat); per block the residuals JAX "
     "saves for the backward (traced from the real block on this device's tensor-parallel slice, "
     "Pallas kernels as on GPU/TPU), plus one block's recompute and cotangents, plus f32 logits "
@@ -373,14 +393,129 @@ def decode_state_per_device(cfg: ModelConfig, mesh_shape: dict, batch: int, seq:
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a run allocates besides the model (from an RL/SFT config: `run_plan_from_config`).
+
+    master_dtype: "float32" = an f32 master of every non-f32 parameter and both Adam moments in
+      f32 (rl.train_step.with_master_copy); "" = none, moments in mu_dtype / the param dtype.
+    mu_dtype: Adam's first moment ("" = the parameter's dtype).
+    micro_batches: > 1 adds the gradient accumulator (a second gradient tree) and divides the
+      activations' batch.
+    reference: RL keeps a frozen reference policy (a sharded copy of the parameters).
+    rollout_rows / rollout_len: the sampler's batch (rows, prompt + generated tokens); the
+      sampler runs on the train state's parameters, so rollouts co-reside with the train state.
+    """
+
+    master_dtype: str = "float32"
+    mu_dtype: str = "float32"
+    micro_batches: int = 1
+    reference: bool = False
+    rollout_rows: int = 0
+    rollout_len: int = 0
+
+
+def run_plan_from_config(config) -> RunPlan:
+    """RunPlan of an RL config (configs/rl.py): its optimizer numerics, micro-batches, whether
+    the algorithm keeps a reference policy, and the rollout batch."""
+    from rl.algorithms import algo_from_config
+
+    o, r = config.optim, config.rl
+    algo = algo_from_config(r.algo)
+    return RunPlan(master_dtype=o.get("master_dtype", "") or "",
+                   mu_dtype=o.get("mu_dtype", "") or "", micro_batches=int(r.micro_batches),
+                   reference=bool(algo.needs_ref),
+                   rollout_rows=int(r.prompts_per_batch * r.group_size),
+                   rollout_len=int(r.max_prompt_len + r.max_new_tokens))
+
+
+def _leaf_spec_bytes(abstract, mesh_shape: dict, rules, keep_axes) -> int:
+    """Per-device bytes of the boxed tree when only the mesh axes in keep_axes(leaf names)
+    split it (the rest gathered)."""
+    total = 0
+    for leaf in jax.tree.leaves(abstract, is_leaf=shd._is_box):
+        x = leaf.value if shd._is_box(leaf) else leaf
+        spec = (shd.logical_to_spec(leaf.names, x.shape, mesh_shape, rules)
+                if shd._is_box(leaf) else jax.sharding.PartitionSpec())
+        keep = keep_axes(leaf.names if shd._is_box(leaf) else ())
+        n = 1
+        for i, d in enumerate(x.shape):
+            e = spec[i] if i < len(spec) else None
+            axes = () if e is None else (e,) if isinstance(e, str) else e
+            n *= d // math.prod(mesh_shape[a] for a in axes if a in keep)
+        total += n * x.dtype.itemsize
+    return total
+
+
+def fsdp_gathered_bytes(cfg: ModelConfig, mesh_shape: dict, rules=None) -> dict:
+    """Weights all-gathered for compute under ZeRO-3: every dimension split over a batch axis
+    (data/fsdp/expert, rules["batch"]) is gathered, except an expert matrix's expert dimension
+    under expert parallelism (its experts stay on their shard); tensor splits stay.
+    {"all_blocks": bytes of every gathered weight (kept for the backward without remat),
+     "one_block": the largest single block's (what remat keeps live)}, minus the shards
+    already held."""
+    rules = shd._rules(rules)
+    batch_axes = set(rules.get("batch", ()))
+    ep = cfg.moe.expert_parallel != "none"
+    tree = _abstract(cfg)["params"]
+
+    def keep(names):
+        k = {a for a in mesh_shape if a not in batch_axes}
+        if ep and "expert" in names:
+            k |= set(rules.get("expert", ()))
+        return k
+
+    per_block, total = [], 0
+    for name, sub in tree.items():
+        full = _leaf_spec_bytes(sub, mesh_shape, rules, keep)
+        held = _leaf_spec_bytes(sub, mesh_shape, rules, lambda _: set(mesh_shape))
+        total += full - held
+        if name.startswith(("layer_", "mtp_")):
+            per_block.append(full - held)
+    return {"all_blocks": int(total), "one_block": int(max(per_block, default=0))}
+
+
+def ep_buffer_bytes(cfg: ModelConfig, mesh_shape: dict, tokens_local: int, rules=None) -> dict:
+    """Expert-parallel dispatch buffers per MoE layer per device (model/layers/moe.py), beyond
+    the local dropless dispatch the traced block residuals count (k rows per token):
+    all_to_all: [E, C, D] send and receive buffers with C = tokens_local (dropless) or
+    ceil(cf * tokens_local * k / E) (capacity); ragged_all_to_all: M receive rows,
+    ep * tokens_local * min(k, E/ep) (dropless) or ceil(cf * tokens_local * k) (capacity).
+    {"rows", "transient" (send + receive of one layer), "saved" (the extra rows' dispatched
+    input, gate/up/activation and output, kept for the backward by every MoE layer without
+    remat), "layers"}; zeros without expert parallelism."""
+    m = cfg.moe
+    zero = {"rows": 0, "transient": 0, "saved": 0, "layers": 0}
+    if not m.num_experts or m.expert_parallel == "none":
+        return zero
+    ep = mesh_shape.get("expert", 1)
+    E, k, n = m.num_experts, m.num_experts_per_tok, tokens_local
+    if m.expert_parallel == "all_to_all":
+        C = n if m.dispatch == "dropless" else max(1, math.ceil(m.capacity_factor * n * k / E))
+        rows = E * C
+    else:
+        rows = (ep * n * min(k, E // max(ep, 1)) if m.dispatch == "dropless"
+                else max(1, math.ceil(m.capacity_factor * n * k)))
+    b = jnp.dtype(cfg.dtype).itemsize
+    D, F = cfg.d_model, _split(m.expert_dim, "mlp", mesh_shape, rules)
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) + cfg.mtp.depth
+    extra = max(rows - k * n, 0)
+    return {"rows": int(rows), "transient": int(2 * rows * D * b),
+            "saved": int(extra * (2 * D + 3 * F) * b), "layers": int(layers)}
+
+
 def _verdict(need: float, usable: float) -> dict:
     return {"total": int(need), "fits": need <= usable, "over_by": int(max(0, need - usable)),
             "utilisation": need / usable}
 
 
 def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", batch: int = 256,
-                    seq: int = 4096, headroom: float = 0.10, rules=None) -> dict:
-    """Per-device memory for training (AdamW) and inference on `mesh` (see module docstring)."""
+                    seq: int = 4096, headroom: float = 0.10, rules=None,
+                    run: RunPlan | None = None) -> dict:
+    """Per-device memory for training (AdamW) and inference on `mesh` (see module docstring);
+    run: what the run allocates besides the model (RunPlan; default: f32 master and f32 Adam
+    moments, one micro-batch, no reference policy, no rollouts)."""
+    run = run or RunPlan()
     mesh_shape = shd.mesh_shape(mesh)
     ndev = math.prod(mesh_shape.values())
     dev = DEVICES[device]
@@ -390,18 +525,51 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
     tcfg = _training_cfg(cfg)
     train_report: list = []
     work = _shard_bytes(_abstract(tcfg), mesh_shape, rules, train_report)
-    # gradients in the param dtype; f32 master where params are not f32; Adam mu, nu in f32
-    grads = work["total"]
-    master = 4 * (work["elements"] - work["elements_f32"])  # f32 leaves are their own master
-    moments = 8 * work["elements"]
-    act = activation_bytes(tcfg, mesh_shape, batch, seq, rules)
-    fixed = work["total"] + grads + master + moments
-    train_total = fixed + act[cfg.remat]
+    # what rl.train_step allocates: params and gradients in the param dtype; with master_dtype
+    # an f32 master of every non-f32 parameter and both Adam moments in f32; without, mu in
+    # mu_dtype (or the param dtype) and nu in the param dtype
+    params, elems = work["total"], work["elements"]
+    grads = params
+    master = 4 * (elems - work["elements_f32"]) if run.master_dtype else 0
+    mu = 4 * elems if (run.master_dtype or run.mu_dtype == "float32") else params
+    nu = 4 * elems if run.master_dtype else params
+    moments = mu + nu
+    accum = grads if run.micro_batches > 1 else 0  # the micro-batch gradient accumulator
+    reference = params if run.reference else 0  # the frozen reference policy (sharded copy)
+    mb = max(batch // max(run.micro_batches, 1), 1)
+    act = activation_bytes(tcfg, mesh_shape, mb, seq, rules)
+    gathered = fsdp_gathered_bytes(tcfg, mesh_shape, rules)
+    ep_buf = ep_buffer_bytes(tcfg, mesh_shape, act["tokens_per_device"], rules)
+
+    def transient(p):
+        """ZeRO-3: the gathered weights (every block's without remat, kept for the backward;
+        one block's with it) and one block's full-size weight gradient before its
+        reduce-scatter; EP: the send/receive buffers of one layer's forward and of its
+        backward (the cotangents go back through the same all_to_all), plus the extra
+        dispatched rows every MoE layer keeps for the backward (one layer with remat)."""
+        blocks = p == "none"
+        return (gathered["all_blocks" if blocks else "one_block"] + gathered["one_block"]
+                + 2 * ep_buf["transient"]
+                + ep_buf["saved"] * (ep_buf["layers"] if blocks else 1))
+
+    fixed = params + grads + accum + master + moments + reference
+    total = {p: fixed + act[p] + transient(p) for p in REMAT_NAMES}
     dec = decode_state_per_device(cfg, mesh_shape, batch, seq, rules)
     baxes = shd.batch_axes(mesh_shape, batch, rules)
     b_loc = batch // math.prod(mesh_shape[x] for x in baxes)
     dec_logits = b_loc * cfg.vocab_size * 4
     infer_total = stored["total"] + dec + dec_logits
+    rollout = None
+    if run.rollout_rows:  # the sampler on the train state's parameters, next to the train state
+        r_dec = decode_state_per_device(tcfg, mesh_shape, run.rollout_rows, run.rollout_len,
+                                        rules)
+        r_loc = run.rollout_rows // math.prod(
+            mesh_shape[x] for x in shd.batch_axes(mesh_shape, run.rollout_rows, rules))
+        r_logits = r_loc * tcfg.vocab_size * 4
+        r_total = params + master + moments + reference + gathered["all_blocks"] + r_dec + \
+            r_logits
+        rollout = {"rows": run.rollout_rows, "len": run.rollout_len, "decode_state": r_dec,
+                   "logits": r_logits, **_verdict(r_total, usable)}
     dropped = sorted({f"{p}: {name} ({dim_size}) not divisible by {axis}={size} -> replicated"
                       for p, _, name, axis, size, dim_size in train_report + report})
     summary = sorted({f"{name} ({dim_size}) / {axis}={size}"
@@ -417,13 +585,28 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
     if batch % math.prod(mesh_shape[x] for x in ("data", "fsdp", "expert")):
         warnings.append(f"batch {batch} does not split evenly over data x fsdp x expert: "
                         f"split only over {', '.join(baxes) or 'nothing (replicated)'}")
+    if ep_buf["rows"] and cfg.moe.dispatch == "dropless" and ep_buf["transient"] > 0.1 * usable:
+        routed = cfg.moe.num_experts_per_tok * act["tokens_per_device"]
+        warnings.append(
+            f"moe.dispatch='dropless' with moe.expert_parallel={cfg.moe.expert_parallel!r}: the "
+            f"dispatch buffers of one MoE layer take {_fmt_bytes(ep_buf['transient'])} "
+            f"({ep_buf['rows']:,d} rows of d_model per device, "
+            f"{ep_buf['rows'] / max(routed, 1):.0f}x the {routed:,d} routed assignments), over "
+            "10% of the usable memory: use moe.dispatch='capacity'"
+            + (" or moe.expert_parallel='ragged_all_to_all'"
+               if cfg.moe.expert_parallel == "all_to_all" else ""))
+    for what, v in (("training", total[cfg.remat]), ("rollouts", rollout and rollout["total"])):
+        if v and v > usable:
+            warnings.append(f"{what} does not fit: {_fmt_bytes(v)} per device, "
+                            f"{_fmt_bytes(usable)} usable")
     return {
         "mesh": mesh_shape, "devices": ndev, "device": device, "device_name": dev["name"],
         "hbm_bytes": int(dev["hbm"]), "usable_bytes": int(usable), "headroom": headroom,
-        "batch": batch, "seq": seq, "local_batch": b_loc,
+        "batch": batch, "seq": seq, "local_batch": b_loc, "run": dataclasses.asdict(run),
         "train": {
-            "params_bf16": work["total"], "grads": grads, "master_f32": master,
-            "adam_moments_f32": moments,
+            "params_bf16": params, "grads": grads, "grad_accumulator": accum,
+            "master_f32": master, "adam_moments_f32": moments, "adam_mu": mu, "adam_nu": nu,
+            "reference_policy": reference,
             "remat": cfg.remat,  # the configured policy: "activations" and "total" use it
             "activations": act[cfg.remat],
             "activations_by_policy": {r: act[r] for r in REMAT_NAMES},
@@ -432,14 +615,20 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
             "block_residuals_by_policy": act["block_residuals"],
             "dsa_indexer_scores_per_layer": act["dsa_indexer_scores_per_layer"],
             "logits": act["logits"],
-            **_verdict(train_total, usable),
-            "by_policy": {r: _verdict(fixed + act[r], usable) for r in REMAT_NAMES},
-            "no_remat": _verdict(fixed + act["none"], usable),
+            "fsdp_gathered": gathered["all_blocks" if cfg.remat == "none" else "one_block"]
+            + gathered["one_block"],
+            "ep_buffers": transient(cfg.remat) - gathered["one_block"] - gathered[
+                "all_blocks" if cfg.remat == "none" else "one_block"],
+            "ep_buffer_rows": ep_buf["rows"],
+            **_verdict(total[cfg.remat], usable),
+            "by_policy": {r: _verdict(total[r], usable) for r in REMAT_NAMES},
+            "no_remat": _verdict(total["none"], usable),
         },
         "inference": {
             "params_stored": stored["total"], "decode_state": dec, "logits": dec_logits,
             **_verdict(infer_total, usable),
         },
+        "rollout": rollout,
         "not_divisible": summary,
         "replicated_dims": dropped,
         "warnings": warnings,
@@ -449,11 +638,12 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
 
 def plan(cfg: ModelConfig, shard_gb: float = 16.5, *, mesh: str | dict | None = None,
          device: str = "h200", batch: int = 256, seq: int = 4096, headroom: float = 0.10,
-         rules=None) -> dict:
+         rules=None, run: RunPlan | None = None) -> dict:
     """Totals (always) and, with `mesh`, the per-device table under out["per_device"]."""
     out = _plan_totals(cfg, shard_gb)
     if mesh is not None:
-        out["per_device"] = per_device_plan(cfg, mesh, device, batch, seq, headroom, rules)
+        out["per_device"] = per_device_plan(cfg, mesh, device, batch, seq, headroom, rules,
+                                            run=run)
     return out
 
 
@@ -509,8 +699,15 @@ def format_per_device(pd: dict) -> str:
         "  training (AdamW)",
         f"    {'params (working copy)':32}{_fmt_bytes(t['params_bf16']):>14}",
         f"    {'gradients':32}{_fmt_bytes(t['grads']):>14}",
+        *([f"    {'micro-batch grad accumulator':32}{_fmt_bytes(t['grad_accumulator']):>14}"]
+          if t["grad_accumulator"] else []),
         f"    {'f32 master copy':32}{_fmt_bytes(t['master_f32']):>14}",
-        f"    {'Adam mu + nu (f32)':32}{_fmt_bytes(t['adam_moments_f32']):>14}",
+        f"    {'Adam mu + nu':32}{_fmt_bytes(t['adam_moments_f32']):>14}",
+        *([f"    {'reference policy':32}{_fmt_bytes(t['reference_policy']):>14}"]
+          if t["reference_policy"] else []),
+        f"    {'ZeRO-3 gathered weights':32}{_fmt_bytes(t['fsdp_gathered']):>14}",
+        *([f"    {'expert-parallel buffers':32}{_fmt_bytes(t['ep_buffers']):>14}"]
+          if t["ep_buffers"] else []),
         f"    {'activations (remat=' + t['remat'] + ')':32}{_fmt_bytes(t['activations']):>14}",
         f"    {'  of which logits':32}{_fmt_bytes(t['logits']):>14}",
         f"    {'  DSA indexer scores / layer':32}{_fmt_bytes(t['dsa_indexer_scores_per_layer']):>14}",
@@ -531,6 +728,11 @@ def format_per_device(pd: dict) -> str:
           for r, v in t["by_policy"].items() if r != t["remat"]],
         "    " + _fmt_verdict("inference", i, pd["usable_bytes"]),
     ]
+    if pd.get("rollout"):
+        r = pd["rollout"]
+        lines.append("    " + _fmt_verdict(
+            f"rollouts next to the train state ({r['rows']} rows x {r['len']} tokens)", r,
+            pd["usable_bytes"]))
     for w in pd["warnings"]:
         lines.append(f"  warning: {w}")
     if pd["not_divisible"]:
@@ -544,9 +746,18 @@ def format_per_device(pd: dict) -> str:
 def main(_):
     cfg = _model_cfg(_CONFIG.value)
     kw = {}
-    if _MESH.value:
-        kw = dict(mesh=_MESH.value, device=_DEVICE.value, batch=_BATCH.value, seq=_SEQ.value,
+    mesh = _MESH.value
+    if not mesh and "sharding" in _CONFIG.value:  # an RL/SFT config: its mesh and its run
+        mesh = _CONFIG.value.sharding.mesh
+        if "-1" in mesh.replace(" ", ""):
+            if not _DEVICES.value:
+                raise app.UsageError(f"sharding.mesh={mesh!r} has a -1 axis: pass --devices")
+            mesh = shd.mesh_shape(mesh, _DEVICES.value)
+    if mesh:
+        kw = dict(mesh=mesh, device=_DEVICE.value, batch=_BATCH.value, seq=_SEQ.value,
                   headroom=_HEADROOM.value)
+        if "rl" in _CONFIG.value:
+            kw["run"] = run_plan_from_config(_CONFIG.value)
     out = plan(cfg, _SHARD_GB.value, **kw)
     if _JSON.value:
         print(json.dumps(out))

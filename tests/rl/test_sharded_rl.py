@@ -94,6 +94,16 @@ def test_rl_step_and_greedy_rollouts_on_mesh_equal_one_device(outcomes, mesh):
     assert f"OK rollouts {mesh}" in text, text[-3000:]
 
 
+def test_planner_matches_compiled_rl_step_memory(outcomes):
+    """scripts/plan.py's per-device training memory for the tiny model on the eight_devices mesh
+    (EP all_to_all, batch 8 x 64) is within 10% of XLA's memory analysis of the compiled real
+    RL train step (arguments + temporaries + unaliased outputs), run by the first mesh child."""
+    text = outcomes[MESHES[0]]
+    if isinstance(text, Exception):
+        raise text
+    assert "OK planner" in text, text[-3000:]
+
+
 # =========================================================================== children
 def _setup():
     sys.path.insert(0, str(ROOT))
@@ -239,6 +249,7 @@ def child_meshes(path, meshes):
                 "router_state": _close("router_state", new.router_state, want.router_state),
                 "opt_state": _close("opt_state", new.opt_state[1], want.opt_state[1])}
         assert int(new.step) == 1 and int(new.skipped) == 0
+        assert "router_dropped_frac" in met and "router_dropped_frac_max" in met
         print(f"OK step {shape} max abs errors " + " ".join(f"{k}={v:.1e}"
                                                              for k, v in errs.items()))
         out = Sampler(model, _greedy(model), mesh=mesh).generate(
@@ -247,6 +258,59 @@ def child_meshes(path, meshes):
         np.testing.assert_array_equal(shd.host_rows(out.tokens), ref["tokens"])
         np.testing.assert_array_equal(shd.host_rows(out.mask), ref["rollout_mask"])
         print(f"OK rollouts {shape}")
+    if meshes.startswith(",".join(map(str, MESHES[0]))):
+        planner_vs_compiled()
+
+
+def planner_vs_compiled():
+    """The planner's train-step memory vs the compiled real RL step's (see the parent test)."""
+    import jax
+    import jax.numpy as jnp
+
+    from configs import models
+    from configs import rl as rl_configs
+    from model import sharding as shd
+    from model.config import ModelConfig
+    from model.transformer import Model
+    from rl.algorithms import algo_from_config
+    from rl.train_step import (
+        init_train_state,
+        make_optimizer,
+        make_train_step,
+        train_state_shardings,
+    )
+    from scripts.plan import per_device_plan, run_plan_from_config
+
+    c = rl_configs.get_config("smoke_8dev")
+    c.model = models.get_config("tiny")
+    c.model.moe.expert_parallel = "all_to_all"
+    cfg = ModelConfig.from_dict(c.model)
+    model, opt = Model(cfg), make_optimizer(c.optim)
+    mesh, rules = shd.mesh_from_config(c)
+    sh = train_state_shardings(model, opt, mesh, rules)
+    state = shd.sharded_abstract(jax.eval_shape(
+        lambda: init_train_state(model.init(jax.random.key(0)), opt)), sh)
+    n, length = 8, 64
+    b = shd.batch_sharding(mesh, n, rules)
+
+    def arr(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=b)
+
+    batch = {"tokens": arr((n, length), jnp.int32), "loss_mask": arr((n, length), jnp.bool_),
+             "advantages": arr((n, 1), jnp.float32), "old_logp": arr((n, length), jnp.float32),
+             "ref_logp": arr((n, length), jnp.float32),
+             "rollout_logp": arr((n, length), jnp.float32)}
+    step = make_train_step(model, algo_from_config(c.rl.algo), opt, mesh=mesh, rules=rules,
+                           state_shardings=sh)
+    ma = step.lower(state, batch).compile().memory_analysis()
+    xla = (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
+           - ma.alias_size_in_bytes)
+    import dataclasses
+    run = dataclasses.replace(run_plan_from_config(c), reference=False)  # not in the step
+    plan = per_device_plan(cfg, c.sharding.mesh, batch=n, seq=length, rules=rules, run=run)
+    ratio = plan["train"]["total"] / xla
+    assert abs(ratio - 1) <= 0.10, (plan["train"]["total"], xla, ratio)
+    print(f"OK planner {plan['train']['total']} bytes vs compiled {xla} (ratio {ratio:.3f})")
 
 
 CHILDREN = {"reference": child_reference, "meshes": child_meshes}
