@@ -90,3 +90,14 @@ def test_pod_launch_lines_in_docs_validate(line, devices):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"({devices} devices)" in r.stdout and "OK" in r.stdout
+
+
+def test_sandbox_client_concurrency_sizing_rule():
+    from rl.loop import client_concurrency
+
+    c = rl_configs.get_config("smoke")
+    assert client_concurrency(c) == 16  # nothing known about the fleet
+    c.sandbox.fleet_slots = 40
+    assert client_concurrency(c) == 40  # one process fills every slot
+    c.sandbox.client_concurrency = 7  # an explicit value wins
+    assert client_concurrency(c) == 7
