@@ -2,7 +2,8 @@
 
 On 8 fake CPU devices, one step of `rl.train_step.make_train_step` (GRPO with the k3 KL to a
 reference policy in the loss, TIS against rollout log-probs, sampled log-probs at temperature
-0.8, the test model: KDA + DSA layers, MoE with expert parallelism (all_to_all dispatch), MTP)
+0.8, the test model cut to a KDA layer and an MTP block with a DSA layer, MoE with expert
+parallelism (all_to_all dispatch) in both)
 on the meshes (data, fsdp, expert, tensor) = (8,1,1,1), (2,2,2,1), (1,2,4,1), (2,1,2,2) gives
 the loss, metrics, gradients, updated parameters, router state and optimizer state of the
 single-device step (f32); the mesh step's state keeps the shardings the rules give (experts
@@ -15,10 +16,12 @@ The gradients are read from the optimizer state: the step's optimizer is the rea
 keeps the last gradient in its state, so one compiled step per mesh yields everything.
 
 Multi-device work runs in child processes (`python tests/rl/test_sharded_rl.py CHILD ...`,
-XLA_FLAGS=--xla_force_host_platform_device_count=8 set before jax is imported): first the
-single-device reference (pickled), then the meshes, two children at a time, two meshes per
-child. Not covered here: more than one process (tests/rl/test_multihost.py), micro-batches
-on a mesh (the split is tested against the full batch in tests/rl/test_engine.py).
+XLA_FLAGS=--xla_force_host_platform_device_count=8 set before jax is imported): the
+single-device reference and two children with two meshes each start at once; every child
+builds the same inputs (numpy), and the mesh children wait for the reference's pickled results
+before comparing. Not covered here: more than one process (tests/rl/test_multihost.py),
+micro-batches on a mesh (the split is tested against the full batch in
+tests/rl/test_engine.py).
 """
 
 from __future__ import annotations
@@ -68,12 +71,14 @@ def _mesh_arg(meshes) -> str:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """Runs the reference child, then the mesh children two at a time; {mesh: stdout or the
-    child's failure}."""
+    """Runs the reference child and the mesh children at once (the mesh children compile and
+    run, then wait for the reference's results to compare); {mesh: stdout or the child's
+    failure}."""
     ref = tmp_path_factory.mktemp("sharded_rl") / "reference.pkl"
-    _run_child("reference", ref)
-    with ThreadPoolExecutor(2) as ex:
+    with ThreadPoolExecutor(3) as ex:
+        reference = ex.submit(_run_child, "reference", ref)
         futs = {tuple(g): ex.submit(_run_child, "meshes", ref, _mesh_arg(g)) for g in GROUPS}
+        reference.result()
     out = {}
     for group, f in futs.items():
         try:
@@ -134,7 +139,10 @@ def _parts():
     from rl.sampler import SamplingConfig
     from rl.train_step import make_optimizer
 
-    c = models.get_config("test")  # "KD" + MTP (a DSA block), 4 experts, top-2, shared expert
+    # the test preset cut to one KDA layer + the MTP block (a DSA layer): every layer kind, MoE
+    # (4 experts, top-2, shared expert) in both blocks, at 2/3 of the two-layer compile time
+    c = models.get_config("test")
+    c.num_layers, c.layer_pattern, c.mtp.layer_kind = 1, "K", "D"
     c.moe.expert_parallel = "all_to_all"  # the shard_map dispatch under a mesh
     c.moe.router = "sigmoid"  # aux-free bias moves with the global expert counts
     model = Model(ModelConfig.from_dict(c))
@@ -160,17 +168,13 @@ def _greedy(model):
     return SamplingConfig(max_new_tokens=G, temperature=0.0, eos_id=-1)
 
 
-def child_reference(path):
-    _setup()
-    import jax
-    import jax.numpy as jnp
+def _inputs():
+    """Prompts [N,P] (+ lengths) and one packed RL batch, from numpy only (every child builds
+    the same): old log-probs near the random-init policy's (log 1/259, so ratios sit near 1 and
+    the clip leaves most tokens their gradient), a reference and the sampler's log-probs around
+    them (the KL and TIS terms are not trivial)."""
+    from rl.sampler import pack
 
-    from rl.sampler import Sampler, pack
-    from rl.train_step import init_train_state, make_logp_fn, make_train_step
-
-    model, algo, opt, sampling = _parts()
-    variables = model.init(jax.random.key(0))
-    ref_vars = model.init(jax.random.key(7))  # a different reference policy: KL is not 0
     rng = np.random.default_rng(0)
     plen = rng.integers(2, P + 1, N).astype(np.int32)
     prompts = np.where(np.arange(P)[None] < plen[:, None], rng.integers(3, 250, (N, P)), 0)
@@ -178,22 +182,51 @@ def child_reference(path):
     comps = rng.integers(3, 250, (N, L - P)).astype(np.int32)
     cmask = np.arange(L - P)[None] < rng.integers(2, L - P + 1, (N, 1))
     tokens, mask = pack(prompts, plen, comps, cmask, width=L)
-    logp = make_logp_fn(model, sampling)
-    old = np.asarray(logp(variables, tokens, mask))
+
+    def around(x, sd):
+        return np.where(mask, x + rng.normal(0, sd, x.shape), 0.0).astype(np.float32)
+
+    old = around(np.full((N, L), -np.log(259.0)), 0.05)
     batch = {"tokens": tokens, "loss_mask": mask,
-             "advantages": rng.normal(size=(N, 1)).astype(np.float32),
-             "old_logp": old, "ref_logp": np.asarray(logp(ref_vars, tokens, mask)),
-             "rollout_logp": np.where(mask, old + rng.normal(0, 0.05, old.shape), 0.0
-                                      ).astype(np.float32)}
+             "advantages": rng.normal(size=(N, 1)).astype(np.float32), "old_logp": old,
+             "ref_logp": around(old, 0.3), "rollout_logp": around(old, 0.05)}
+    return prompts, plen, batch
+
+
+def child_reference(path):
+    _setup()
+    import jax
+    import jax.numpy as jnp
+
+    from rl.sampler import Sampler
+    from rl.train_step import init_train_state, make_train_step
+
+    model, algo, opt, sampling = _parts()
+    variables = model.init(jax.random.key(0))
+    prompts, plen, batch = _inputs()
     step = make_train_step(model, algo, opt, sampling=sampling, donate=False)
     new, met = step(init_train_state(variables, opt), {k: jnp.asarray(v) for k, v in
                                                         batch.items()})
     out = Sampler(model, _greedy(model)).generate(variables, prompts, plen, jax.random.key(3))
-    with open(path, "wb") as f:
-        pickle.dump(jax.device_get({"batch": batch, "prompts": prompts, "plen": plen,
-                                    "state": new, "metrics": met, "tokens": out.tokens,
+    tmp = pathlib.Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(jax.device_get({"state": new, "metrics": met, "tokens": out.tokens,
                                     "rollout_mask": out.mask}), f)
+    tmp.rename(path)  # the mesh children wait for the complete file
     print("OK reference")
+
+
+def _wait_for(path, timeout=900):
+    import time
+
+    path = pathlib.Path(path)
+    deadline = time.time() + timeout
+    while not path.exists():
+        if time.time() > deadline:
+            raise TimeoutError(f"no reference result at {path} after {timeout} s")
+        time.sleep(0.5)
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def _close(name, got, want, rtol=TOL["rtol"], atol=TOL["atol"]):
@@ -220,15 +253,18 @@ def child_meshes(path, meshes):
     from rl.sampler import Sampler
     from rl.train_step import init_train_state_sharded, make_train_step, train_state_shardings
 
-    with open(path, "rb") as f:
-        ref = pickle.load(f)
     model, algo, opt, sampling = _parts()
+    prompts, plen, host_batch = _inputs()
+    ref = None  # the reference child's results, read when the first comparison needs them
+    import time
+
     for shape in [tuple(int(x) for x in m.split(",")) for m in meshes.split(";")]:
+        t0 = time.perf_counter()
         mesh = shd.make_mesh(shape)
         sh = train_state_shardings(model, opt, mesh)
         variables = shd.init_sharded(model, jax.random.key(0), mesh)  # never whole anywhere
         state = init_train_state_sharded(variables, opt, sh)
-        batch = shd.to_global(ref["batch"], mesh)
+        batch = shd.to_global(host_batch, mesh)
         assert batch["tokens"].sharding.spec == shd.batch_sharding(mesh, N).spec
         step = make_train_step(model, algo, opt, sampling=sampling, mesh=mesh)
         new, met = step(state, batch)
@@ -241,6 +277,7 @@ def child_meshes(path, meshes):
         assert w.addressable_shards[0].data.shape == (E // shape[2], D // shape[1],
                                                       F // shape[3])
         assert len(new.step.sharding.device_set) == 8  # scalars replicated
+        ref = ref or _wait_for(path)
         want = ref["state"]
         errs = {"loss": _close("loss", met["loss"], ref["metrics"]["loss"]),
                 "metrics": _close("metrics", met, ref["metrics"], rtol=1e-4, atol=1e-5),
@@ -251,13 +288,15 @@ def child_meshes(path, meshes):
         assert int(new.step) == 1 and int(new.skipped) == 0
         assert "router_dropped_frac" in met and "router_dropped_frac_max" in met
         print(f"OK step {shape} max abs errors " + " ".join(f"{k}={v:.1e}"
-                                                             for k, v in errs.items()))
+                                                             for k, v in errs.items())
+              + f" ({time.perf_counter() - t0:.1f} s)")
+        t0 = time.perf_counter()
         out = Sampler(model, _greedy(model), mesh=mesh).generate(
-            variables, ref["prompts"], ref["plen"], jax.random.key(3))
+            variables, prompts, plen, jax.random.key(3))
         assert out.tokens.sharding.spec == shd.batch_sharding(mesh, N).spec
         np.testing.assert_array_equal(shd.host_rows(out.tokens), ref["tokens"])
         np.testing.assert_array_equal(shd.host_rows(out.mask), ref["rollout_mask"])
-        print(f"OK rollouts {shape}")
+        print(f"OK rollouts {shape} ({time.perf_counter() - t0:.1f} s)")
     if meshes.startswith(",".join(map(str, MESHES[0]))):
         planner_vs_compiled()
 
