@@ -106,6 +106,15 @@ class ScoredGroup:
     policy_version: int = 0  # updates the generating policy had seen (train state step)
     score_wait_s: float = 0.0  # time the caller blocked waiting for scores
     score_s: float = 0.0  # wall time from submission to the last score
+    # multi-turn episodes (rl/agent.py): [N,G] True on the model's tokens of the completion
+    # (observations are context, never targets); None: every completion token is the model's
+    target_mask: np.ndarray | None = None
+    overlap_s: float = 0.0  # agent rollouts: generation time with sandbox commands in flight
+
+    def model_tokens(self) -> np.ndarray:
+        """[N] tokens the model generated per row."""
+        m = self.completion_mask if self.target_mask is None else self.target_mask
+        return m.sum(1)
 
 
 class PendingScores:
@@ -202,8 +211,12 @@ def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forwa
     the mask of non-failed rows (rows that the advantages' keep later drops, e.g. by dynamic
     sampling, are in that forward but not in the loss); otherwise after, on the final mask.
     """
-    tokens, mask, rollout = pack(group.prompts, group.prompt_lengths, group.completions,
-                                 group.completion_mask, width=width, extras=(group.sampler_logp,))
+    tm = () if group.target_mask is None else (group.target_mask.astype(np.float32),)
+    tokens, mask, rollout, *placed = pack(group.prompts, group.prompt_lengths, group.completions,
+                                          group.completion_mask, width=width,
+                                          extras=(group.sampler_logp, *tm))
+    if placed:  # multi-turn episodes: only the model's tokens are targets, not observations
+        mask = mask & (placed[0] > 0)
     mask = mask & ~group.failed[:, None]
     reward_kl = algo.kl_placement == "reward"
     before = algo.needs_values or reward_kl  # the advantages need the forward's outputs
@@ -224,12 +237,12 @@ def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forwa
     prep = prepare_advantages(algo, jnp.asarray(group.rewards), jnp.asarray(mask),
                               group_ids=jnp.asarray(group.group_ids),
                               values=fw.get("old_values"), kl=kl,
-                              lengths=jnp.asarray(group.completion_mask.sum(1)))
+                              lengths=jnp.asarray(group.model_tokens()))
     keep = np.asarray(prep.keep)
     mask = mask & keep[:, None]
     if forward is not None and not before:
         fw = forward(jnp.asarray(tokens), jnp.asarray(mask))
-    lens = group.completion_mask.sum(1)
+    lens = group.model_tokens()
     metrics = {k: float(v) for k, v in prep.metrics.items()}
     metrics.update({
         "reward_mean": float(group.rewards[~group.failed].mean()) if (~group.failed).any() else 0.0,

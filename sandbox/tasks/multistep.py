@@ -145,12 +145,14 @@ def passes(task: Task, files: dict[str, str]) -> bool:
 
 
 def _names(rng: random.Random, k: int, suffix: str = ".txt") -> list[str]:
-    out: set[str] = set()
+    """k distinct random names in draw order (a list, never a set: a set's order depends on
+    PYTHONHASHSEED, which made the tasks differ from one process to the next)."""
+    out: list[str] = []
     while len(out) < k:
         name = "".join(rng.choice(_ALPHABET) for _ in range(4)) + suffix
-        if name not in _PTRS and name not in _OUTS:  # ("next.txt" could be drawn)
-            out.add(name)
-    return sorted(out, key=lambda _: rng.random())
+        if name not in _PTRS and name not in _OUTS and name not in out:  # ("next.txt" ...)
+            out.append(name)
+    return out
 
 
 def _words(rng: random.Random, avoid: str | None = None) -> str:

@@ -145,3 +145,21 @@ def test_task_folder_fields(tmp_path):
     with pytest.raises(TaskFormatError, match="symbolic link"):
         load_task_dir(tmp_path / "t")
     assert format_tool_call("bash", {"command": t.meta["solution"][0]}).count("\\n") == 1
+
+
+def test_tasks_are_the_same_in_every_process():
+    # splits, demonstrations and checks must not depend on PYTHONHASHSEED (set iteration order
+    # once shuffled the random file names differently in every process)
+    import subprocess
+    import sys
+    code = ("import hashlib, json\nfrom sandbox.tasks import multistep, generators\n"
+            "ts = multistep.make_split('train', 12, seed=1)\n"
+            "ts += [t for f in generators.FAMILIES for t, _ in generators.make_split(f, 'val', 4, 1)]\n"
+            "print(hashlib.sha256(json.dumps([t.to_dict() for t in ts], sort_keys=True)"
+            ".encode()).hexdigest())")
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=root, env={**os.environ, "PYTHONHASHSEED": h}).stdout
+            for h in ("1", "2", "3")}
+    assert len(outs) == 1, outs

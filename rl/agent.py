@@ -1,0 +1,284 @@
+"""Multi-turn rollouts: the policy acts in sandbox sessions through Hermes tool calls.
+
+    worker = AgentRolloutWorker(model, tokenizer, sampling, pool, group_size=4, width=448,
+                                env_config=EnvConfig(max_turns=5))
+    group = worker.start(variables, tasks, rng).result()    # a ScoredGroup, like RolloutWorker's
+    batch, metrics = rl.pipeline.build_train_batch(group, algo, width, forward=...)
+
+One episode is one row. Its tokens are the chat prompt, then turns:
+
+    BOS "Q: {task prompt}\\nA: " {turn 1} "\\n" {observation 1} "\\nA: " {turn 2} ... "done" EOS
+         \\____ prompt ______/    model     \\______ observation (not trained) ______/
+
+Model turns are what the policy sampled (a `<tool_call>` ending at `</tool_call>`, or a last
+word ending at EOS); observations are the environment's `<tool_response>` blocks (rl/envs.py,
+rl/tools.py) wrapped by `observation_segment`. `ScoredGroup.target_mask` marks the model's
+tokens: log-probs, the KL and the policy loss cover those only (the trainer reads observation
+tokens as context, never as targets), and `sampler_logp` holds the sampler's log-probs there.
+The same rendering gives SFT rows (`encode_episode`), so demonstrations and rollouts agree
+token for token.
+
+Batching: a turn is one sampler call over a fixed [rows, width - turn_tokens] context batch
+(one compiled program), stopping each row at `</tool_call>` or EOS. The rows are split into two
+halves that alternate: while one half's commands run in the sandbox pool, the other half
+generates (`overlap_s` in the metrics is the time generation spent with commands in flight).
+A row whose episode ended keeps its slot (its context is not generated from) until every row is
+done. The reward is the environment's: the task's check on the session's final state minus the
+format penalties (`info["episode_return"]`); an episode the sandbox failed is flagged in
+`failed` and dropped from the loss, like a one-shot sandbox_error.
+
+Not covered: prefix caching across turns (every turn re-reads its whole context), sharded
+multi-process agent rollouts (the sampler's mesh works, rows are this process's), and tools
+other than the environment's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future
+
+import jax
+import numpy as np
+
+from model.tokenizer import ASSISTANT
+from rl.envs import EnvConfig, SessionEnv, StepResult
+from rl.pipeline import ScoredGroup
+from rl.sampler import Sampler, SamplingConfig
+
+TOOL_CALL_END = "</tool_call>"
+
+
+def observation_segment(observation: str) -> str:
+    """The text between a tool-call turn and the next model turn: the observation on its own
+    line, then the assistant prefix of the chat template."""
+    return f"\n{observation}{ASSISTANT}"
+
+
+def template_overhead(max_turns: int) -> int:
+    """Tokens (bytes) the chat template adds to an episode beyond the prompt, the model's turns
+    and the observations that SessionEnv counts: BOS, "Q: ", "\\nA: ", and 5 per observation."""
+    return 1 + 3 + len(ASSISTANT) + max_turns * (1 + len(ASSISTANT))
+
+
+def encode_episode(tokenizer, prompt: str, turns) -> tuple[list[int], list[bool]]:
+    """An episode's token ids and target mask (True on the model's tokens). turns: (assistant
+    text, observation or None) pairs as rl.envs.demo_turns gives them; the turn with observation
+    None is the last and ends with EOS."""
+    ids = tokenizer.encode(tokenizer.chat_prompt(prompt), bos=True)
+    mask = [False] * len(ids)
+    for i, (text, obs) in enumerate(turns):
+        last = obs is None
+        if last and i != len(turns) - 1:
+            raise ValueError("only the last turn may have no observation")
+        t = tokenizer.encode(text, eos=last)
+        ids += t
+        mask += [True] * len(t)
+        if not last:
+            o = tokenizer.encode(observation_segment(obs))
+            ids += o
+            mask += [False] * len(o)
+    return ids, mask
+
+
+@dataclasses.dataclass
+class _Row:
+    env: SessionEnv
+    task: object
+    ids: list  # every token so far (prompt included)
+    target: list  # bool per token: sampled by the model
+    logp: list  # sampler log-prob per token (0 off target)
+    prompt_len: int
+    pending: Future | None = None
+    done: bool = False
+    reward: float = 0.0
+    failed: bool = False
+    info: dict | None = None
+    turns: int = 0
+
+
+class _Done:
+    """A finished rollout with the PendingScores interface (the rewards came with it)."""
+
+    def __init__(self, group: ScoredGroup):
+        self._group = group
+
+    def result(self) -> ScoredGroup:
+        return self._group
+
+
+class AgentRolloutWorker:
+    """Batched multi-turn episodes over SessionEnvs (see the module docstring).
+
+    sampling: the per-turn SamplingConfig (max_new_tokens = the longest turn, temperature,
+    top-k/top-p; its stop_sequences get `</tool_call>` added). executor: a SandboxPool or
+    SandboxClient with sessions (`max_sessions` >= the rows of a batch). width: tokens per
+    episode row; contexts are generated from at width - max_new_tokens, and the environment's
+    token cap is set so that an episode never outgrows it.
+    """
+
+    def __init__(self, model, tokenizer, sampling: SamplingConfig, executor, *, group_size: int,
+                 width: int, env_config: EnvConfig | None = None, mesh=None, rules=None):
+        stop = tuple(tokenizer.encode(TOOL_CALL_END))
+        if stop not in sampling.stop_sequences:
+            sampling = dataclasses.replace(sampling,
+                                           stop_sequences=sampling.stop_sequences + (stop,))
+        if sampling.eos_id != tokenizer.eos_id:
+            raise ValueError(f"sampling.eos_id={sampling.eos_id} is not the tokenizer's EOS "
+                             f"{tokenizer.eos_id}: the last turn ends at EOS")
+        self.context = width - sampling.max_new_tokens
+        cfg = env_config or EnvConfig()
+        cap = self.context - template_overhead(cfg.max_turns)
+        if cap < 16:
+            raise ValueError(f"width {width} leaves no room for an episode after "
+                             f"{sampling.max_new_tokens} turn tokens and the chat template")
+        self.env_config = dataclasses.replace(cfg, max_episode_tokens=min(
+            cfg.max_episode_tokens, cap))
+        self.model, self.tok, self.executor = model, tokenizer, executor
+        self.sampling, self.width, self.group_size = sampling, width, group_size
+        self.sampler = Sampler(model, sampling, mesh=mesh, rules=rules)
+        self.count_tokens = lambda s: len(tokenizer.encode(s))
+
+    # ------------------------------------------------------------------------------------
+    def start(self, variables, tasks: list, rng, group_size: int | None = None,
+              pad_to: int | None = None, version: int = 0) -> _Done:
+        """Runs every episode to its end (generation and sandbox commands overlapped across two
+        halves of the rows) and returns the scored group (`.result()`); tasks are repeated
+        group_size times (GRPO groups), padded to pad_to tasks with dropped rows."""
+        g = self.generate(variables, tasks, rng, group_size, pad_to)
+        g.policy_version = version
+        return _Done(g)
+
+    def generate(self, variables, tasks: list, rng, group_size: int | None = None,
+                 pad_to: int | None = None) -> ScoredGroup:
+        G = group_size or self.group_size
+        rep = [t for t in tasks for _ in range(G)]
+        n = len(rep)
+        rows_tasks = rep + rep[:1] * (max(0, (pad_to or 0) - len(tasks)) * G)
+        if len(rows_tasks) % 2:
+            rows_tasks.append(rep[0])
+        t0 = time.perf_counter()
+        rows = self._open(rows_tasks)
+        try:
+            overlap = self._run(variables, rows, rng)
+        finally:
+            for r in rows:
+                if not r.done:
+                    r.env.close()
+        gen_s = time.perf_counter() - t0
+        return self._group(rows[:n], G, len(tasks), gen_s, overlap)
+
+    # ------------------------------------------------------------------------------------
+    def _open(self, tasks: list) -> list[_Row]:
+        from rl.envs import reset_batch
+
+        envs = [SessionEnv([t], executor=self.executor, config=self.env_config,
+                           count_tokens=self.count_tokens) for t in tasks]
+        prompts = reset_batch(envs, [0] * len(envs))
+        rows = []
+        for env, task, p in zip(envs, tasks, prompts):
+            ids = self.tok.encode(self.tok.chat_prompt(p), bos=True)
+            if len(ids) > self.context:
+                raise ValueError(f"task {task.id}: prompt of {len(ids)} tokens exceeds the "
+                                 f"context width {self.context}")
+            rows.append(_Row(env, task, ids, [False] * len(ids), [0.0] * len(ids), len(ids)))
+        return rows
+
+    def _run(self, variables, rows: list[_Row], rng) -> float:
+        half = len(rows) // 2
+        halves = [rows[:half], rows[half:]]
+        overlap = 0.0
+        while not all(r.done for r in rows):
+            for h in halves:
+                self._collect(h, wait=True)
+                if all(r.done for r in h):
+                    continue
+                in_flight = any(r.pending is not None for r in rows)
+                t = time.perf_counter()
+                rng, sub = jax.random.split(rng)
+                self._turn(variables, h, sub)
+                if in_flight:
+                    overlap += time.perf_counter() - t
+        return overlap
+
+    def _turn(self, variables, rows: list[_Row], rng) -> None:
+        """One sampler call for the rows of a half whose episode waits for a model turn."""
+        active = [i for i, r in enumerate(rows) if not r.done and r.pending is None]
+        if not active:
+            return
+        W = self.context
+        prompts = np.full((len(rows), W), self.tok.pad_id, np.int32)
+        lens = np.ones(len(rows), np.int32)
+        prompts[:, 0] = self.tok.bos_id
+        for i in active:
+            ids = rows[i].ids
+            prompts[i, :len(ids)] = ids
+            lens[i] = len(ids)
+        out = self.sampler.generate(variables, prompts, lens, rng)
+        toks, mask, lps = (np.asarray(x) for x in jax.device_get(
+            (out.tokens, out.mask, out.logprobs)))
+        for i in active:
+            r = rows[i]
+            m = mask[i]
+            gen, lp = toks[i][m].tolist(), lps[i][m].tolist()
+            r.ids += gen
+            r.target += [True] * len(gen)
+            r.logp += lp
+            r.turns += 1
+            r.pending = r.env.submit_step(self.tok.decode(gen))
+
+    def _collect(self, rows: list[_Row], wait: bool) -> None:
+        for r in rows:
+            if r.pending is None or (not wait and not r.pending.done()):
+                continue
+            res: StepResult = r.pending.result()
+            r.pending = None
+            if res.terminated or res.truncated:
+                r.done = True
+                r.info = res.info
+                r.failed = bool(res.info.get("sandbox_error"))
+                r.reward = float(res.info.get("episode_return", res.reward))
+                continue
+            seg = self.tok.encode(observation_segment(res.observation))
+            if len(r.ids) + len(seg) > self.context:  # cannot happen with the env's token cap
+                raise RuntimeError(f"episode of task {r.task.id} outgrew its context "
+                                   f"({len(r.ids) + len(seg)} > {self.context})")
+            r.ids += seg
+            r.target += [False] * len(seg)
+            r.logp += [0.0] * len(seg)
+
+    def _group(self, rows: list[_Row], G: int, n_tasks: int, gen_s: float,
+               overlap: float) -> ScoredGroup:
+        P = max(r.prompt_len for r in rows)
+        N, L = len(rows), self.width - min(r.prompt_len for r in rows)
+        prompts = np.full((N, P), self.tok.pad_id, np.int32)
+        plens = np.array([r.prompt_len for r in rows], np.int32)
+        comp = np.full((N, L), self.tok.pad_id, np.int32)
+        cmask = np.zeros((N, L), bool)
+        target = np.zeros((N, L), bool)
+        logp = np.zeros((N, L), np.float32)
+        for i, r in enumerate(rows):
+            p, c = r.prompt_len, len(r.ids) - r.prompt_len
+            prompts[i, :p] = r.ids[:p]
+            comp[i, :c] = r.ids[p:]
+            cmask[i, :c] = True
+            target[i, :c] = r.target[p:]
+            logp[i, :c] = r.logp[p:]
+        texts = [self.tok.decode(np.asarray(r.ids[r.prompt_len:]), stop_at_eos=False)
+                 for r in rows]
+        details = []
+        for r in rows:
+            d = dict(r.info or {})
+            d.update(turns=r.turns, episode_tokens=len(r.ids),
+                     model_tokens=int(sum(r.target)),
+                     status=d.get("status", "sandbox_error" if r.failed else "fail"))
+            details.append(d)
+        g = ScoredGroup(tasks=[r.task for r in rows], group_ids=np.repeat(np.arange(n_tasks), G),
+                        prompts=prompts, prompt_lengths=plens, completions=comp,
+                        completion_mask=cmask, sampler_logp=logp, texts=texts,
+                        rewards=np.array([r.reward for r in rows], np.float32),
+                        failed=np.array([r.failed for r in rows]), details=details, gen_s=gen_s,
+                        target_mask=target)
+        g.score_s = gen_s
+        g.overlap_s = overlap
+        return g

@@ -1,0 +1,139 @@
+"""Multi-turn rollouts (rl/agent.py): episodes in sandbox sessions, the target mask, log-probs.
+
+A test-preset model memorises one demonstrated episode of a multi-step terminal task (read a
+file to learn which file to copy, then copy it), so sampling from it produces real multi-turn
+episodes: tool calls, observations from the session, a last word, the isolated check.
+Covered: the episode rows (model tokens targets, observations and prompt not), the sampler's
+log-probs on model tokens equal the trainer's (temperature 0.7), observation positions
+contribute exactly nothing to the loss, its gradient or the KL, the reward is the session
+check's, and SFT rendering (encode_episode) equals what a rollout of the same turns produces.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import models
+from model import objectives
+from model.config import ModelConfig
+from model.objectives import fit_lm_on_batch
+from model.tokenizer import ByteTokenizer
+from model.transformer import Model
+from rl import losses
+from rl.agent import AgentRolloutWorker, encode_episode
+from rl.algorithms import get_algorithm
+from rl.envs import EnvConfig, demo_turns
+from rl.pipeline import build_train_batch
+from rl.sampler import SamplingConfig
+from rl.train_step import make_logp_fn, make_rl_loss
+from sandbox import SandboxPool
+from sandbox.tasks import multistep
+
+WIDTH, TURN = 448, 96
+ENV = EnvConfig(observation_tokens=32, max_turns=4)
+SAMPLING = SamplingConfig(max_new_tokens=TURN, temperature=0.7, eos_id=ByteTokenizer.eos_id)
+
+
+@pytest.fixture(scope="module")
+def agent():
+    tok = ByteTokenizer()
+    task = min(multistep.make_split("train", 40, seed=1, difficulty=1), key=lambda t: len(t.prompt))
+    ids, target = encode_episode(tok, task.prompt, demo_turns(task, ENV))
+    c = models.get_config("test")
+    c.max_seq_len = 512
+    model = Model(ModelConfig.from_dict(c))
+    rows = np.zeros((2, WIDTH), np.int32)
+    rows[:, :len(ids)] = ids
+    variables, hist = fit_lm_on_batch(model, model.init(jax.random.key(0)), jnp.asarray(rows),
+                                      steps=30, lr=1e-2)
+    assert float(hist[-1]["ce"]) < 0.1
+    with SandboxPool(workers=2) as pool:
+        worker = AgentRolloutWorker(model, tok, SAMPLING, pool, group_size=2, width=WIDTH,
+                                    env_config=ENV)
+        group = worker.start(variables, [task], jax.random.key(3)).result()
+    return dict(model=model, variables=variables, task=task, tok=tok, group=group,
+                demo=(ids, target))
+
+
+def test_episodes_are_multi_turn_and_scored_by_the_session_check(agent):
+    g = agent["group"]
+    assert not g.failed.any(), g.details
+    turns = [d["turns"] for d in g.details]
+    assert max(turns) >= 3, [(d.get("end"), d.get("status"), t[-160:]) for d, t in zip(g.details, g.texts)]
+    solved = g.rewards == 1.0
+    assert solved.any(), [(d.get("status"), d.get("end"), t) for d, t in zip(g.details, g.texts)]
+    for d, r in zip(g.details, g.rewards):
+        assert (d["status"] == "pass") == (r == 1.0)
+    # a solved episode's text holds the session's real observation of the pointer file
+    answer = agent["task"].meta["demo_turns"][0]["stdout"].strip()
+    assert any(answer in t and "<tool_response>" in t for t in np.array(g.texts)[solved])
+
+
+def test_targets_are_the_model_tokens_only(agent):
+    g, tok = agent["group"], agent["tok"]
+    for i in range(len(g.tasks)):
+        comp, tm = g.completions[i][g.completion_mask[i]], g.target_mask[i][g.completion_mask[i]]
+        text_model = tok.decode(comp[tm], stop_at_eos=False)
+        text_obs = tok.decode(comp[~tm], stop_at_eos=False)
+        assert "<tool_response>" not in text_model and "exit " not in text_model
+        if g.details[i]["turns"] > 1:
+            assert text_obs.count("<tool_response>") == g.details[i]["turns"] - 1
+            assert text_model.count("<tool_call>") >= 1
+        assert np.all(g.sampler_logp[i][g.completion_mask[i]][~tm] == 0)
+    # the SFT rendering of the demonstrated turns is what a rollout of those turns produces
+    ids, target = agent["demo"]
+    solved = [i for i, r in enumerate(g.rewards) if r == 1.0 and g.details[i]["turns"] == 3]
+    if solved:
+        i = solved[0]
+        row = list(g.prompts[i][:g.prompt_lengths[i]]) + list(g.completions[i][g.completion_mask[i]])
+        tmask = [False] * g.prompt_lengths[i] + list(g.target_mask[i][g.completion_mask[i]])
+        if row == ids:
+            assert tmask == target
+
+
+def test_sampler_logprobs_equal_trainer_and_observations_carry_no_loss(agent):
+    model, variables, g = agent["model"], agent["variables"], agent["group"]
+    algo = get_algorithm("grpo", kl_placement="loss", kl_coef=0.1, tis_cap=2.0)
+    logp_fn = make_logp_fn(model, SAMPLING)
+    ref = jax.tree.map(lambda x: x * 0.9, variables)  # another policy: the KL is not 0
+
+    def forward(tokens, mask):
+        return {"old_logp": logp_fn(variables, tokens, mask), "ref_logp": logp_fn(ref, tokens, mask)}
+
+    batch, met = build_train_batch(g, algo, WIDTH, forward=forward)
+    m = batch["loss_mask"]
+    np.testing.assert_allclose(batch["old_logp"][m], batch["rollout_logp"][m], atol=2e-4)
+    assert met["completion_len_mean"] == g.target_mask.sum(1).mean()  # model tokens only
+
+    # observation positions (in the rows, not targets) may hold anything: nothing changes
+    obs = np.zeros_like(m)
+    for i in range(len(g.tasks)):
+        p = g.prompt_lengths[i]
+        c = g.completion_mask[i].sum()
+        obs[i, p:p + c] = ~g.target_mask[i][:c]
+    assert obs.any() and not (obs & m).any()
+    fn = jax.jit(jax.value_and_grad(make_rl_loss(model, algo, sampling=SAMPLING), has_aux=True))
+    counts = losses.agg_counts(m)
+    tcounts = objectives.target_counts(m, model.cfg.mtp.depth)
+
+    def run(b):
+        jb = {k: jnp.asarray(v) for k, v in b.items()}
+        jb["advantages"] = jnp.asarray(np.where(m, 0.5, b["advantages"]), jnp.float32)
+        (loss, (met, _, _)), grads = fn((variables["params"], None), variables["router_state"], jb,
+                                        counts, tcounts)
+        return float(loss), float(met["kl_ref"]), grads
+
+    base = run(batch)
+    junk = dict(batch)
+    for k in ("old_logp", "ref_logp", "rollout_logp"):
+        junk[k] = np.where(obs, 37.0, batch[k])
+    got = run(junk)
+    assert base[0] == got[0] and base[1] == got[1]
+    for a, b in zip(jax.tree.leaves(base[2]), jax.tree.leaves(got[2])):
+        np.testing.assert_array_equal(a, b)
+    # the same junk on one model token does change the loss (the check has teeth)
+    one = np.zeros_like(m)
+    one[np.argwhere(m)[0][0], np.argwhere(m)[0][1]] = True
+    junk2 = dict(batch, ref_logp=np.where(one, 37.0, batch["ref_logp"]))
+    assert run(junk2)[1] != base[1]
