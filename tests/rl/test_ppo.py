@@ -6,8 +6,8 @@ Every jitted function here is built exactly as run_rl builds it from one config 
 with the "ppo" preset), on batches of run_rl's shapes, so the e2e run and the unit tests share
 compiled executables (persistent compilation cache). The policy is the "test" model cut to one
 dense DSA layer without MTP (the critic does not depend on the layer kinds, and this compiles in a
-third of the time); without MoE balance or MTP losses, with zero advantages the policy's whole
-gradient is the value loss's.
+third of the time); without MoE balance, MTP or indexer losses, with zero advantages the
+policy's whole gradient is the value loss's.
 """
 
 import json
@@ -47,6 +47,8 @@ def _config(workdir="/tmp/unused"):
     c.model.update(dict(num_layers=1, layer_pattern="D"))
     c.model.moe.num_experts = 0  # dense FFN: no balance loss
     c.model.mtp.depth = 0
+    c.model.dsa.indexer_loss_weight = 0.0  # no indexer KL: the value loss can be the only term
+    c.sft.indexer_warmup_steps = 0
     c.optim.update(dict(lr=1e-3, warmup_steps=1, total_steps=2))
     c.eval.every = 0
     c.sandbox.workers = 1
