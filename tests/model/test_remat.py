@@ -85,8 +85,10 @@ def test_plan_uses_the_configured_policy():
         t = pd["train"]
         assert t["remat"] == p
         assert t["activations"] == t["activations_by_policy"][p]
-        fixed = t["params_bf16"] + t["grads"] + t["master_f32"] + t["adam_moments_f32"]
-        assert t["total"] == fixed + t["activations"]
+        fixed = (t["params_bf16"] + t["grads"] + t["grad_accumulator"] + t["master_f32"]
+                 + t["adam_moments_f32"] + t["reference_policy"])
+        transient = t["fsdp_gathered"] + t["ep_buffers"]  # ZeRO-3 gathers, EP send/receive
+        assert t["total"] == fixed + t["activations"] + transient
         assert t["by_policy"][p]["total"] == t["total"]
         text = format_per_device(pd)
         assert f"activations (remat={p})" in text and f"[remat={p}]" in text
