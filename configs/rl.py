@@ -104,6 +104,14 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # rl/critic.py:CriticConfig. detached: the value loss does not train the policy trunk;
     # hidden_dim 0: RMSNorm + linear head; critic lr = optim.lr * lr_scale.
     c.rl.critic = ml_collections.ConfigDict(dict(detached=True, hidden_dim=0, lr_scale=10.0))
+    # multi-turn episodes (tasks of the "multistep" family; rl/agent.py, rl/envs.py): rows of
+    # `width` tokens (prompt, the model's turns, the <tool_response> observations), at most
+    # `turn_tokens` per model turn, `max_turns` turns, command output cut to
+    # `observation_tokens`; format_penalty per malformed tool call. SFT renders demonstrations
+    # with the same settings.
+    c.rl.agent = ml_collections.ConfigDict(dict(
+        width=448, turn_tokens=96, max_turns=6, observation_tokens=48, command_timeout_s=5.0,
+        format_penalty=0.0))
 
     # numerics: mu_dtype = Adam's first moment; master_dtype = an f32 master copy of every
     # non-f32 parameter with the optimizer (both moments) in f32 (rl.train_step.with_master_copy;
@@ -159,6 +167,38 @@ def smoke() -> ml_collections.ConfigDict:
     return c
 
 
+def agent() -> ml_collections.ConfigDict:
+    """Multi-step terminal episodes only (sandbox/tasks/multistep.py: 2-4 commands, the file or
+    value to use only named inside another file) on the demo model: SFT on multi-turn
+    demonstrations (40% well-formed but wrong), then GRPO over episodes played in sandbox
+    sessions through Hermes tool calls (rl/agent.py)."""
+    c = demo()
+    c.name = "agent"
+    c.workdir = "runs/agent"
+    c.model.max_seq_len = 512
+    c.tasks.families = "multistep"
+    # level 1: two commands (episodes of ~330 tokens); level 2 (3 commands) reaches ~510
+    c.tasks.difficulty = ml_collections.ConfigDict(dict(multistep=1))
+    c.rl.agent.width = 384
+    c.sft.update(dict(seq_len=c.rl.agent.get_ref("width"), batch_size=8))
+    c.rl.update(dict(max_prompt_len=128))
+    c.eval.update(dict(every=20, val_tasks=32))
+    return c
+
+
+def agent_smoke() -> ml_collections.ConfigDict:
+    """The agent pipeline at smoke size (the test model, a few steps)."""
+    c = smoke()
+    c.name = "agent_smoke"
+    c.workdir = "runs/agent_smoke"
+    c.model.max_seq_len = 512
+    c.tasks.families = "arithmetic,multistep"
+    c.tasks.difficulty = ml_collections.ConfigDict(dict(arithmetic=1, multistep=1))
+    c.sft.update(dict(seq_len=c.rl.agent.width))
+    c.rl.agent.update(dict(max_turns=4))
+    return c
+
+
 def smoke_8dev() -> ml_collections.ConfigDict:
     """The smoke pipeline on 8 devices (data 2, fsdp 2, expert 2) with expert-parallel MoE:
     runs on 8 fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) and is the
@@ -203,7 +243,7 @@ def reference() -> ml_collections.ConfigDict:
 
 
 VARIANTS = {"demo": demo, "smoke": smoke, "smoke_8dev": smoke_8dev, "small_8dev": small_8dev,
-            "reference": reference}
+            "reference": reference, "agent": agent, "agent_smoke": agent_smoke}
 for _a in ("grpo", "dapo", "gspo", "drgrpo", "rloo", "ppo"):
     VARIANTS[f"{_a}_tiny"] = (lambda a: lambda: _base(a))(_a)
 

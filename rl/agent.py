@@ -154,16 +154,15 @@ class AgentRolloutWorker:
         G = group_size or self.group_size
         rep = [t for t in tasks for _ in range(G)]
         n = len(rep)
-        rows_tasks = rep + rep[:1] * (max(0, (pad_to or 0) - len(tasks)) * G)
-        if len(rows_tasks) % 2:
-            rows_tasks.append(rep[0])
+        total = max(n, (pad_to or 0) * G)
+        total += total % 2  # two halves of equal size: one compiled program per turn
         t0 = time.perf_counter()
-        rows = self._open(rows_tasks)
+        rows = self._open(rep) + [self._padding_row(rep[0]) for _ in range(total - n)]
         try:
             overlap = self._run(variables, rows, rng)
         finally:
             for r in rows:
-                if not r.done:
+                if not r.done and r.env is not None:
                     r.env.close()
         gen_s = time.perf_counter() - t0
         return self._group(rows[:n], G, len(tasks), gen_s, overlap)
@@ -183,6 +182,11 @@ class AgentRolloutWorker:
                                  f"context width {self.context}")
             rows.append(_Row(env, task, ids, [False] * len(ids), [0.0] * len(ids), len(ids)))
         return rows
+
+    def _padding_row(self, task) -> _Row:
+        """A row that keeps the batch shape fixed (pad_to): no session, never generated for."""
+        ids = [self.tok.bos_id]
+        return _Row(None, task, ids, [False], [0.0], 1, done=True)
 
     def _run(self, variables, rows: list[_Row], rng) -> float:
         half = len(rows) // 2
@@ -282,3 +286,94 @@ class AgentRolloutWorker:
         g.score_s = gen_s
         g.overlap_s = overlap
         return g
+
+
+def is_agent_task(task) -> bool:
+    """Whether a task is played as a multi-turn episode (the multi-step terminal family, or a
+    terminal task that asks for it with meta["agent"] = True, e.g. a folder task)."""
+    from sandbox.tasks import multistep
+
+    meta = getattr(task, "meta", {}) or {}
+    return meta.get("family_name") == multistep.FAMILY or bool(meta.get("agent"))
+
+
+class _Merged:
+    """Scores of a batch split between a one-shot and an agent worker, rows in task order."""
+
+    def __init__(self, parts, n_tasks: int, group_size: int):
+        self._parts, self._n, self._G = parts, n_tasks, group_size
+
+    def result(self) -> ScoredGroup:
+        G = self._G
+        groups = [(idx, p.result()) for idx, p in self._parts]
+        P = max(g.prompts.shape[1] for _, g in groups)
+        L = max(g.completions.shape[1] for _, g in groups)
+        N = self._n * G
+        first = groups[0][1]
+        prompts = np.zeros((N, P), first.prompts.dtype)
+        plens = np.zeros(N, first.prompt_lengths.dtype)
+        comp = np.zeros((N, L), first.completions.dtype)
+        cmask = np.zeros((N, L), bool)
+        target = np.zeros((N, L), bool)
+        logp = np.zeros((N, L), np.float32)
+        rewards = np.zeros(N, np.float32)
+        failed = np.zeros(N, bool)
+        tasks, texts, details = [None] * N, [None] * N, [None] * N
+        for idx, g in groups:
+            rows = np.array([t * G + j for t in idx for j in range(G)])
+            pw, cw = g.prompts.shape[1], g.completions.shape[1]
+            prompts[rows, :pw] = g.prompts
+            plens[rows] = g.prompt_lengths
+            comp[rows, :cw] = g.completions
+            cmask[rows, :cw] = g.completion_mask
+            target[rows, :cw] = g.completion_mask if g.target_mask is None else g.target_mask
+            logp[rows, :cw] = g.sampler_logp
+            rewards[rows], failed[rows] = g.rewards, g.failed
+            for k, r in enumerate(rows):
+                tasks[r], texts[r], details[r] = g.tasks[k], g.texts[k], g.details[k]
+        out = ScoredGroup(tasks=tasks, group_ids=np.repeat(np.arange(self._n), G),
+                          prompts=prompts, prompt_lengths=plens, completions=comp,
+                          completion_mask=cmask, sampler_logp=logp, texts=texts,
+                          rewards=rewards, failed=failed, details=details,
+                          gen_s=sum(g.gen_s for _, g in groups), target_mask=target,
+                          policy_version=first.policy_version)
+        out.score_wait_s = sum(g.score_wait_s for _, g in groups)
+        out.score_s = max(g.score_s for _, g in groups)
+        out.overlap_s = sum(g.overlap_s for _, g in groups)
+        return out
+
+
+class RoutingWorker:
+    """One rollout interface over two workers: one-shot tasks go to `one_shot`
+    (rl.pipeline.RolloutWorker), multi-turn tasks (`is_agent_task`) to `agent`
+    (AgentRolloutWorker); the merged group has every row in task order (one-shot rows get an
+    all-true target mask). pad_to is passed to both (fixed batch shapes: one compiled sampler
+    program each; the agent's padding rows open no session)."""
+
+    def __init__(self, one_shot, agent: AgentRolloutWorker | None):
+        self.one_shot, self.agent = one_shot, agent
+        self.group_size = one_shot.group_size
+        self.mesh, self.rules = getattr(one_shot, "mesh", None), getattr(one_shot, "rules", None)
+
+    def row_blocks(self, n_rows: int):
+        return self.one_shot.row_blocks(n_rows)
+
+    def start(self, variables, tasks: list, rng, group_size: int | None = None,
+              pad_to: int | None = None, version: int = 0):
+        G = group_size or self.group_size
+        agent_idx = [i for i, t in enumerate(tasks) if is_agent_task(t)]
+        if agent_idx and self.agent is None:
+            raise ValueError(f"task {tasks[agent_idx[0]].id} is a multi-turn task but this run "
+                             "has no agent worker (rl.agent)")
+        one_idx = [i for i in range(len(tasks)) if i not in set(agent_idx)]
+        r1, r2 = jax.random.split(rng)
+        parts = []
+        if one_idx:
+            parts.append((one_idx, self.one_shot.start(
+                variables, [tasks[i] for i in one_idx], r1, group_size=G, pad_to=pad_to,
+                version=version)))
+        if agent_idx:
+            parts.append((agent_idx, self.agent.start(
+                variables, [tasks[i] for i in agent_idx], r2, group_size=G, pad_to=pad_to,
+                version=version)))
+        return _Merged(parts, len(tasks), G)

@@ -78,19 +78,24 @@ log = logging.getLogger(__name__)
 def load_task_splits(config) -> dict:
     """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generators (or
     tasks.task_file for RL prompts, without demonstrations)."""
-    from sandbox.tasks import generators
+    from sandbox.tasks import generators, multistep
 
     t = config.tasks
     fams = [f.strip() for f in t.families.split(",") if f.strip()]
-    unknown = [f for f in fams if f not in generators.FAMILIES]
+    valid = sorted([*generators.FAMILIES, multistep.FAMILY])
+    unknown = [f for f in fams if f not in valid]
     if unknown:
-        raise ValueError(f"tasks.families: unknown family {unknown[0]!r}; valid: "
-                         f"{sorted(generators.FAMILIES)}")
+        raise ValueError(f"tasks.families: unknown family {unknown[0]!r}; valid: {valid}")
     diff = {f: (t.difficulty.get(f, 0) or None) for f in fams}
     n = {"train": t.train_per_family, "val": t.val_per_family, "test": t.test_per_family}
-    out = {s: [p for f in fams
-               for p in generators.make_split(f, s, n[s], t.seed, difficulty=diff[f])]
-           for s in n}
+
+    def split(f, s):  # multi-step tasks carry their demonstration turns in meta["demo_turns"]
+        if f == multistep.FAMILY:
+            return [(x, x.meta["demo_turns"])
+                    for x in multistep.make_split(s, n[s], t.seed, difficulty=diff[f])]
+        return generators.make_split(f, s, n[s], t.seed, difficulty=diff[f])
+
+    out = {s: [p for f in fams for p in split(f, s)] for s in n}
     if t.task_file:
         from sandbox.tasks import load_tasks
         out["train"] = [(task, None) for task in load_tasks(t.task_file)]
@@ -153,20 +158,90 @@ def _progress(total, desc, initial=0):
 # --------------------------------------------------------------------------- SFT
 def _sft_rows(examples, tokenizer, seq_len):
     """(prompt, completion, ok) -> dict(tokens [L], loss_mask [L]) with the completion + EOS as
-    targets."""
+    targets; a completion that is a list of (assistant text, observation) turns is a multi-turn
+    episode (rl.agent.encode_episode: the assistant's tokens are targets, observations not)."""
+    from rl.agent import encode_episode
+
     def encode(ex):
         prompt, completion = ex[0], ex[1]
-        p = tokenizer.encode(tokenizer.chat_prompt(prompt), bos=True)
-        c = tokenizer.encode(completion, eos=True)
-        if len(p) + len(c) > seq_len:
-            raise ValueError(f"SFT example of {len(p) + len(c)} tokens exceeds sft.seq_len="
+        if isinstance(completion, (list, tuple)):
+            ids, target = encode_episode(tokenizer, prompt, completion)
+        else:
+            p = tokenizer.encode(tokenizer.chat_prompt(prompt), bos=True)
+            c = tokenizer.encode(completion, eos=True)
+            ids, target = p + c, [False] * len(p) + [True] * len(c)
+        if len(ids) > seq_len:
+            raise ValueError(f"SFT example of {len(ids)} tokens exceeds sft.seq_len="
                              f"{seq_len}: raise sft.seq_len. Prompt: {prompt[:60]!r}")
         tok = np.full(seq_len, tokenizer.pad_id, np.int32)
         mask = np.zeros(seq_len, bool)
-        tok[: len(p) + len(c)] = p + c
-        mask[len(p): len(p) + len(c)] = True
+        tok[: len(ids)] = ids
+        mask[: len(ids)] = target
         return {"tokens": tok, "loss_mask": mask}
     return encode
+
+
+def sft_examples(config, pairs) -> list:
+    """(prompt, completion, ok) for SFT from (task, demo) pairs, sft.imperfect_frac of each
+    domain well-formed but wrong: one-shot domains through sandbox.tasks.generators, multi-step
+    episodes through sandbox.tasks.multistep.sft_episodes rendered exactly as the rollouts'
+    environment renders turns (rl.envs.demo_turns with agent_env_config)."""
+    from rl.agent import is_agent_task
+    from rl.envs import demo_turns
+    from sandbox.tasks import generators, multistep
+
+    s = config.sft
+    one = [p for p in pairs if not is_agent_task(p[0])]
+    agent = [p[0] for p in pairs if is_agent_task(p[0])]
+    out = generators.sft_examples(one, s.imperfect_frac, config.seed) if one else []
+    if agent:
+        env = agent_env_config(config)
+        out += [(t.prompt, demo_turns(t, env, turns), ok)
+                for t, turns, ok in multistep.sft_episodes(agent, s.imperfect_frac, config.seed)]
+    return out
+
+
+def agent_env_config(config):
+    """rl.envs.EnvConfig of multi-turn episodes from config.rl.agent."""
+    from rl.envs import EnvConfig
+
+    a = config.rl.agent
+    return EnvConfig(max_turns=int(a.max_turns), observation_tokens=int(a.observation_tokens),
+                     command_timeout_s=float(a.command_timeout_s),
+                     format_penalty=float(a.format_penalty))
+
+
+def make_rollout_worker(config, model, tok, sampling, verifier, executor, *, group_size: int,
+                        tasks=(), mesh=None, rules=None):
+    """The rollout worker of a run: rl.pipeline.RolloutWorker for one-shot tasks, wrapped in an
+    rl.agent.RoutingWorker with an AgentRolloutWorker (rl.agent: width, turn_tokens, the
+    environment's caps) when any of `tasks` is a multi-turn task."""
+    from rl.agent import AgentRolloutWorker, RoutingWorker, is_agent_task
+
+    r = config.rl
+    worker = RolloutWorker(model, tok, sampling, verifier, group_size=group_size,
+                           max_prompt_len=r.max_prompt_len, mesh=mesh, rules=rules)
+    if not any(is_agent_task(t) for t in tasks):
+        return worker
+    if mesh is not None and jax.process_count() > 1:
+        raise ValueError("multi-turn rollouts run on one process (rl/agent.py); split the "
+                         "multi-step tasks into a single-process run")
+    a = r.agent
+    agent = AgentRolloutWorker(
+        model, tok, dataclasses.replace(sampling, max_new_tokens=int(a.turn_tokens)), executor,
+        group_size=group_size, width=int(a.width), env_config=agent_env_config(config),
+        mesh=mesh, rules=rules)
+    return RoutingWorker(worker, agent)
+
+
+def train_width(config, tasks=()) -> int:
+    """Width of the packed train rows: one-shot rows (max_prompt_len + max_new_tokens), or the
+    multi-turn episode width when any task is multi-turn."""
+    from rl.agent import is_agent_task
+
+    r = config.rl
+    w = r.max_prompt_len + r.max_new_tokens
+    return max(w, int(r.agent.width)) if any(is_agent_task(t) for t in tasks) else w
 
 
 def _sft_stream(examples, tok, s, seed):
@@ -287,14 +362,13 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     2. SFT (sft.steps): next-token + MTP + balance + indexer KL (model.dsa.indexer_stage, sparse
        by default) on every parameter, from the warm-up's weights; checkpoints in sft/.
     Resuming picks up whichever phase was unfinished (a finished SFT skips the warm-up)."""
-    from sandbox.tasks import generators
 
     s = config.sft
     workdir = os.path.join(config.workdir, "sft")
     model, tok = _model(config), load_tokenizer(config.tokenizer)
     mesh, rules = shd.mesh_from_config(config)
     splits = load_task_splits(config)
-    examples = generators.sft_examples(splits["train"], s.imperfect_frac, config.seed)
+    examples = sft_examples(config, splits["train"])
     it = _sft_stream(examples, tok, s, config.seed)
 
     opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,
@@ -379,12 +453,19 @@ def load_warmup_variables(config, model: Model, *, mesh=None, rules=None) -> dic
 def heldout_text(config, tokenizer, n: int = 64, width: int = 128):
     """Held-out demonstration text for diagnostics: the first n test tasks' chat prompt +
     reference completion, right-padded ([n,width] int32, valid [n,width] bool)."""
+    from rl.agent import encode_episode, is_agent_task
+    from rl.envs import demo_turns
+
     rows = []
     for task, demo in load_task_splits(config)["test"]:
         if demo is None:
             continue
-        ids = tokenizer.encode(tokenizer.chat_prompt(task.prompt), bos=True)
-        ids += tokenizer.encode(demo, eos=True)
+        if is_agent_task(task):
+            ids = encode_episode(tokenizer, task.prompt,
+                                 demo_turns(task, agent_env_config(config), demo))[0]
+        else:
+            ids = tokenizer.encode(tokenizer.chat_prompt(task.prompt), bos=True)
+            ids += tokenizer.encode(demo, eos=True)
         rows.append(ids[:width])
     rows = rows[:: max(len(rows) // n, 1)][:n]  # spread over domains
     tokens = np.full((len(rows), width), tokenizer.pad_id, np.int32)
@@ -500,12 +581,13 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         verifier = Verifier(executor=pool)
     sampling = rollout_sampling(config, tok.eos_id)
     on_mesh = dict(mesh=mesh, rules=rules)
-    worker = RolloutWorker(model, tok, sampling, verifier, group_size=r.group_size,
-                           max_prompt_len=r.max_prompt_len, **on_mesh)
-    eval_worker = RolloutWorker(model, tok, dataclasses.replace(
-        sampling, temperature=0.0 if config.eval.greedy else config.eval.temperature),
-        verifier, group_size=1, max_prompt_len=r.max_prompt_len, **on_mesh)
-    width = r.max_prompt_len + r.max_new_tokens
+    worker = make_rollout_worker(config, model, tok, sampling, verifier, pool,
+                                 group_size=r.group_size, tasks=train_tasks, **on_mesh)
+    eval_worker = make_rollout_worker(
+        config, model, tok, dataclasses.replace(
+            sampling, temperature=0.0 if config.eval.greedy else config.eval.temperature),
+        verifier, pool, group_size=1, tasks=val_tasks, **on_mesh)
+    width = train_width(config, train_tasks)
     step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
                               sampling=sampling, critic=critic, value_optimizer=value_opt,
                               state_shardings=state_sh, **on_mesh)

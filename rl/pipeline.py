@@ -281,7 +281,8 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
              ks=(1,), batch_prompts: int = 64) -> dict:
     """pass@k (unbiased estimator, n_samples per task) per domain with 95% intervals for pass@1
     (`rl.metrics.clustered_interval`: Wilson, corrected for samples of one task being
-    correlated). Sampling follows worker.sampler's config (temperature 0 -> greedy, n_samples 1).
+    correlated); for multi-turn domains (rl.agent.RoutingWorker) also turns_mean and
+    episode_tokens_mean (per episode; episode success is pass@1). Sampling follows worker.sampler's config (temperature 0 -> greedy, n_samples 1).
     Chunks of batch_prompts tasks (the last one padded: one batch shape, one compile) are
     generated while the previous chunk is scored.
 
@@ -297,7 +298,7 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     batch_prompts //= blocks  # per process: the global chunk keeps the rollout batch's shape
     mine = list(range(me, len(tasks), blocks))  # indices of this process's tasks
     n_chunks = math.ceil(math.ceil(len(tasks) / blocks) / batch_prompts)
-    results = []  # (task index in `tasks`, correct samples)
+    results = []  # (task index in `tasks`, correct samples, [turns, tokens] summed or None)
     failed = 0
 
     def collect(idx, pending):
@@ -306,7 +307,10 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
         failed += int(g.failed[:len(idx) * n_samples].sum())
         for j, t in enumerate(idx):
             r = g.rewards[j * n_samples:(j + 1) * n_samples]
-            results.append((t, int((r >= 1.0).sum())))
+            det = g.details[j * n_samples:(j + 1) * n_samples]
+            ep = ([sum(d["turns"] for d in det), sum(d["episode_tokens"] for d in det)]
+                  if det and all("turns" in d for d in det) else None)  # multi-turn episodes
+            results.append((t, int((r >= 1.0).sum()), ep))
 
     prev = None
     for c in range(n_chunks):
@@ -325,11 +329,18 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
         results = [tuple(r) for g in gathered for r in g["results"]]
         failed = sum(g["failed"] for g in gathered)
     per_task = defaultdict(list)  # domain -> [(n, c)] in task order
-    for t, c in sorted(results):
+    episodes = defaultdict(list)  # domain -> [(turns, tokens)] summed over a task's samples
+    for t, c, ep in sorted(results, key=lambda x: x[0]):
         per_task[task_domain(tasks[t])].append((n_samples, c))
+        if ep is not None:
+            episodes[task_domain(tasks[t])].append(ep)
     out = {}
     for dom, nc in sorted(per_task.items()):
         d = {"tasks": len(nc)}
+        if episodes.get(dom):  # multi-turn: turns used and tokens per episode (mean)
+            e = np.asarray(episodes[dom], np.float64) / n_samples
+            d.update({"turns_mean": float(e[:, 0].mean()), "episode_tokens_mean":
+                      float(e[:, 1].mean())})
         for k in ks:
             if k <= n_samples:
                 d[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for n, c in nc]))

@@ -100,10 +100,10 @@ def main(_):
         load_sft_variables,
         load_task_splits,
         load_warmup_variables,
+        make_rollout_worker,
         run_rl,
         run_sft,
     )
-    from rl.pipeline import RolloutWorker
     from rl.sampler import SamplingConfig
 
     config = _CONFIG.value
@@ -120,11 +120,11 @@ def main(_):
         test = [t for t, _ in load_task_splits(config)["test"]]
         base = SamplingConfig(max_new_tokens=config.rl.max_new_tokens, temperature=0.0,
                               eos_id=tok.eos_id, speculative=config.rl.speculative)
-        w_greedy = RolloutWorker(model, tok, base, verifier, group_size=1,
-                                 max_prompt_len=config.rl.max_prompt_len)
-        w_sampled = RolloutWorker(model, tok, dataclasses.replace(base, temperature=1.0),
-                                  verifier, group_size=_SAMPLES.value,
-                                  max_prompt_len=config.rl.max_prompt_len)
+        w_greedy = make_rollout_worker(config, model, tok, base, verifier, pool, group_size=1,
+                                       tasks=test)
+        w_sampled = make_rollout_worker(config, model, tok,
+                                        dataclasses.replace(base, temperature=1.0), verifier,
+                                        pool, group_size=_SAMPLES.value, tasks=test)
         before = _eval_both(config, load_sft_variables(config, model), test, w_greedy, w_sampled,
                             _SAMPLES.value)
         t_eval0 = time.time()
@@ -160,6 +160,13 @@ def main(_):
     print(_table(before, after, "sampled"))
     print()
     print(_table(before, after, "greedy"))
+    for mode in ("greedy", "sampled"):  # multi-turn domains: turns and tokens per episode
+        for d, b in before[mode].items():
+            if isinstance(b, dict) and "turns_mean" in b:
+                a = after[mode][d]
+                print(f"{d} episodes ({mode}): turns {b['turns_mean']:.2f} -> "
+                      f"{a['turns_mean']:.2f}, tokens {b['episode_tokens_mean']:.0f} -> "
+                      f"{a['episode_tokens_mean']:.0f} per episode")
     print("\nDSA indexer recall of the top-k attention keys (held-out text): " + ", ".join(
         f"{k} {v:.3f}" for k, v in recall.items()))
     print(f"\n[demo] {time.time() - t0:.0f} s total (SFT {t_sft:.0f} s, RL {t_rl:.0f} s). "

@@ -8,7 +8,8 @@
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=empty
 
 pass@k uses the unbiased estimator over n_samples per task; pass@1 comes with a 95% Wilson
-interval. Output: a table, and --json FILE for the full result. --completions=canonical|empty
+interval; multi-step (agent) domains also report turns used and tokens per episode (episode
+success is their pass@1). Output: a table, and --json FILE for the full result. --completions=canonical|empty
 checks the harness itself on a HumanEval-format file (no model involved): 100% and 0%.
 """
 
@@ -40,9 +41,11 @@ def print_table(res: dict, title: str = "") -> None:
     for dom, v in res.items():
         if not isinstance(v, dict):
             continue
+        ep = (f"   {v['turns_mean']:.2f} turns, {v['episode_tokens_mean']:.0f} tokens/episode"
+              if "turns_mean" in v else "")
         print(f"{dom:<14}{v['tasks']:>7}" + "".join(f"{100 * v.get(k, float('nan')):>9.1f}%"
                                                      for k in keys)
-              + f"   [{100 * v['pass@1_lo']:.1f}, {100 * v['pass@1_hi']:.1f}]")
+              + f"   [{100 * v['pass@1_lo']:.1f}, {100 * v['pass@1_hi']:.1f}]" + ep)
 
 
 def score_given(tasks, completions, verifier) -> dict:
@@ -63,14 +66,19 @@ def score_given(tasks, completions, verifier) -> dict:
 
 def main(_):
     _common.setup_jax()
-    import dataclasses
     import os
 
     import jax
 
     from model.tokenizer import load_tokenizer
-    from rl.loop import _model, _open_pool, load_sft_variables, load_task_splits
-    from rl.pipeline import RolloutWorker, evaluate
+    from rl.loop import (
+        _model,
+        _open_pool,
+        load_sft_variables,
+        load_task_splits,
+        make_rollout_worker,
+    )
+    from rl.pipeline import evaluate
     from rl.sampler import SamplingConfig
 
     config = _CONFIG.value
@@ -99,8 +107,8 @@ def main(_):
             sampling = SamplingConfig(max_new_tokens=config.rl.max_new_tokens,
                                       temperature=_TEMP.value, eos_id=tok.eos_id,
                                       speculative=config.rl.speculative)
-            worker = RolloutWorker(model, tok, dataclasses.replace(sampling), verifier,
-                                   group_size=_N.value, max_prompt_len=config.rl.max_prompt_len)
+            worker = make_rollout_worker(config, model, tok, sampling, verifier, pool,
+                                         group_size=_N.value, tasks=tasks)
             res = evaluate(worker, variables, tasks, jax.random.key(0), n_samples=_N.value,
                            ks=ks, batch_prompts=config.eval.batch_prompts)
         print_table(res, f"pass@k ({len(tasks)} tasks, completions={_COMP.value})")

@@ -137,3 +137,29 @@ def test_sampler_logprobs_equal_trainer_and_observations_carry_no_loss(agent):
     one[np.argwhere(m)[0][0], np.argwhere(m)[0][1]] = True
     junk2 = dict(batch, ref_logp=np.where(one, 37.0, batch["ref_logp"]))
     assert run(junk2)[1] != base[1]
+
+
+def test_routing_worker_merges_one_shot_and_agent_rows_in_task_order(agent):
+    from rl.agent import RoutingWorker
+    from rl.pipeline import RolloutWorker
+    from sandbox.tasks.generators import make_split
+    from sandbox.verifiers import Verifier
+
+    model, variables, tok, task = agent["model"], agent["variables"], agent["tok"], agent["task"]
+    (arith, _), = make_split("arithmetic", "train", 1, seed=3, difficulty=1)
+    with SandboxPool(workers=2) as pool:
+        one = RolloutWorker(model, tok, SamplingConfig(max_new_tokens=8, eos_id=tok.eos_id),
+                            Verifier(pool), group_size=2, max_prompt_len=96)
+        both = RoutingWorker(one, AgentRolloutWorker(model, tok, SAMPLING, pool, group_size=2,
+                                                     width=WIDTH, env_config=ENV))
+        g = both.start(variables, [arith, task, arith], jax.random.key(4), pad_to=3).result()
+    assert [t.id for t in g.tasks] == [arith.id] * 2 + [task.id] * 2 + [arith.id] * 2
+    assert list(g.group_ids) == [0, 0, 1, 1, 2, 2]
+    assert ["turns" in d for d in g.details] == [False, False, True, True, False, False]
+    # one-shot rows: every completion token is the model's; agent rows: observations are not
+    for i in (0, 1, 4, 5):
+        np.testing.assert_array_equal(g.target_mask[i], g.completion_mask[i])
+    assert (g.completion_mask[2] & ~g.target_mask[2]).any()
+    batch, _ = build_train_batch(g, get_algorithm("grpo", kl_placement="none", kl_coef=0.0),
+                                 WIDTH)
+    assert batch["tokens"].shape == (6, WIDTH) and batch["loss_mask"].sum() == g.target_mask.sum()
