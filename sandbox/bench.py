@@ -25,60 +25,15 @@ capacity: cores * 1000 / cpu_ms_per_run.
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 PLAIN_PY = "/usr/bin/python3"
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
-
-
-def _closed_loop(fn: Callable[[], Any], n: int, threads: int) -> dict:
-    lat: list[float] = []
-    lock = threading.Lock()
-    counter = [0]
-    errors: list[str] = []
-
-    def loop():
-        while True:
-            with lock:
-                if counter[0] >= n:
-                    return
-                counter[0] += 1
-            t0 = time.perf_counter()
-            try:
-                ok = fn()
-            except Exception as e:  # noqa: BLE001
-                ok = False
-                errors.append(repr(e))
-            dt = time.perf_counter() - t0
-            with lock:
-                lat.append(dt)
-                if ok is False and len(errors) < 5:
-                    errors.append("run failed")
-
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=loop) for _ in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {
-        "runs": n, "threads": threads, "wall_s": round(wall, 3),
-        "runs_per_s": round(n / wall, 1),
-        "p50_ms": round(_pct(lat, 50) * 1000, 1), "p90_ms": round(_pct(lat, 90) * 1000, 1),
-        "p99_ms": round(_pct(lat, 99) * 1000, 1), "mean_ms": round(statistics.mean(lat) * 1000, 1),
-        "errors": errors[:5],
-    }
+from .loadgen import closed_loop as _closed_loop  # noqa: E402
 
 
 def _cpu_per_sandbox_run(n: int) -> dict:

@@ -23,57 +23,17 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
-
-
-def closed_loop(fn: Callable[[], bool], n: int, threads: int) -> dict:
-    """`threads` threads call fn() until n calls are done; latency per call, runs/s overall."""
-    lat: list[float] = []
-    fails = [0]
-    lock = threading.Lock()
-    left = [n]
-
-    def loop():
-        while True:
-            with lock:
-                if left[0] <= 0:
-                    return
-                left[0] -= 1
-            t0 = time.perf_counter()
-            try:
-                ok = fn()
-            except Exception:  # noqa: BLE001 - counted, the benchmark goes on
-                ok = False
-            dt = time.perf_counter() - t0
-            with lock:
-                lat.append(dt)
-                fails[0] += not ok
-
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=loop) for _ in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"runs": n, "threads": threads, "wall_s": round(wall, 3), "runs_per_s": round(n / wall, 1),
-            "p50_ms": round(_pct(lat, 50) * 1000, 1), "p90_ms": round(_pct(lat, 90) * 1000, 1),
-            "p99_ms": round(_pct(lat, 99) * 1000, 1), "mean_ms": round(statistics.mean(lat) * 1000, 1),
-            "failed": fails[0]}
+from .loadgen import closed_loop  # noqa: E402
 
 
 def free_port() -> int:

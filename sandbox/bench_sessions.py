@@ -27,15 +27,12 @@ import threading
 import time
 from typing import Any
 
+from .loadgen import closed_loop
+
 FILES = {"note.txt": "k7qa.txt\n", "k7qa.txt": "payload line\n", "decoy.txt": "nothing\n"}
 COMMANDS = ("cat note.txt", "cp k7qa.txt out.txt", "wc -c < out.txt")
 CHECK = ("import sys\nsys.exit(0 if open('out.txt', encoding='utf-8').read() == 'payload line\\n' "
          "else 1)\n")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
 
 
 def _episode(executor, phases: dict[str, list[float]], lock: threading.Lock) -> bool:
@@ -69,40 +66,7 @@ def _sequence_episode(executor) -> bool:
 
 
 def _closed_loop(fn, n: int, threads: int) -> dict[str, Any]:
-    lat: list[float] = []
-    fails = [0]
-    errors: list[str] = []
-    lock = threading.Lock()
-    left = [n]
-
-    def loop():
-        while True:
-            with lock:
-                if left[0] <= 0:
-                    return
-                left[0] -= 1
-            t0 = time.perf_counter()
-            try:
-                ok = fn()
-            except Exception as e:  # noqa: BLE001 - counted; the benchmark goes on
-                ok = False
-                with lock:
-                    if len(errors) < 3:
-                        errors.append(f"{type(e).__name__}: {e}")
-            with lock:
-                lat.append(time.perf_counter() - t0)
-                fails[0] += not ok
-
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=loop) for _ in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"episodes": n, "in_flight": threads, "wall_s": round(wall, 3),
-            "episodes_per_s": round(n / wall, 2), "p50_ms": round(_pct(lat, 50) * 1000, 1),
-            "p99_ms": round(_pct(lat, 99) * 1000, 1), "failed": fails[0], "errors": errors}
+    return closed_loop(fn, n, threads, unit="episodes")
 
 
 def _sessions(executor, n: int, threads: int) -> dict[str, Any]:
