@@ -636,6 +636,15 @@ class Slot:
         finally:
             os.close(root_fd)
 
+    def _attach_collected(self, r: ExecutionResult, req: dict) -> None:
+        """The request's `collect` files into r.files (notes on what could not be read join
+        r.message)."""
+        if req.get("collect"):
+            files, notes = self._read_back(req["collect"], req.get("collect_limit_bytes", 1 << 20))
+            r.files = files
+            if notes:
+                r.message = "; ".join(filter(None, [r.message] + notes))
+
     def _read_back(self, paths: list[str], limit: int) -> tuple[dict[str, bytes], list[str]]:
         """Reads files from the work dir: no symlink is followed, only regular files, size-capped."""
         out: dict[str, bytes] = {}
@@ -786,11 +795,7 @@ class Slot:
                     r = self._run_none(req)
                 else:
                     r = self._run_bwrap(req)
-                if req.get("collect"):
-                    files, notes = self._read_back(req["collect"], req.get("collect_limit_bytes", 1 << 20))
-                    r.files = files
-                    if notes:
-                        r.message = "; ".join(filter(None, [r.message] + notes))
+                self._attach_collected(r, req)
                 results.append(r)
         finally:
             try:

@@ -390,8 +390,9 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState,
     def size_of(rs: list[ExecutionResult]) -> int:
         return sum(len(r.stdout) + len(r.stderr) + sum(len(v) for v in r.files.values()) for r in rs)
 
-    async def run_code(request: Request) -> Response:
-        req = await _parse_body(request, RunCodeRequest)
+    async def run_one(request: Request, model, render) -> Response:
+        """One program: parse the body as `model`, run it, answer render(result)."""
+        req = await _parse_body(request, model)
         code, kw = _kwargs(req)
         try:
             r = await execute(request, lambda: pool.submit(code, **kw))
@@ -399,18 +400,13 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState,
             return Response(status_code=499)
         learn([r])
         note_output_cap(r, req.output_limit_bytes, cfg.max_output_bytes)
-        return await respond(result_to_sf(r), size_of([r]))
+        return await respond(render(r), size_of([r]))
+
+    async def run_code(request: Request) -> Response:
+        return await run_one(request, RunCodeRequest, result_to_sf)
 
     async def run_native(request: Request) -> Response:
-        req = await _parse_body(request, NativeRunRequest)
-        code, kw = _kwargs(req)
-        try:
-            r = await execute(request, lambda: pool.submit(code, **kw))
-        except _ClientGone:
-            return Response(status_code=499)
-        learn([r])
-        note_output_cap(r, req.output_limit_bytes, cfg.max_output_bytes)
-        return await respond(r.to_dict(), size_of([r]))
+        return await run_one(request, NativeRunRequest, lambda r: r.to_dict())
 
     async def run_sequence(request: Request) -> Response:
         req = await _parse_body(request, RunSequenceRequest)

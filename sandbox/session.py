@@ -763,11 +763,7 @@ def _run_command(runner: _SessionRunner, req: dict) -> tuple[ExecutionResult, st
             return ExecutionResult(status="error", message="could not place files over what earlier "
                                    f"commands left: {e.strerror or e}"), None
         r = runner._run_bwrap(req)
-        if req.get("collect"):
-            files, notes = runner._read_back(req["collect"], req.get("collect_limit_bytes", 1 << 20))
-            r.files = files
-            if notes:
-                r.message = "; ".join(filter(None, [r.message] + notes))
+        runner._attach_collected(r, req)
         return r, runner.broken
     except SlotBroken as e:
         return ExecutionResult.sandbox_error(f"session broken: {e}"), str(e)

@@ -694,10 +694,16 @@ _TERM_TEMPLATES: dict[int, list[Callable]] = {
     3: [_tt_grep_cut, _tt_cut_sort, _tt_distinct, _tt_sum, _tt_smallest],
 }
 
-_TERM_CHECK = '''import sys
+def lines_check(path: str, want: list[str]) -> str:
+    """A python check: exit 0 iff the file at `path` holds the lines `want`, compared after the
+    stdio rule (CRLF -> LF, trailing whitespace and trailing empty lines dropped)."""
+    return _LINES_CHECK.format(path=path, want=want)
+
+
+_LINES_CHECK = '''import sys
 WANT = {want!r}
 try:
-    with open("out.txt", encoding="utf-8", errors="replace") as f:
+    with open({path!r}, encoding="utf-8", errors="replace") as f:
         got = f.read()
 except OSError:
     sys.exit(1)
@@ -725,7 +731,7 @@ class TerminalGenerator(Generator):
                           {"ops": [list(o) for o in ops], "file": fname,
                            "wrong": [[list(o) for o in w] for w in _wrong]},
                           family="terminal", files={fname: content},
-                          check=_TERM_CHECK.format(want=want), check_language="python")
+                          check=lines_check("out.txt", want), check_language="python")
         return task, demo
 
     def corrupt(self, rng, task, demo):

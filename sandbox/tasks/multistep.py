@@ -56,7 +56,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .generators import _WORDS, DIFFICULTIES, SPLITS, _hash, split_of
+from .generators import _WORDS, DIFFICULTIES, SPLITS, _hash, lines_check, split_of
 from .schema import Task
 
 FAMILY = "multistep"
@@ -120,19 +120,6 @@ def _norm_lines(text: str | None) -> list[str] | None:
     while lines and lines[-1] == "":
         lines.pop()
     return lines
-
-
-_CHECK = '''import sys
-try:
-    with open({path!r}, encoding="utf-8", errors="replace") as f:
-        got = f.read()
-except OSError:
-    sys.exit(1)
-lines = [ln.rstrip() for ln in got.replace("\\r\\n", "\\n").split("\\n")]
-while lines and lines[-1] == "":
-    lines.pop()
-sys.exit(0 if lines == {want!r} else 1)
-'''
 
 
 def passes(task: Task, files: dict[str, str]) -> bool:
@@ -332,7 +319,7 @@ def sample(rng: random.Random, difficulty: int) -> Task:
     split = split_of(FAMILY, key)
     task = Task(
         id=f"{FAMILY}/{split}/d{difficulty}/{_hash(FAMILY, key, files)[:12]}", family="terminal",
-        prompt=prompt, files=files, check=_CHECK.format(path=params["target"], want=params["want"]),
+        prompt=prompt, files=files, check=lines_check(params["target"], params["want"]),
         check_language="python", timeout_s=_TIMEOUT_S, memory_mb=_MEMORY_MB,
         meta={"split": split, "difficulty": difficulty, "family_name": FAMILY, "template": name,
               "params": {**params, "wrong": wrong}, "demo_turns": turns,
