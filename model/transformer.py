@@ -7,6 +7,7 @@ Public entry points live on `Model`, a thin stateless facade over the Linen modu
     out = model.apply(variables, tokens)                   # training: ModelOutput
     cache = model.init_cache(batch=B, max_len=S)
     logits, cache, hidden = model.prefill(variables, tokens, lengths, cache)  # right-padded
+    logits, cache, hidden = model.prefill(variables, tokens, lengths, cache, chunk=1024)  # long
     logits, cache, hidden = model.decode_step(variables, next_tokens, cache)  # [B] -> [B,V]
     logits, steps, hidden = model.verify(variables, tokens_2, cache)   # [B,T] -> [B,T,V]
     cache = model.commit(steps, n_keep)                                # keep n_keep[b] tokens
@@ -28,6 +29,7 @@ their state after each prefix) + `commit` (keep n tokens per row) on this cache,
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import flax.linen as nn
@@ -226,6 +228,18 @@ def moe_layer_names(cfg: ModelConfig) -> list[str]:
 _INIT_PROGRAMS: dict = {}  # (ModelConfig, seq_len) -> jitted init
 
 
+def _check_chunk(chunk) -> int:
+    """A prefill chunk size: an int >= 0 (0 = one shot)."""
+    try:
+        n = operator.index(chunk)  # ints and numpy ints; not floats or strings
+    except TypeError:
+        n = -1
+    if isinstance(chunk, bool) or n < 0:
+        raise ValueError(f"prefill chunk must be an int >= 0 (0 = the whole prompt in one call, "
+                         f"N = N tokens per call through the cache), got {chunk!r}")
+    return n
+
+
 class Model:
     """Stateless facade: every method is a pure function of (variables, inputs[, cache])."""
 
@@ -275,11 +289,47 @@ class Model:
         cls, sub = ATTENTION[kind]
         return cls.init_cache(getattr(self.cfg, sub), batch, max_len, _dtype(self.cfg.dtype))
 
-    def prefill(self, variables, tokens, lengths, cache):
-        """tokens [B,T] right-padded, lengths [B]. Returns (logits [B,T,V], cache, hidden)."""
-        valid = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
-        out, cache = self.net.apply(variables, tokens, valid, cache)
-        return out.logits, cache, out.hidden
+    def prefill(self, variables, tokens, lengths, cache, *, chunk: int = 0):
+        """tokens [B,T] right-padded, lengths [B]. Returns (logits [B,T,V], cache, hidden
+        [B,T,D]).
+
+        chunk (0 = one shot): feed the prompt through the cache `chunk` tokens at a time (a
+        lax.scan over the T // chunk full chunks, then one call for the remainder), so the
+        attention temporaries are [B, chunk, S] (S = the cache length) instead of [B, T, S]: the
+        DSA indexer scores, top-k and dense/sparse attention of one chunk, and one chunk of the
+        KDA recurrence. Equal to one-shot prefill up to float reassociation (KDA's state is
+        carried between chunks; tests/model/test_chunked_prefill.py). The outputs logits and
+        hidden still hold every position ([B,T,V], [B,T,D]: linear in T). Rows whose prompt ended
+        before a chunk see only invalid tokens there: their KDA state and conv window stay put
+        and their DSA rows past their length are rewritten by decoding before any query attends
+        them, exactly as padding is in one-shot prefill. Not covered: capacity-dispatch MoE
+        (moe.dispatch="capacity") drops tokens per call, so its chunked result differs from one
+        shot wherever one of them drops a token."""
+        chunk = _check_chunk(chunk)
+        B, T = tokens.shape
+        valid = jnp.arange(T)[None] < lengths[:, None]  # [B,T]
+        if chunk == 0 or T <= chunk:
+            out, cache = self.net.apply(variables, tokens, valid, cache)
+            return out.logits, cache, out.hidden
+        n = T // chunk
+
+        def step(c, xs):
+            tok_c, valid_c = xs  # [B,chunk] each
+            out, c = self.net.apply(variables, tok_c, valid_c, c)
+            return c, (out.logits, out.hidden)
+
+        def split(x):  # [B,n*chunk] -> [n,B,chunk]
+            return x[:, :n * chunk].reshape(B, n, chunk).swapaxes(0, 1)
+
+        cache, (logits, hidden) = jax.lax.scan(step, cache, (split(tokens), split(valid)))
+        logits = logits.swapaxes(0, 1).reshape(B, n * chunk, -1)  # [B,n*chunk,V]
+        hidden = hidden.swapaxes(0, 1).reshape(B, n * chunk, -1)  # [B,n*chunk,D]
+        if n * chunk < T:
+            out, cache = self.net.apply(variables, tokens[:, n * chunk:], valid[:, n * chunk:],
+                                        cache)
+            logits = jnp.concatenate([logits, out.logits], axis=1)
+            hidden = jnp.concatenate([hidden, out.hidden], axis=1)
+        return logits, cache, hidden
 
     def verify(self, variables, tokens, cache, active=None):
         """Speculative verification: tokens [B,T] (the last sampled token, then drafts) at each

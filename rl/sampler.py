@@ -7,7 +7,8 @@
 The cache is created inside the compiled function and carried through a `lax.while_loop`, so XLA
 updates it in place (no copy per step); the loop stops when every row has finished (EOS, a stop
 sequence, or max_new_tokens). Rows of different prompt lengths run together: each row decodes
-from its own position. Reproducible: the same rng and inputs give the same tokens.
+from its own position. Reproducible: the same rng and inputs give the same tokens. `SamplingConfig(prefill_chunk=N)`
+prefills long prompts N tokens at a time through the cache (`Model.prefill`'s chunk; same output).
 
 Sampling transforms, in order: temperature (0 = greedy), top-k, top-p (nucleus). The returned
 log-probs are those of the distribution actually sampled from (after the transforms); the
@@ -50,6 +51,9 @@ class SamplingConfig:
     eos_id: int = 2
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # token-id sequences that end a row
     speculative: str = "none"  # "mtp": draft one token with the MTP head, verify two at once
+    # prompt tokens per prefill call through the cache (Model.prefill's chunk); 0 = one shot.
+    # Long prompts: attention temporaries grow with prefill_chunk x prompt, not prompt squared.
+    prefill_chunk: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -60,6 +64,10 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
+                or self.prefill_chunk < 0):
+            raise ValueError(f"prefill_chunk must be an int >= 0 (0 = the whole prompt in one "
+                             f"prefill call, N = N tokens per call), got {self.prefill_chunk!r}")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {sorted(SPECULATIVE)}, got "
                              f"{self.speculative!r}")
@@ -258,7 +266,7 @@ def _generate_impl(model: Model, cfg: SamplingConfig, variables, prompts, length
     B, P = prompts.shape
     G = cfg.max_new_tokens
     cache = shd.constrain_cache(model.init_cache(B, P + G))  # no-op without a mesh
-    logits, cache, _ = model.prefill(variables, prompts, lengths, cache)
+    logits, cache, _ = model.prefill(variables, prompts, lengths, cache, chunk=cfg.prefill_chunk)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,V]
     rng, sub = jax.random.split(rng)
     tok, lp = _sample(last, sub, cfg, temperature)
@@ -348,7 +356,8 @@ def _generate_speculative_impl(model: Model, cfg: SamplingConfig, variables, pro
         return process_logits(logits, cfg, temp)
 
     cache = shd.constrain_cache(model.init_cache(B, S))
-    logits, cache, hidden = model.prefill(variables, prompts, lengths, cache)
+    logits, cache, hidden = model.prefill(variables, prompts, lengths, cache,
+                                          chunk=cfg.prefill_chunk)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,V]
     rng, sub = jax.random.split(rng)
     tok, lp = _sample(last, sub, cfg, temperature)

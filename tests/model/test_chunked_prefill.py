@@ -1,0 +1,162 @@
+"""Chunked prefill (`Model.prefill(..., chunk=N)`, `SamplingConfig.prefill_chunk`) and the live
+decode-state bytes against scripts/plan.py.
+
+Covered: chunked == one-shot prefill in f32 (logits, hidden, every cache leaf up to each row's
+length, and the next decode step) on the test model (KDA + sparse DSA with its indexer, MoE, a
+right-padded batch, a remainder chunk) and on a dense-attention variant (DSA's dense MLA path,
+NoPE, dense FFN); validation of the chunk size; the sampler's greedy output with and without
+chunks; live cache bytes per sequence (nbytes of the prefilled cache pytree) equal to
+`scripts.plan.decode_state_bytes` and to the closed form per layer kind, for the all-KDA,
+all-DSA, hybrid and dense layouts. Not covered: capacity-dispatch MoE (drops differ per call,
+see Model.prefill), long prompts (scripts/longctx.py measures 16K-token memory and speed).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import models
+from model.config import ModelConfig
+from model.transformer import Model
+from rl.sampler import Sampler, SamplingConfig
+from scripts.plan import decode_state_bytes
+
+B, T, S, CHUNK = 2, 40, 48, 16  # 2 full chunks + a remainder of 8; top-k 16 < 40 keys
+LENGTHS = (40, 19)  # the second row ends inside the second chunk
+
+
+def _cfg(**over) -> ModelConfig:
+    c = models.get_config("test")
+    for k, v in over.items():
+        node = c
+        *path, leaf = k.split(".")
+        for p in path:
+            node = node[p]
+        node[leaf] = v
+    return ModelConfig.from_dict(c)
+
+
+VARIANTS = {
+    # KDA + sparse DSA (indexer top-k), MoE (dropless), MTP: the test preset
+    "hybrid_sparse_moe": {},
+    # dense MLA attention (the DSA layer's dense path), NoPE, dense FFN, DSA first
+    "dense_attention": {"layer_pattern": "DK", "dsa.indexer_stage": "dense_warmup",
+                        "dsa.positions": "nope", "moe.num_experts": 0, "mtp.depth": 0},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def prefilled(request):
+    """(model, variables, one-shot result, chunked result, decode logits of both); each result
+    is (logits [B,T,V], cache, hidden [B,T,D])."""
+    model = Model(_cfg(**VARIANTS[request.param]))
+    variables = model.init(jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (B, T), 3, 250)
+    lengths = jnp.array(LENGTHS, jnp.int32)
+    tokens = jnp.where(jnp.arange(T)[None] < lengths[:, None], tokens, 0)
+
+    @jax.jit
+    def run(variables, tokens, lengths):
+        outs = []
+        for chunk in (0, CHUNK):
+            lg, cache, hid = model.prefill(variables, tokens, lengths, model.init_cache(B, S),
+                                           chunk=chunk)
+            nxt, _, _ = model.decode_step(variables, jnp.array([7, 9]), cache)
+            outs.append(((lg, cache, hid), nxt))
+        return outs
+
+    (one, d_one), (chk, d_chk) = run(variables, tokens, lengths)
+    return model, one, chk, d_one, d_chk
+
+
+def test_chunked_prefill_equals_one_shot(prefilled):
+    model, (lg1, c1, h1), (lg2, c2, h2), d1, d2 = prefilled
+    tol = dict(rtol=2e-5, atol=2e-5)
+    for b, n in enumerate(LENGTHS):
+        np.testing.assert_allclose(lg2[b, :n], lg1[b, :n], **tol)
+        np.testing.assert_allclose(h2[b, :n], h1[b, :n], **tol)
+    assert list(np.asarray(c2["lengths"])) == list(LENGTHS)
+    assert list(np.asarray(c1["lengths"])) == list(LENGTHS)
+    for kind, a, c in zip(model.cfg.layer_kinds(), c1["layers"], c2["layers"]):
+        if kind == "K":  # O(1) state: compare whole
+            np.testing.assert_allclose(c["state"], a["state"], **tol)
+            np.testing.assert_allclose(c["conv"], a["conv"], **tol)
+        else:  # rows at and past a row's length are scratch until decoding writes them
+            for key in ("kv", "k_idx"):
+                for b, n in enumerate(LENGTHS):
+                    np.testing.assert_allclose(c[key][b, :n], a[key][b, :n], **tol)
+    # the next token attends over both caches alike (scratch rows never read)
+    np.testing.assert_allclose(d2, d1, **tol)
+    # the chunked path is a different computation, not the one-shot program: differences exist
+    # only at float rounding level, and the compare above is not vacuous (logits vary by row)
+    assert float(jnp.std(lg1[0, :LENGTHS[0]])) > 1e-3
+
+
+def _closed_form_bytes(cfg: ModelConfig, seq: int) -> int:
+    """Per-sequence decode state written out per layer kind (the formula plan.py's numbers must
+    agree with): KDA = f32 state H*K*V + conv window (W-1)*H*(2K+V) in the activation dtype;
+    DSA = seq * (kv_lora_rank + qk_rope_head_dim + index_head_dim) in the activation dtype;
+    plus the int32 length counter."""
+    act = jnp.dtype(cfg.dtype).itemsize
+    k, d = cfg.kda, cfg.dsa
+    per = {"K": k.num_heads * k.k_dim * k.v_dim * 4
+           + (k.conv_size - 1) * k.num_heads * (2 * k.k_dim + k.v_dim) * act,
+           "D": seq * (d.kv_lora_rank + d.qk_rope_head_dim + d.index_head_dim) * act}
+    return sum(per[kind] for kind in cfg.layer_kinds()) + 4
+
+
+def _live_bytes(cache, batch: int) -> float:
+    return sum(x.nbytes for x in jax.tree.leaves(cache)) / batch
+
+
+def test_live_cache_bytes_match_plan(prefilled):
+    model, _, (_, cache, _), _, _ = prefilled
+    live = _live_bytes(cache, B)
+    planned = decode_state_bytes(model.cfg, S)["hybrid"]  # plan.py's entry for cfg's own layout
+    assert abs(live - planned) <= 0.01 * planned, (live, planned)
+    assert live == _closed_form_bytes(model.cfg, S)
+
+
+@pytest.mark.parametrize("pattern,dtype", [("K", "float32"), ("D", "bfloat16"),
+                                           ("KD", "bfloat16")])
+def test_live_cache_bytes_per_layout(pattern, dtype):
+    """All-KDA, all-DSA and a hybrid (bf16 activations: the latent KV in bf16, the KDA
+    state in f32) after a real chunked prefill + one decode step of a 1-row batch."""
+    cfg = _cfg(layer_pattern=pattern, num_layers=len(pattern), d_model=32, dtype=dtype,
+               **{"moe.num_experts": 0, "moe.dense_dim": 32, "mtp.depth": 0})
+    model = Model(cfg)
+    variables = model.init(jax.random.key(0), seq_len=4)
+
+    @jax.jit
+    def run(variables):
+        _, cache, _ = model.prefill(variables, jnp.full((1, 5), 4, jnp.int32),
+                                    jnp.array([5]), model.init_cache(1, 24), chunk=2)
+        return model.decode_step(variables, jnp.array([3]), cache)[1]
+
+    live = _live_bytes(run(variables), 1)
+    planned = decode_state_bytes(cfg, 24)
+    assert abs(live - planned["hybrid"]) <= 0.01 * planned["hybrid"], (live, planned)
+    assert live == _closed_form_bytes(cfg, 24)
+    if pattern == "D":
+        assert live == planned["all_dsa"]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "16"])
+def test_bad_chunk_is_rejected(bad):
+    model = Model(_cfg())
+    with pytest.raises(ValueError, match="prefill chunk must be an int >= 0"):
+        model.prefill({}, jnp.zeros((1, 4), jnp.int32), jnp.array([4]), None, chunk=bad)
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 0"):
+        SamplingConfig(prefill_chunk=bad)
+
+
+def test_sampler_prefill_chunk_same_greedy_tokens():
+    model = Model(_cfg(**VARIANTS["dense_attention"]))
+    variables = model.init(jax.random.key(3))
+    prompts = np.asarray(jax.random.randint(jax.random.key(4), (2, 21), 3, 250), np.int32)
+    lengths = np.array([21, 9], np.int32)
+    outs = [Sampler(model, SamplingConfig(max_new_tokens=6, temperature=0.0, prefill_chunk=c))
+            .generate(variables, prompts, lengths, jax.random.key(0)) for c in (0, 8)]
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+    np.testing.assert_array_equal(outs[0].mask, outs[1].mask)
