@@ -95,6 +95,11 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
         temperature=1.0, top_p=1.0, top_k=0, micro_batches=1, train_indexer=True,
         speculative="none", overlap_scoring=True, log_every=1, checkpoint_every=25, keep_checkpoints=3,
         init_from="sft"))  # "sft": the SFT checkpoint in workdir/sft; "scratch": random init
+    # rl.rollout_experts="mxfp4": rollouts (and the evals during RL) sample with packed MXFP4
+    # experts (the trained weights quantised once per batch, model/quant.py; grouped MXFP4
+    # matmul) while the trainer keeps bf16/f32 (or QAT: model.moe.qat=True) experts; the
+    # sampler/trainer log-prob gap is logged and corrected by TIS (rl.algo.tis_cap, required)
+    c.rl.rollout_experts = "bf16"
     # the trainer's log-probs use rl.temperature / top_k / top_p (the sampler's distribution);
     # rl.train_indexer=False sets the indexer KL weight to 0 for RL (the indexer stays frozen)
     # rl.speculative="mtp": rollouts and evals draft with the MTP head and verify two tokens per
@@ -134,6 +139,11 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.sandbox = ml_collections.ConfigDict(dict(
         workers=2, timeout_s=5.0, memory_mb=256, remote="", client_concurrency=0,
         fleet_slots=0))
+    # MXFP4 (model/quant.py): the module groups that stay high precision wherever experts are
+    # MXFP4 (rollouts, scripts/evaluate.py --experts=mxfp4, scripts/export.py); only "experts"
+    # has an MXFP4 path, so it is the one group that may be left out (the default)
+    c.quant = ml_collections.ConfigDict(dict(
+        high_precision="shared_experts,dense_ffn,router,attention,embeddings,lm_head,norms"))
     # mesh + logical-axis rules (model/sharding.py); the CPU variants run on one device
     c.sharding = shd.sharding_config("one_device")
     return c

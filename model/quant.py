@@ -211,3 +211,27 @@ def expert_bytes(params) -> dict:
 
 def param_bytes(params) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def inference_model(cfg, variables, *, experts: str = "mxfp4",
+                    high_precision=DEFAULT_HIGH_PRECISION, out_shardings=None):
+    """(Model, variables) to sample or evaluate with: experts="mxfp4" gives the MXFP4 model and
+    its packed variables (PTQ of float experts, packed experts as they are); "bf16" the model as
+    trained (a QAT model keeps its fake-quantised forward; packed variables are dequantised to
+    the param dtype)."""
+    from model.transformer import Model
+
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts={experts!r}: must be one of {EXPERT_FORMATS}")
+    params = variables.get("params", {})
+    if experts == "mxfp4":
+        cfg_q = mxfp4_config(cfg, high_precision)
+        if cfg_q.moe.expert_format != "mxfp4":
+            return Model(cfg_q), variables
+        return Model(cfg_q), ptq_variables(variables, out_shardings=out_shardings)
+    if has_packed_experts(params):
+        pd = jnp.dtype(cfg.param_dtype)
+        variables = dict(variables, params=jax.jit(
+            lambda p: dequantize_experts(p, pd))(params))
+        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, expert_format="bf16"))
+    return Model(cfg), variables

@@ -524,6 +524,33 @@ def rl_model(config) -> Model:
     return Model(cfg)
 
 
+def rollout_policy(config, model: Model, *, mesh=None, rules=None):
+    """(sampler model, variables -> sampler variables) of rl.rollout_experts: "bf16" samples the
+    trained model itself; "mxfp4" samples the MXFP4 model (model/quant.py: packed experts,
+    grouped MXFP4 matmul, config.quant.high_precision kept as is) on the trained weights
+    quantised once per rollout batch (a QAT policy's fake-quantised forward is what that
+    sampler runs). The trainer keeps its weights; the sampler/trainer log-prob gap this opens
+    is logged (logp_gap/*) and corrected by TIS, so rl.algo.tis_cap must be set."""
+    from model import quant
+
+    mode = config.rl.get("rollout_experts", "bf16")
+    if mode == "bf16":
+        return model, lambda v: v
+    if mode != "mxfp4":
+        raise ValueError(f"rl.rollout_experts must be 'bf16' or 'mxfp4', got {mode!r}")
+    if config.rl.algo.get("tis_cap") is None:
+        raise ValueError("rl.rollout_experts='mxfp4' samples from the MXFP4 policy, not the "
+                         "trained one: truncated importance sampling must correct the gap; set "
+                         "rl.algo.tis_cap (2.0 in configs/rl.py)")
+    hp = (quant.parse_modules(config.quant.high_precision) if "quant" in config
+          else quant.DEFAULT_HIGH_PRECISION)
+    qmodel = Model(quant.mxfp4_config(model.cfg, hp))
+    if qmodel.cfg.moe.expert_format != "mxfp4":
+        raise ValueError("rl.rollout_experts='mxfp4' but quant.high_precision keeps the experts "
+                         "high precision: remove 'experts' from it or use rollout_experts='bf16'")
+    return qmodel, quant.make_ptq_fn(qmodel, mesh, rules)
+
+
 def rollout_sampling(config, eos_id: int) -> SamplingConfig:
     """The rollout sampler's config; the trainer's log-probs use the same distribution."""
     r = config.rl
@@ -573,6 +600,8 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
             rng = _local_key(rng)
             log.info("RL resumed at step %d", int(state.step))
 
+    # the sampler's policy (rl.rollout_experts): the trained model, or its MXFP4 quantisation
+    sample_model, to_sampler = rollout_policy(config, model, mesh=mesh, rules=rules)
     own_pool = pool is None
     if own_pool:
         pool, verifier = _open_pool(config)
@@ -581,10 +610,10 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         verifier = Verifier(executor=pool)
     sampling = rollout_sampling(config, tok.eos_id)
     on_mesh = dict(mesh=mesh, rules=rules)
-    worker = make_rollout_worker(config, model, tok, sampling, verifier, pool,
+    worker = make_rollout_worker(config, sample_model, tok, sampling, verifier, pool,
                                  group_size=r.group_size, tasks=train_tasks, **on_mesh)
     eval_worker = make_rollout_worker(
-        config, model, tok, dataclasses.replace(
+        config, sample_model, tok, dataclasses.replace(
             sampling, temperature=0.0 if config.eval.greedy else config.eval.temperature),
         verifier, pool, group_size=1, tasks=val_tasks, **on_mesh)
     width = train_width(config, train_tasks)
@@ -614,7 +643,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         return forward
 
     def do_eval(step):
-        res = evaluate(eval_worker, state.variables, val_tasks,
+        res = evaluate(eval_worker, to_sampler(state.variables), val_tasks,
                        jax.random.key(step), batch_prompts=config.eval.batch_prompts)
         if writer is not None:
             writer.write(step, {f"{d}/pass1": v["pass@1"] for d, v in res.items()
@@ -631,7 +660,8 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     def launch(rng):
         launch_point.update(rng=rng, pos=it.get_state())
         rng, sub = jax.random.split(rng)
-        return rng, worker.start(state.variables, next(it)[mine], sub, version=int(state.step))
+        return rng, worker.start(to_sampler(state.variables), next(it)[mine], sub,
+                                 version=int(state.step))
 
     start = int(state.step)
     bar = _progress(r.steps, "rl", start) if progress and _primary() else None

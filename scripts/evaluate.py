@@ -6,6 +6,15 @@
         --temperature=1.0
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=canonical
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=empty
+    python scripts/evaluate.py --config configs/rl.py:demo --experts=mxfp4     # MXFP4 experts (PTQ)
+    python scripts/evaluate.py --config configs/rl.py:demo --checkpoint=runs/demo/export \
+        --experts=mxfp4                                    # an MXFP4 export (scripts/export.py)
+
+--experts=mxfp4 samples with packed MXFP4 experts through the grouped MXFP4 matmul: a bf16/f32
+checkpoint is quantised once on load (PTQ; no float copy of the experts is kept), an export
+directory of scripts/export.py (a --checkpoint holding model.safetensors.index.json) is read as
+stored. The modules that stay high precision are config.quant.high_precision. --experts=bf16
+(default) samples the model as trained (an MXFP4 export is then dequantised).
 
 pass@k uses the unbiased estimator over n_samples per task; pass@1 comes with a 95% Wilson
 interval; multi-step (agent) domains also report turns used and tokens per episode (episode
@@ -30,6 +39,8 @@ _N = flags.DEFINE_integer("n_samples", 1, "samples per task")
 _K = flags.DEFINE_string("k", "1", "comma-separated k values for pass@k")
 _TEMP = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 _JSON = flags.DEFINE_string("json", "", "write the result here")
+_EXPERTS = flags.DEFINE_enum("experts", "bf16", ["bf16", "mxfp4"],
+                             "expert weights to sample with (mxfp4: packed, grouped MXFP4 matmul)")
 
 
 def print_table(res: dict, title: str = "") -> None:
@@ -96,13 +107,25 @@ def main(_):
             comps = [t.canonical_solution if _COMP.value == "canonical" else "" for t in tasks]
             res = score_given(tasks, comps, verifier)
         else:
+            from model import interchange, quant
+
             model, tok = _model(config), load_tokenizer(config.tokenizer)
-            if _CKPT.value == "sft":
-                variables = load_sft_variables(config, model)
+            if os.path.exists(os.path.join(_CKPT.value, interchange.INDEX_FILE)):
+                cfg, variables = interchange.import_safetensors(_CKPT.value)
+            elif _CKPT.value == "sft":
+                cfg, variables = model.cfg, load_sft_variables(config, model)
             else:
                 from rl.loop import load_rl_variables
                 path = None if _CKPT.value == "rl" else _CKPT.value
-                variables = load_rl_variables(config, model, path)
+                cfg, variables = model.cfg, load_rl_variables(config, model, path)
+            model, variables = quant.inference_model(
+                cfg, variables, experts=_EXPERTS.value,
+                high_precision=quant.parse_modules(config.quant.high_precision)
+                if "quant" in config else quant.DEFAULT_HIGH_PRECISION)
+            if _EXPERTS.value == "mxfp4":
+                b = quant.expert_bytes(variables["params"])
+                print(f"experts: {model.cfg.moe.expert_format}, {b['experts']} bytes "
+                      f"({b['expert_ratio_vs_bf16']:.4f} of bf16), other {b['other']} bytes")
             ks = tuple(int(k) for k in _K.value.split(","))
             sampling = SamplingConfig(max_new_tokens=config.rl.max_new_tokens,
                                       temperature=_TEMP.value, eos_id=tok.eos_id,
