@@ -75,17 +75,26 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- tasks
+def task_families(config) -> list[str]:
+    """config.tasks.families as a list, each checked against the generators' registry."""
+    from sandbox.tasks import generators, multistep
+
+    fams = [f.strip() for f in config.tasks.families.split(",") if f.strip()]
+    valid = sorted([*generators.FAMILIES, multistep.FAMILY])
+    unknown = [f for f in fams if f not in valid]
+    if unknown or not fams:
+        raise ValueError(f"tasks.families: unknown family {(unknown or [''])[0]!r}; give a "
+                         f"comma-separated list of {valid}")
+    return fams
+
+
 def load_task_splits(config) -> dict:
     """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generators (or
     tasks.task_file for RL prompts, without demonstrations)."""
     from sandbox.tasks import generators, multistep
 
     t = config.tasks
-    fams = [f.strip() for f in t.families.split(",") if f.strip()]
-    valid = sorted([*generators.FAMILIES, multistep.FAMILY])
-    unknown = [f for f in fams if f not in valid]
-    if unknown:
-        raise ValueError(f"tasks.families: unknown family {unknown[0]!r}; valid: {valid}")
+    fams = task_families(config)
     diff = {f: (t.difficulty.get(f, 0) or None) for f in fams}
     n = {"train": t.train_per_family, "val": t.val_per_family, "test": t.test_per_family}
 
@@ -337,6 +346,28 @@ def check_run_config(config, num_devices: int, phase: str = "rl") -> str:
             lines.append(f"  warning: {what} = {n} is not divisible by the {full} devices of "
                          f"the batch axes {rules['batch']}: rows are replicated over the rest")
     lines.append("  OK (memory: python scripts/plan.py --config <this config> --device ...)")
+    return "\n".join(lines)
+
+
+def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = None) -> str:
+    """What `--dry_run` of the run scripts prints: everything a run would reject at start-up,
+    checked without training, sampling or touching the sandbox (so a launch line is cheap to
+    check): the model config, the RL algorithm (preset plus overrides, rl/algorithms.py), the
+    task families, and the mesh and batch splits of each phase (check_run_config) for
+    `num_devices` (default: the mesh's own size when config.sharding.mesh sizes every axis,
+    otherwise this host's devices, so XLA_FLAGS' fake device count applies).
+    Raises ValueError on what cannot run; returns a report."""
+    if num_devices is None:  # a fully sized mesh is checked for its own size (a pod launch line)
+        d = shd.parse_mesh(config.sharding.mesh)
+        num_devices = (math.prod(d.values()) if d and -1 not in d.values()
+                       else jax.device_count())
+    algo = algo_from_config(config.rl.algo)
+    fams = task_families(config)
+    lines = [check_run_config(config, num_devices, phase=p) for p in phases]
+    lines.append(f"  algorithm {algo.name}: estimator {algo.estimator}, clip "
+                 f"[{algo.clip_low}, {algo.clip_high}], agg {algo.agg}, KL {algo.kl_kind} x "
+                 f"{algo.kl_coef} in the {algo.kl_placement}; tasks {', '.join(fams)}; "
+                 f"workdir {config.workdir}")
     return "\n".join(lines)
 
 

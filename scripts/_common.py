@@ -28,3 +28,12 @@ def setup_jax() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     for noisy in ("jax", "absl", "orbax", "grain", "jax._src.xla_bridge"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def define_dry_run():
+    """The run scripts' --dry_run flag (rl.loop.validate_run_config)."""
+    from absl import flags
+
+    return flags.DEFINE_bool(
+        "dry_run", False, "only validate the config and flags (model, algorithm, task families, "
+        "mesh and batch splits for this host's devices), print what would run, and exit")

@@ -23,6 +23,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:demo", "RL config")
+_DRY = _common.define_dry_run()
 _RESUME = flags.DEFINE_bool("resume", True, "reuse finished phases / checkpoints in workdir")
 _SAMPLES = flags.DEFINE_integer("eval_samples", 4, "sampled completions per test task")
 
@@ -88,6 +89,10 @@ def _plot(path, rl_metrics, val_curve):
 
 
 def main(_):
+    if _DRY.value:
+        from rl.loop import validate_run_config
+        print(validate_run_config(_CONFIG.value, phases=('sft', 'rl')))
+        return
     _common.setup_jax()
     import dataclasses
 

@@ -23,12 +23,14 @@ checks the harness itself on a HumanEval-format file (no model involved): 100% a
 """
 
 import json
+import os
 
 import _common  # noqa: F401
 from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:demo", "RL config")
+_DRY = _common.define_dry_run()
 _CKPT = flags.DEFINE_string("checkpoint", "rl", "rl | sft | a checkpoint directory")
 _SPLIT = flags.DEFINE_enum("split", "test", ["val", "test"], "generator split to evaluate")
 _TASKS = flags.DEFINE_string("task_file", "", "a task JSONL file instead of the generators")
@@ -76,9 +78,14 @@ def score_given(tasks, completions, verifier) -> dict:
 
 
 def main(_):
+    if _DRY.value:
+        from rl.loop import validate_run_config
+        for f in (_HE.value, _TASKS.value):
+            if f and not os.path.exists(f):
+                raise SystemExit(f"no such file: {f}")
+        print(validate_run_config(_CONFIG.value, phases=('rl',)))
+        return
     _common.setup_jax()
-    import os
-
     import jax
 
     from model.tokenizer import load_tokenizer

@@ -229,8 +229,11 @@ def device_slice_cfg(cfg: ModelConfig, mesh_shape: dict, rules=None, *, kernels:
         return _split(n, "mlp", mesh_shape, rules) if n else n
 
     k, s, m = cfg.kda, cfg.dsa, cfg.moe
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    # the KDA kernels take power-of-two head dims only; impl="auto" runs XLA for the others
+    kda_impl = kernels if pow2(k.k_dim) and pow2(k.v_dim) else "xla"
     return cfg.replace(
-        kda=dc.replace(k, num_heads=heads(k.num_heads), impl=kernels),
+        kda=dc.replace(k, num_heads=heads(k.num_heads), impl=kda_impl),
         dsa=dc.replace(s, num_heads=heads(s.num_heads), index_n_heads=heads(s.index_n_heads),
                        impl=kernels),
         moe=dc.replace(m, expert_dim=mlp(m.expert_dim), dense_dim=mlp(m.dense_dim),

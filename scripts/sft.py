@@ -25,12 +25,17 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:demo", "RL/SFT config")
+_DRY = _common.define_dry_run()
 _RESUME = flags.DEFINE_bool("resume", True, "continue from the last good checkpoint")
 _CHECK = flags.DEFINE_integer("check_devices", 0, "only validate the config (mesh, rules, "
                               "batch and expert splits) for a job of this many devices, then exit")
 
 
 def main(_):
+    if _DRY.value:
+        from rl.loop import validate_run_config
+        print(validate_run_config(_CONFIG.value, phases=('sft',)))
+        return
     if _CHECK.value:
         from rl.loop import check_run_config
         print(check_run_config(_CONFIG.value, _CHECK.value, phase="sft"))
