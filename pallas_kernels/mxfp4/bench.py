@@ -8,6 +8,9 @@ Side by side in one run, per problem (decode-shaped M = 8, prefill-shaped M = 20
     accelerator also the XLA reference next to the kernel;
   * on GPU/TPU: achieved HBM bandwidth of the kernel = bytes it must read and write / time, as a
     fraction of the peak (H200: 4.8 TB/s; override with MXFP4_BENCH_PEAK_BW in bytes/s).
+  * model decode (`model_decode`): tokens/s of the sampler (rl/sampler.py, prefill + decode
+    loop) on the demo model with float experts vs packed MXFP4 experts (model/quant.py, grouped
+    MXFP4 matmul), in f32 and in bf16 (activations and parameters), and the expert bytes ratio.
 Timings are medians over repeats after a warm-up; nothing here asserts a speed.
 """
 
@@ -95,7 +98,55 @@ def run(quick: bool = False) -> dict:
             line += f" {r['t_mxfp4_xla_s'] * 1e3:>8.3f} {r.get('kernel_bw_fraction', 0):>8.1%}"
             line += f" {r.get('bf16_bw_fraction', 0):>9.1%}"
         print(line)
+    results["model_decode"] = model_decode(quick)
     return results
+
+
+def model_decode(quick: bool = False, batch: int = 8, new_tokens: int = 64) -> dict:
+    """Sampler tokens/s, float vs MXFP4 experts, on the demo model (random init; tokens/s =
+    batch x new_tokens / median generate time, prefill of a 32-token prompt included)."""
+    import dataclasses
+
+    import numpy as np
+
+    from configs import models
+    from model import quant
+    from model.config import ModelConfig
+    from model.transformer import Model
+    from rl.sampler import Sampler, SamplingConfig
+
+    if quick:
+        batch, new_tokens = 4, 16
+    base = ModelConfig.from_dict(models.get_config("demo"))
+    sc = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, eos_id=-1)
+    prompts = np.random.default_rng(0).integers(3, 250, (batch, 32)).astype(np.int32)
+    lens = np.full(batch, 32, np.int32)
+    out, rows = {}, []
+    for dt in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(base, dtype=dt, param_dtype=dt)
+        model = Model(cfg)
+        variables = model.init(jax.random.key(0))
+        qmodel, qvars = quant.inference_model(cfg, variables, experts="mxfp4")
+        for name, m, v in ((f"{dt} experts", model, variables), (f"mxfp4 experts, {dt}",
+                                                                   qmodel, qvars)):
+            sampler = Sampler(m, sc)
+            t = _time(lambda v_: sampler.generate(v_, prompts, lens, jax.random.key(1)).tokens,
+                      v, budget_s=0.5 if quick else 2.0)
+            b = quant.expert_bytes(v["params"])
+            out[name] = {"tokens_per_s": batch * new_tokens / t, "expert_bytes": b["experts"]}
+            rows.append((name, out[name]))
+        ref = out[f"{dt} experts"]
+        q = out[f"mxfp4 experts, {dt}"]
+        q["speed_vs_float"] = q["tokens_per_s"] / ref["tokens_per_s"]
+        q["expert_bytes_vs_float"] = q["expert_bytes"] / ref["expert_bytes"]
+    print(f"model decode on {jax.devices()[0]}: demo model, batch {batch}, {new_tokens} new "
+          f"tokens (sampler incl. a 32-token prefill)")
+    for name, r in rows:
+        extra = (f"  {r['speed_vs_float']:.2f}x tokens/s, expert bytes "
+                 f"{r['expert_bytes_vs_float']:.4f}x" if "speed_vs_float" in r else "")
+        print(f"  {name:<24} {r['tokens_per_s']:>9.0f} tokens/s  experts {r['expert_bytes']:>8} "
+              f"bytes{extra}")
+    return out
 
 
 if __name__ == "__main__":
