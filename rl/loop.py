@@ -261,9 +261,10 @@ def _sft_stream(examples, tok, s, seed):
 
 
 def _supervised_phase(name, model, opt, variables, it, *, steps, objective, workdir, seed,
-                      log_every, checkpoint_every, resume, progress, postfix, mesh, rules):
+                      log_every, checkpoint_every, resume, progress, postfix, mesh, rules,
+                      config=None):
     """Runs `steps` supervised steps of `objective` from `variables` (sharded on `mesh`;
-    resuming from workdir/checkpoints), logging under `name/`. Every process reads the same
+    resuming from workdir/checkpoints), logging under `name/` (and `config` to config.json). Every process reads the same
     global batch stream and feeds its rows. Returns the final state."""
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     rng = jax.random.key(seed)
@@ -277,7 +278,7 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
             log.info("%s resumed at step %d", name, int(state.step))
     step_fn = make_sft_step(model, opt, objective=objective, mesh=mesh, rules=rules,
                             state_shardings=state_sh)
-    writer = MetricsWriter(workdir) if _primary() else None
+    writer = MetricsWriter(workdir, config=config) if _primary() else None
     start = int(state.step)
     bar = _progress(steps, name, start) if progress and _primary() else None
     for i in range(start, steps):
@@ -417,13 +418,14 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
             _sft_stream(examples, tok, s, config.seed + 1), steps=warm_steps,
             objective="indexer_warmup", workdir=os.path.join(workdir, "indexer_warmup"),
             seed=config.seed, log_every=s.log_every, checkpoint_every=s.checkpoint_every,
-            resume=resume, progress=progress, postfix="indexer_kl", mesh=mesh, rules=rules)
+            resume=resume, progress=progress, postfix="indexer_kl", mesh=mesh, rules=rules,
+            config=config)
         variables = wstate.variables
     return _supervised_phase(
         "sft", model, opt, variables, it, steps=s.steps, objective="lm",
         workdir=workdir, seed=config.seed, log_every=s.log_every,
         checkpoint_every=s.checkpoint_every, resume=resume, progress=progress, postfix="ce",
-        mesh=mesh, rules=rules)
+        mesh=mesh, rules=rules, config=config)
 
 
 def optim_numerics(config) -> dict:
@@ -654,7 +656,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     logp_fn = make_logp_fn(model, sampling, **on_mesh)
     logp_value_fn = (make_logp_value_fn(model, critic, sampling, **on_mesh)
                      if critic is not None else None)
-    writer = MetricsWriter(workdir) if _primary() else None
+    writer = MetricsWriter(workdir, config=config) if _primary() else None
 
     def rollout_forward(state):
         """The rollout-time forward for build_train_batch: old log-probs (and, with a critic,

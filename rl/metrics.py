@@ -53,8 +53,14 @@ def clustered_interval(per_task: list[tuple[int, int]], z: float = 1.96) -> tupl
 class MetricsWriter:
     """Scalars to TensorBoard event files (tensorboardX) and one JSON object per line."""
 
-    def __init__(self, logdir: str, *, tensorboard: bool = True):
+    def __init__(self, logdir: str, *, tensorboard: bool = True, config=None):
+        """config (a ConfigDict or dict): written resolved to <logdir>/config.json, the record
+        scripts/compare.py reads to tell runs apart."""
         os.makedirs(logdir, exist_ok=True)
+        if config is not None:
+            d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+            with open(os.path.join(logdir, "config.json"), "w") as f:
+                json.dump(d, f, indent=1, sort_keys=True, default=str)
         self.path = os.path.join(logdir, "metrics.jsonl")
         self._f = open(self.path, "a")
         self._tb = None

@@ -70,3 +70,23 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
         variables = load(config, model)
         out = model.apply(variables, jax.numpy.ones((1, 4), "int32"))
         assert out.logits.shape == (1, 4, config.model.vocab_size)
+    # scripts/compare.py reads what the run wrote: against a second run dir that differs in one
+    # config field (a copy whose recorded KL coefficient is changed), it reports that field, a
+    # row per evaluation and domain, and writes the plot and JSON.
+    import shutil
+    other = tmp_path / "smoke_kl"
+    shutil.copytree(work, other, ignore=shutil.ignore_patterns("checkpoints"))
+    res["config"]["rl"]["algo"]["kl_coef"] = 0.5
+    (other / "demo_results.json").write_text(json.dumps(res))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare.py"), str(work),
+                        str(other), f"--out={tmp_path / 'cmp.png'}",
+                        f"--json={tmp_path / 'cmp.json'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cmp = json.loads((tmp_path / "cmp.json").read_text())
+    assert cmp["config_diff"] == {"rl.algo.kl_coef": [config.rl.algo.kl_coef, 0.5]}
+    assert {(x["eval"], x["domain"]) for x in cmp["heldout"]} == {
+        (f"{p} {m}", d) for p in ("SFT", "SFT+RL") for m in ("greedy", "sampled")
+        for d in ("arithmetic", "code", "terminal")}
+    assert "rl/reward_mean" in cmp["curves"]["smoke"]
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,67 @@
+"""scripts/compare.py: config differences, held-out rows with intervals (disjoint ones marked),
+training curves, and clear errors for directories that are not runs. Run directories here are
+written with the training loop's own MetricsWriter and evaluate()'s result layout; the smoke demo
+test (tests/rl/test_demo.py) runs compare.py on a directory the real pipeline wrote."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rl.metrics import MetricsWriter
+from scripts.compare import RunError, config_diff, heldout_rows, load_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _dom(p, lo, hi, n=200):
+    return {"tasks": n, "pass@1": p, "pass@1_lo": lo, "pass@1_hi": hi}
+
+
+def _run(path, kl, after_p, rewards):
+    cfg = {"workdir": str(path), "name": "demo", "rl": {"algo": {"kl_coef": kl, "name": "grpo"},
+                                                        "steps": len(rewards)}}
+    w = MetricsWriter(str(path / "rl"), tensorboard=False, config=cfg)
+    for i, r in enumerate(rewards):
+        w.write(i + 1, {"reward_mean": r, "kl_ref": 0.01 * i}, "rl/")
+    w.close()
+    (path / "eval_test_greedy.json").write_text(json.dumps(
+        {"arithmetic": _dom(after_p, after_p - 0.05, after_p + 0.05), "_sandbox_failed": 0}))
+
+
+def test_diff_rows_and_curves(tmp_path):
+    _run(tmp_path / "a", 0.01, 0.30, [0.1, 0.2, 0.3])
+    _run(tmp_path / "b", 0.1, 0.60, [0.1, 0.1])
+    a, b = load_run(str(tmp_path / "a")), load_run(str(tmp_path / "b"))
+    assert config_diff([a, b]) == {"rl.algo.kl_coef": [0.01, 0.1], "rl.steps": [3, 2]}
+    rows = heldout_rows([a, b])
+    assert [(r["eval"], r["domain"], r["disjoint"]) for r in rows] == [
+        ("eval_test_greedy", "arithmetic", True)]
+    assert rows[0]["cells"][0][:3] == pytest.approx((0.30, 0.25, 0.35))
+    assert a["curves"]["rl/reward_mean"] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    # overlapping intervals are not marked
+    _run(tmp_path / "c", 0.1, 0.33, [0.1])
+    assert not heldout_rows([a, load_run(str(tmp_path / "c"))])[0]["disjoint"]
+
+
+def test_cli_table_plot_and_errors(tmp_path):
+    _run(tmp_path / "a", 0.01, 0.30, [0.1, 0.2])
+    _run(tmp_path / "b", 0.1, 0.60, [0.1, 0.3])
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "compare.py")]
+    r = subprocess.run(cmd + [str(tmp_path / "a"), str(tmp_path / "b"),
+                              f"--out={tmp_path / 'c.png'}"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "rl.algo.kl_coef" in r.stdout and "intervals disjoint" in r.stdout
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run(cmd + [str(tmp_path / "a"), str(tmp_path / "empty")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0 and "no config found" in r.stderr
+    r = subprocess.run(cmd + [str(tmp_path / "a")], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode != 0 and "at least two run directories" in r.stderr
+    with pytest.raises(RunError, match="not a directory"):
+        load_run(str(tmp_path / "missing"))
