@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# GPU check (a lent H200, < 5 minutes): cross-platform lowering of every Pallas kernel path, the
-# Pallas kernel tests compiled for the GPU (not interpret: the `interpret` fixture is False
-# off-CPU) and the kernel benchmarks. Logs and results go to ${OUT} (default /tmp/gpu_check):
+# GPU check (a lent H200, < 6 minutes): cross-platform lowering of every Pallas kernel path, each
+# kernel against its reference and timed against the XLA path, the Pallas kernel tests compiled
+# for the GPU (not interpret: the `interpret` fixture is False off-CPU) and the kernel
+# benchmarks. notebooks/kernels.ipynb runs the same steps. Logs and results go to ${OUT}
+# (default /tmp/gpu_check):
 #   env.txt, gpu_check.log, summary.json (per-step exit status),
 #   lowering.{log,json}   python -m pallas_kernels.lowering (cuda + tpu, small + bench shapes)
+#   check_{small,bench}.{log,json}  python -m pallas_kernels.check: numerics + speed table
+#                         (--dry-run: small shapes in interpret mode only)
 #   pytest.{log,xml}      pytest tests/pallas_kernels (JUnit XML)
 #   bench.{log,json}      scripts/bench.py kda dsa mxfp4
 #
@@ -56,7 +60,15 @@ timeout 300 "$PY" -m pallas_kernels.lowering --json "$OUT/lowering.json" 2>&1 \
   | tee "$OUT/lowering.log"
 step_rc lowering "${PIPESTATUS[0]}"
 
+check() {  # size: every kernel vs its reference, timed against the XLA path
+  log "check ($1 shapes): python -m pallas_kernels.check --size $1"
+  timeout 150 "$PY" -m pallas_kernels.check --size "$1" --json "$OUT/check_$1.json" 2>&1 \
+    | tee "$OUT/check_$1.log"
+  step_rc "check_$1" "${PIPESTATUS[0]}"
+}
+
 if [ "$DRY" -eq 1 ]; then
+  check small  # interpret mode off-GPU
   log "dry run: collecting tests/pallas_kernels and importing the benchmarks"
   "$PY" -m pytest tests/pallas_kernels --collect-only -q -p no:cacheprovider 2>&1 | tail -n 3 \
     | tee "$OUT/pytest.log"
@@ -76,6 +88,8 @@ elif ! has_gpu; then
   [ "$status" -eq 0 ] && status=3
   rcs[gpu]=3
 else
+  check small
+  check bench
   log "pytest tests/pallas_kernels (compiled kernels, not interpret)"
   timeout 170 "$PY" -m pytest tests/pallas_kernels -q -ra --durations=10 -p no:cacheprovider \
     --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
