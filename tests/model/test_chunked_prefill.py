@@ -160,3 +160,74 @@ def test_sampler_prefill_chunk_same_greedy_tokens():
             .generate(variables, prompts, lengths, jax.random.key(0)) for c in (0, 8)]
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
     np.testing.assert_array_equal(outs[0].mask, outs[1].mask)
+
+
+# ----------------------------------------------------------------------------- benchmark tasks
+# scripts/longctx.py's generators (pure numpy): the answer is determined by the context and only
+# reachable through the queried key (no positional or frequency shortcut).
+def _longctx():
+    from scripts import longctx
+    return longctx, longctx.Vocab(n_keys=16, n_values=16, size=64)
+
+
+def test_mqar_answers_are_the_values_after_their_keys():
+    L, voc = _longctx()
+    for seed in range(20):
+        ex = L.mqar(np.random.default_rng(seed), voc, 96, n_pairs=4, n_queries=3)
+        t = ex.tokens
+        q = int(np.flatnonzero(t == L.QUERY)[0])
+        ctx = t[1:q]
+        is_key = (ctx >= voc.key0) & (ctx < voc.val0)
+        assert is_key.sum() == 4 and len(set(ctx[is_key])) == 4  # 4 distinct keys
+        assert ex.targets.sum() == 3 and t.shape == (96,) and t[0] == L.BOS
+        for pos in np.flatnonzero(ex.targets):
+            (at,) = np.flatnonzero(ctx == t[pos - 1])
+            assert ctx[at + 1] == t[pos]  # the value after the key in the context
+    a = L.mqar(np.random.default_rng(7), voc, 64, 4, 4).tokens
+    b = L.mqar(np.random.default_rng(7), voc, 64, 4, 4).tokens
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="cannot hold"):
+        L.mqar(np.random.default_rng(0), voc, 12, 4, 4)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_needle_is_unique_and_at_its_depth(depth):
+    L, voc = _longctx()
+    ex = L.needle(np.random.default_rng(3), voc, 101, depth)
+    t = ex.tokens
+    key, answer = t[-2], t[-1]
+    n = (101 - 4) // 2
+    pair_keys, pair_vals = t[1:1 + 2 * n:2], t[2:2 + 2 * n:2]
+    (at,) = np.flatnonzero(pair_keys == key)  # exactly once
+    assert at == round(depth * (n - 1)) and pair_vals[at] == answer
+    assert list(np.flatnonzero(ex.targets)) == [100]
+    with pytest.raises(ValueError, match="depth"):
+        L.needle(np.random.default_rng(0), voc, 64, 1.5)
+
+
+def test_tasks_have_no_shortcut():
+    """Heuristics that ignore the queried key stay near chance (1/16): the last value before
+    the query, the most frequent context value, the value after the first key."""
+    L, voc = _longctx()
+    rng = np.random.default_rng(11)
+    hits = np.zeros(3)
+    n = 300
+    for i in range(n):
+        ex = (L.mqar(rng, voc, 64, 4, 1) if i % 2 else L.needle(rng, voc, 64, rng.uniform()))
+        t = ex.tokens
+        q = int(np.flatnonzero(t == L.QUERY)[0])
+        ctx = t[1:q]
+        vals = ctx[(ctx >= voc.val0) & (ctx < voc.noise0)]
+        answer = t[np.flatnonzero(ex.targets)[0]]
+        first_key = int(np.flatnonzero((ctx >= voc.key0) & (ctx < voc.val0))[0])
+        guesses = (vals[-1], np.bincount(vals).argmax(), ctx[first_key + 1])
+        hits += [g == answer for g in guesses]
+    assert np.all(hits / n < 0.35), hits / n
+
+
+def test_seed_interval():
+    L, _ = _longctx()
+    m, lo, hi = L.seed_interval([0.5, 0.6, 0.7])
+    assert m == pytest.approx(0.6) and lo == pytest.approx(0.6 - 4.303 * 0.1 / 3 ** 0.5)
+    assert L.seed_interval([1.0, 1.0, 1.0]) == (1.0, 1.0, 1.0)
+    assert np.isnan(L.seed_interval([0.4])[1])
