@@ -29,13 +29,14 @@ projections have no packed path); per-layer mixed formats (the format is one MoE
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from pallas_kernels.mxfp4 import ops as mx
-from pallas_kernels.mxfp4.reference import BLOCK, PACKED
+from pallas_kernels.mxfp4.reference import BLOCK
 
 EXPERT_KEYS = ("w_gate", "w_up", "w_down")
 # Module groups of the model, for the high-precision list (names as in configs and config.json).

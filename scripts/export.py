@@ -2,7 +2,7 @@
 
     python3 scripts/export.py --mode=plan --config=configs/models.py:reference_2p8t
     python3 scripts/export.py --mode=export --config=configs/rl.py:smoke --checkpoint=sft \
-        --out=runs/smoke/export --max_shard_mb=1
+        --out=runs/smoke/export --max_shard_mb=0.2        # after scripts/sft.py (same config)
     python3 scripts/export.py --mode=import --out=runs/smoke/export
 
 plan: the shard plan (files, bytes per file, total) from `jax.eval_shape` alone, nothing
@@ -41,7 +41,7 @@ def _model_config(config):
 def plan(config) -> dict:
     import jax
 
-    from model import interchange, quant
+    from model import interchange
     from model.transformer import Model
 
     cfg = _model_config(config)
@@ -63,7 +63,6 @@ def plan(config) -> dict:
     if cfg.name == "reference_2p8t":
         print(f"  article: {ARTICLE_BYTES / 1e12:.2f} TB in {ARTICLE_SHARDS} shards: total "
               f"{s['total_bytes'] / ARTICLE_BYTES:.3f}x, files {s['files']} vs {ARTICLE_SHARDS}")
-    del quant
     return s
 
 
@@ -99,7 +98,6 @@ def export(config):
 
 def do_import():
     from model import interchange, quant
-    from model.config import ModelConfig  # noqa: F401
 
     if not _OUT.value:
         raise app.UsageError("--out=DIR is required for --mode=import")

@@ -130,7 +130,8 @@ def model_decode(quick: bool = False, batch: int = 8, new_tokens: int = 64) -> d
         for name, m, v in ((f"{dt} experts", model, variables), (f"mxfp4 experts, {dt}",
                                                                    qmodel, qvars)):
             sampler = Sampler(m, sc)
-            t = _time(lambda v_: sampler.generate(v_, prompts, lens, jax.random.key(1)).tokens,
+            t = _time(lambda v_, s_=sampler: s_.generate(v_, prompts, lens,
+                                                          jax.random.key(1)).tokens,
                       v, budget_s=0.5 if quick else 2.0)
             b = quant.expert_bytes(v["params"])
             out[name] = {"tokens_per_s": batch * new_tokens / t, "expert_bytes": b["experts"]}

@@ -73,6 +73,11 @@ def test_export_layout_and_streaming(base, exported):
     # unless it is one tensor larger than the cap
     assert all(n <= max(60_000, biggest) for n in sizes.values())
     assert index["metadata"]["total_size"] == sum(sizes.values())
+    # the dry-run plan from shapes alone (jax.eval_shape) is what the export wrote
+    abstract = interchange._unbox(base[1].abstract_init())
+    plan = interchange.plan_shards(interchange.export_specs(abstract), 60_000)
+    assert [sum(t.nbytes for t in sh) for sh in plan] == [n for _, n in written]
+    assert {t.name: f for sh, f in zip(plan, files) for t in sh} == index["weight_map"]
     # experts as MXFP4 pairs, no float expert tensor
     names = set(index["weight_map"])
     assert not any(n.rsplit(".", 1)[-1] in quant.EXPERT_KEYS for n in names)
@@ -109,6 +114,24 @@ def test_round_trip_bit_identical(base, exported, tmp_path):
     fq = flatten_dict(quant.fake_quant_experts(variables["params"]))
     for k, v in flatten_dict(fl["params"]).items():
         np.testing.assert_array_equal(np.asarray(v), np.asarray(fq[k]), err_msg=str(k))
+
+
+def test_export_bf16_experts_and_bf16_tensors(base, tmp_path):
+    """experts="bf16" writes a packed model's experts dequantised [E, in, out]; dtype="bfloat16"
+    casts every other float tensor; the import restores the f32 model from them."""
+    cfg, _, variables = base
+    q = quant.ptq_variables(variables)
+    out = str(tmp_path / "bf16")
+    interchange.export_safetensors(q, quant.mxfp4_config(cfg), out, max_shard_bytes=1 << 20,
+                                   experts="bf16", dtype="bfloat16")
+    cfg2, loaded = interchange.import_safetensors(out)
+    assert cfg2.moe.expert_format == "bf16" and cfg2 == cfg
+    files = interchange.read_with_numpy(out)
+    assert all(str(a.dtype) == "bfloat16" for a in files.values() if a.dtype.kind != "u")
+    want = flatten_dict(quant.fake_quant_experts(variables))
+    for k, v in flatten_dict(loaded).items():
+        ref = np.asarray(jnp.asarray(want[k]).astype(jnp.bfloat16).astype(v.dtype))
+        np.testing.assert_array_equal(np.asarray(v), ref, err_msg=str(k))
 
 
 def test_independent_reader_matches_project_decoder(base, exported):
