@@ -10,8 +10,9 @@ notebooks' setup cell (scripts/_common.setup_jax) uses the suite's persistent co
 under .cache/jax. A failing cell (the notebooks assert their own results: parameter totals,
 restored checkpoint digests and samples, every kernel within tolerance) fails the test.
 
-Measured on 2 CPU cores (other jobs running): quickstart 74 s with an empty compilation cache,
-47 s with a warm one; kernels 34 s / 20 s.
+Measured 2026-12-01 on 2 CPU cores shared with other jobs (load average 8-10): quickstart 36-58 s
+with a warm compilation cache, 116 s with an empty one; kernels notebook 18-19 s / 52 s. CPU time
+of the kernel processes and the test together: 34-36 s warm, 74 s cold.
 """
 
 import pathlib
