@@ -7,6 +7,7 @@ notebook); here only the cheap DSA indexer case runs, numerics only.
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -26,8 +27,8 @@ def test_rel_rms_and_non_finite_patterns():
 
 
 def test_a_wrong_kernel_fails_its_case(interpret):
-    """The DSA indexer case as is passes; with its Pallas output scaled by 1.01 (and the gradient
-    w.r.t. w dropped) it fails, with the errors named where they are."""
+    """The DSA indexer case as is passes; with its Pallas output scaled by 1.01, or only its
+    gradients, it fails, with the errors named where they are."""
     case, = check.cases("small", ["dsa_indexer"])
     good = check.check_case(case, interpret=interpret, timing=False)
     assert good["ok"] and good["max_fwd_err"] < 1e-5, good
@@ -45,6 +46,18 @@ def test_a_wrong_kernel_fails_its_case(interpret):
     assert bad["errors"]["scores"] == pytest.approx(0.01, rel=1e-3)
     assert bad["errors"]["dw"] == pytest.approx(0.01, rel=1e-3)  # d(1.01 s)/dw = 1.01 ds/dw
     assert "NO" in check.format_table([good, bad]).splitlines()[3]
+
+    def wrong_gradient(impl, interp):  # same forward values, gradients scaled by 1.01
+        f = case.fn(impl, interp)
+        if impl != "pallas":
+            return f
+        return lambda qi, ki, w: (lambda s: s + 0.01 * (s - jax.lax.stop_gradient(s)))(
+            f(qi, ki, w))
+
+    bad = check.check_case(dataclasses.replace(case, fn=wrong_gradient), interpret=interpret,
+                           timing=False)
+    assert bad["max_fwd_err"] < 1e-5 and not bad["ok"]
+    assert bad["errors"]["dq_idx"] == pytest.approx(0.01, rel=1e-3)
 
 
 def test_case_table():
