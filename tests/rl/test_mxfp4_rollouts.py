@@ -1,7 +1,8 @@
 """RL with MXFP4 rollouts (rl.rollout_experts="mxfp4", rl/loop.py:rollout_policy): the sampler
 runs packed experts, the trainer its float (or QAT) weights; the sampler/trainer log-prob gap is
 logged by build_train_batch and TIS weights correct it. With a QAT trainer the gap closes (its
-forward is the MXFP4 forward). Bad configurations raise.
+forward is the MXFP4 forward): the sampler on packed experts (grouped MXFP4 matmul) draws from
+exactly the dequantised model's distribution. Bad configurations raise.
 
 Covered: the hook's model/variables, the logged gap, the TIS weight in the policy loss. Not
 covered here: a full run_rl (the smoke pipeline runs it: scripts/demo.py with
