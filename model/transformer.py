@@ -226,6 +226,7 @@ def moe_layer_names(cfg: ModelConfig) -> list[str]:
 
 
 _INIT_PROGRAMS: dict = {}  # (ModelConfig, seq_len) -> jitted init
+_ABSTRACT_INITS: dict = {}  # (ModelConfig, seq_len) -> abstract variables (read-only leaves)
 
 
 def _check_chunk(chunk) -> int:
@@ -265,10 +266,14 @@ class Model:
 
     def abstract_init(self, *, seq_len: int = 8):
         """Shapes/dtypes of the variables without allocating (jax.eval_shape); boxed with their
-        logical axis names (nn.Partitioned) for sharding."""
-        tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-        v = jax.eval_shape(lambda t: self.net.init({"params": jax.random.key(0)}, t), tokens)
-        return {k: x for k, x in v.items() if k != "diagnostics"}
+        logical axis names (nn.Partitioned) for sharding. Cached per (config, seq_len): tracing
+        a 61-layer reference model's init takes seconds."""
+        key = (self.cfg, seq_len)
+        if key not in _ABSTRACT_INITS:
+            tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+            v = jax.eval_shape(lambda t: self.net.init({"params": jax.random.key(0)}, t), tokens)
+            _ABSTRACT_INITS[key] = {k: x for k, x in v.items() if k != "diagnostics"}
+        return dict(_ABSTRACT_INITS[key])
 
     def apply(self, variables, tokens, valid=None, *, with_mtp: bool = True) -> ModelOutput:
         out, _ = self.net.apply(variables, tokens, valid, None, with_mtp)

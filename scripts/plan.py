@@ -91,6 +91,8 @@ _COMPILED = flags.DEFINE_bool("compiled_memory", False, "also compile the traini
                               "and print XLA's memory analysis next to the planner's estimate "
                               "(small configs; see compiled_train_memory)")
 _DEVICES = flags.DEFINE_integer("devices", 0, "device count for a config mesh with a -1 axis")
+_DRY = flags.DEFINE_bool("dry_run", False, "only validate the config and flags (model config, "
+                         "mesh for the device count) and exit without planning")
 _HEADROOM = flags.DEFINE_float("headroom", 0.10, "fraction of HBM kept free (XLA workspace, "
                                "collective buffers, fragmentation)")
 
@@ -756,6 +758,11 @@ def main(_):
             if not _DEVICES.value:
                 raise app.UsageError(f"sharding.mesh={mesh!r} has a -1 axis: pass --devices")
             mesh = shd.mesh_shape(mesh, _DEVICES.value)
+    if _DRY.value:
+        shape = shd.mesh_shape(mesh) if mesh else None
+        print(f"model {cfg.name}: {cfg.num_layers} layers '{''.join(cfg.layer_kinds())}'"
+              + (f", mesh {shape} on {_DEVICE.value}" if shape else "") + ": OK")
+        return
     if mesh:
         kw = dict(mesh=mesh, device=_DEVICE.value, batch=_BATCH.value, seq=_SEQ.value,
                   headroom=_HEADROOM.value)
