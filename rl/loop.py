@@ -461,15 +461,22 @@ def _restore_variables(directory, model: Model, opt, mesh=None, rules=None, abst
     return None if restored is None else next(iter(restored)).variables
 
 
+def sft_checkpoint_dir(config) -> str:
+    """Where the final SFT weights live (what load_sft_variables and RL's init_from="sft" read):
+    workdir/sft/checkpoints."""
+    return os.path.join(config.workdir, "sft", "checkpoints")
+
+
 def load_sft_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
-    """The final SFT weights from workdir/sft (error if absent); sharded on `mesh` if given."""
+    """The final SFT weights (sft_checkpoint_dir; error if absent); sharded on `mesh` if
+    given."""
     opt = make_optimizer(_optim(1e-3, 1, 2, 0.0, optim_numerics(config)))
-    v = _restore_variables(os.path.join(config.workdir, "sft", "checkpoints"), model, opt, mesh,
-                           rules)
+    d = sft_checkpoint_dir(config)
+    v = _restore_variables(d, model, opt, mesh, rules)
     if v is None:
         raise FileNotFoundError(
-            f"no SFT checkpoint under {config.workdir}/sft/checkpoints: run scripts/sft.py with "
-            f"the same --config first, or set --config.rl.init_from=scratch")
+            f"no SFT checkpoint under {d}: run scripts/sft.py with the same --config first, or "
+            f"set --config.rl.init_from=scratch")
     return v
 
 

@@ -13,7 +13,14 @@ MXFP4 (post-training quantised unless they already are), one shard at a time
 (model/interchange.py). import: reads the export back one tensor at a time, rebuilds the model
 config from config.json and prints parameter and expert byte counts.
 Flags: --experts=mxfp4|bf16, --dtype=keep|bfloat16 (the non-expert tensors), --max_shard_mb.
+--dry_run validates the config and the flags (check_request) and exits without planning,
+exporting or importing; a missing input (the checkpoint to export, the export to import) is
+reported as a note with the command that makes it, not as an error. Flags that --mode does not
+use are rejected rather than ignored: plan takes no --checkpoint/--out, import takes only --out
+(the model config comes from the export's config.json).
 """
+
+import os
 
 import _common  # noqa: F401  (sys.path, cache)
 from absl import app, flags
@@ -28,14 +35,128 @@ _EXPERTS = flags.DEFINE_enum("experts", "mxfp4", ["mxfp4", "bf16"], "expert tens
 _DTYPE = flags.DEFINE_enum("dtype", "keep", ["keep", "bfloat16"], "other tensors' dtype")
 _SHARD_MB = flags.DEFINE_float("max_shard_mb", 0.0, "max file size in MB (1e6 bytes); 0: "
                                "5000 for export, the article's 1.56e12/96 bytes for plan")
+_DRY = flags.DEFINE_bool("dry_run", False, "only validate the config and flags (and say whether "
+                         "the inputs exist), then exit without planning, exporting or importing")
 
 ARTICLE_BYTES = 1.56e12
 ARTICLE_SHARDS = 96
 
 
+# the flags each --mode reads (--dry_run aside); giving another one is an error
+MODE_FLAGS = {"plan": {"config", "experts", "dtype", "max_shard_mb"},
+              "export": {"config", "checkpoint", "out", "experts", "dtype", "max_shard_mb"},
+              "import": {"out"}}
+CHECKPOINT_KINDS = ("sft", "rl", "init")
+
+
 def _model_config(config):
     from model.config import ModelConfig
     return ModelConfig.from_dict(config.model if "model" in config else config)
+
+
+def _config_cli(config_arg: str, overrides: dict) -> str:
+    """The --config part of a command line: the config file and its --config.x=v overrides."""
+    return " ".join([f"--config {config_arg}"]
+                    + [f"--config.{k}={v}" for k, v in overrides.items()])
+
+
+def _has_checkpoint(directory: str) -> int | None:
+    """The newest committed step under an orbax checkpoint directory (None if there is none);
+    reads only, never creates the directory."""
+    if not os.path.isdir(directory):
+        return None
+    from rl.checkpoint import Checkpointer
+    ckpt = Checkpointer(directory, keep=None, read_only=True)
+    try:
+        return ckpt.latest_step()
+    finally:
+        ckpt.close()
+
+
+def check_request(config, *, mode: str, checkpoint: str, out: str, experts: str, dtype: str,
+                  max_shard_mb: float, given: set, config_cli: str = "--config <the config>"
+                  ) -> list[str]:
+    """Validate what `--mode` would do with these flags, touching no device and writing
+    nothing: the flags the mode uses (`given`: the flags set on the command line; one the mode
+    does not read is an error, not ignored), the model config, the MXFP4 constraints and the
+    high-precision list (export and plan), and for an RL config the checkpoint kind.
+    Raises ValueError, saying what to change, on what cannot run. Returns notes: for
+    export and import, whether the input exists (a missing one is a note naming the command
+    that makes it, since a dry run may well precede it)."""
+    from model import quant
+
+    if mode not in MODE_FLAGS:
+        raise ValueError(f"--mode must be one of {sorted(MODE_FLAGS)}, got {mode!r}")
+    unused = sorted(set(given) - MODE_FLAGS[mode] - {"mode", "dry_run"})
+    if unused:
+        why = (" (import rebuilds the model config from the export's config.json)"
+               if mode == "import" else "")
+        raise ValueError(f"--mode={mode} does not use --{', --'.join(unused)}{why}: drop "
+                             f"{'it' if len(unused) == 1 else 'them'}")
+    if max_shard_mb < 0:
+        raise ValueError(f"--max_shard_mb must be >= 0 (0: the default), got {max_shard_mb}")
+    notes = []
+    if mode == "import":
+        if not out:
+            raise ValueError("--out=DIR (an export of --mode=export) is required for "
+                                 "--mode=import")
+        from model.interchange import INDEX_FILE
+        if os.path.exists(os.path.join(out, INDEX_FILE)):
+            notes.append(f"export {out}: found ({INDEX_FILE})")
+        else:
+            notes.append(f"export {out}: not found (no {INDEX_FILE}); run scripts/export.py "
+                         f"--mode=export --out={out} ... first")
+        return notes
+
+    cfg = _model_config(config)  # raises ValueError on an invalid model config
+    hp = quant.parse_modules(config.quant.high_precision) if "quant" in config else         quant.DEFAULT_HIGH_PRECISION
+    quantised = quant.check_high_precision(hp)
+    if experts == "mxfp4":
+        if cfg.moe.num_experts == 0:
+            notes.append(f"model {cfg.name} has no routed experts: --experts=mxfp4 quantises "
+                         "nothing")
+        elif "experts" not in quantised:
+            raise ValueError("--experts=mxfp4 but config.quant.high_precision keeps the "
+                                 "experts high precision: remove 'experts' from it or pass "
+                                 "--experts=bf16")
+        else:
+            quant.mxfp4_config(cfg, hp)  # d_model and expert_dim multiples of 32
+    notes.append(f"model {cfg.name}: experts {experts}, other tensors {dtype}")
+    if mode == "plan":
+        return notes
+
+    if not out:
+        raise ValueError("--out=DIR is required for --mode=export")
+    is_rl_config = "model" in config and "workdir" in config
+    if checkpoint != "init" and not is_rl_config:
+        raise ValueError(f"--checkpoint={checkpoint} restores a training run, which needs an "
+                             "RL config (configs/rl.py:<variant>, with its workdir); a model "
+                             "config can only be exported with --checkpoint=init")
+    if checkpoint == "init":
+        notes.append("checkpoint init: a freshly initialised model (seed "
+                     f"{config.get('seed', 0)})")
+    else:
+        from rl.loop import sft_checkpoint_dir
+        if checkpoint == "sft":
+            d, make = sft_checkpoint_dir(config), "scripts/sft.py"
+        elif checkpoint == "rl":
+            d, make = os.path.join(config.workdir, "rl", "checkpoints"), "scripts/train_rl.py"
+        else:
+            d, make = checkpoint, None
+        step = _has_checkpoint(d)
+        if step is not None:
+            notes.append(f"checkpoint {d}: found (step {step})")
+        elif make:
+            notes.append(f"checkpoint {d}: not found; run {make} {config_cli} first")
+        else:
+            notes.append(f"checkpoint {d}: not found (not an orbax checkpoint directory of "
+                         f"the config's layout; --checkpoint takes {'|'.join(CHECKPOINT_KINDS)} "
+                         "or such a directory)")
+    from model.interchange import INDEX_FILE
+    if os.path.exists(os.path.join(out, INDEX_FILE)):
+        notes.append(f"out {out}: holds an export; files of the same names are overwritten "
+                     "and other *.safetensors there stop the export")
+    return notes
 
 
 def plan(config) -> dict:
@@ -72,9 +193,6 @@ def export(config):
     from model import interchange
     from model.quant import parse_modules
     from model.transformer import Model
-
-    if not _OUT.value:
-        raise app.UsageError("--out=DIR is required for --mode=export")
     from rl import loop
 
     cfg = _model_config(config)
@@ -99,15 +217,35 @@ def export(config):
 def do_import():
     from model import interchange, quant
 
-    if not _OUT.value:
-        raise app.UsageError("--out=DIR is required for --mode=import")
     cfg, variables = interchange.import_safetensors(_OUT.value)
     b = quant.expert_bytes(variables["params"])
     print(f"imported {cfg.name} (experts {cfg.moe.expert_format}): experts {b['experts']} "
           f"bytes ({b['expert_ratio_vs_bf16']:.4f} of bf16), other {b['other']} bytes")
 
 
+def _check_flags() -> list[str]:
+    """check_request on this command line's flags."""
+    given = {name for name in MODE_FLAGS["export"] if flags.FLAGS[name].present}
+    cli = _config_cli(config_flags.get_config_filename(flags.FLAGS["config"]),
+                      config_flags.get_override_values(flags.FLAGS["config"]))
+    return check_request(_CONFIG.value, mode=_MODE.value, checkpoint=_CKPT.value,
+                         out=_OUT.value, experts=_EXPERTS.value, dtype=_DTYPE.value,
+                         max_shard_mb=_SHARD_MB.value, given=given, config_cli=cli)
+
+
 def main(_):
+    if _DRY.value:  # orbax's informational log lines when a checkpoint is looked up
+        from absl import logging as absl_logging
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        notes = _check_flags()
+    except ValueError as e:
+        raise SystemExit(f"scripts/export.py: {e}") from None
+    if _DRY.value:
+        print(f"--mode={_MODE.value}: OK")
+        for n in notes:
+            print(f"  {n}")
+        return
     _common.setup_jax()
     if _MODE.value == "plan":
         plan(_CONFIG.value)
