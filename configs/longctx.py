@@ -1,7 +1,7 @@
 """Long-context retrieval benchmark: accuracy, decode-state bytes and speed by layout and length.
 
-    python scripts/longctx.py --config configs/longctx.py          # full: ~30-40 min, 2 CPU cores
-    python scripts/longctx.py --config configs/longctx.py:smoke    # ~1-2 min, same pipeline
+    python scripts/longctx.py --config configs/longctx.py          # full: 28 min on 2 busy CPU cores
+    python scripts/longctx.py --config configs/longctx.py:smoke    # ~5 min (compiles), same pipeline
 
 Variants:
   full   4 layouts x 3 training seeds, 1500 steps at 32 tokens, evaluated at 32..512 (16x), speed

@@ -1,8 +1,8 @@
 """Long-context retrieval benchmark: which attention layout keeps retrieval past its training
 length, what its decode state costs, and how fast it prefills and decodes.
 
-    python scripts/longctx.py --config configs/longctx.py          # ~35-40 min on 2 CPU cores
-    python scripts/longctx.py --config configs/longctx.py:smoke    # ~1-2 min
+    python scripts/longctx.py --config configs/longctx.py          # 28 min on 2 busy CPU cores
+    python scripts/longctx.py --config configs/longctx.py:smoke    # ~5 min (mostly compiling)
 
 Steps (config: configs/longctx.py):
   1. tasks, generated from seeds (numpy; `mqar`, `needle`), vocabulary `Vocab`:

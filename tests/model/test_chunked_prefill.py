@@ -206,8 +206,10 @@ def test_needle_is_unique_and_at_its_depth(depth):
 
 
 def test_tasks_have_no_shortcut():
-    """Heuristics that ignore the queried key stay near chance (1/16): the last value before
-    the query, the most frequent context value, the value after the first key."""
+    """Heuristics that ignore the queried key stay far below reading it (1.0): the last value
+    before the query, the most frequent context value, the value after the first key score
+    0.18-0.25 here (half MQAR with 4 pairs, where any context value is right 1 time in 4; half
+    needle, 1 in 16)."""
     L, voc = _longctx()
     rng = np.random.default_rng(11)
     hits = np.zeros(3)
