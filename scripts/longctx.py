@@ -3,6 +3,7 @@ length, what its decode state costs, and how fast it prefills and decodes.
 
     python scripts/longctx.py --config configs/longctx.py          # 28 min on 2 busy CPU cores
     python scripts/longctx.py --config configs/longctx.py:smoke    # ~5 min (mostly compiling)
+    python scripts/longctx.py --config configs/longctx.py --dry_run # validate the config only
 
 Steps (config: configs/longctx.py):
   1. tasks, generated from seeds (numpy; `mqar`, `needle`), vocabulary `Vocab`:
@@ -536,6 +537,27 @@ def run(config) -> dict:
     return result
 
 
+def validate(config) -> str:
+    """--dry_run: build every layout's ModelConfig (ConfigError names a bad field), the
+    vocabulary, and one example of each task at every train/eval/speed length; returns what
+    would run. Nothing is compiled or trained."""
+    voc = vocab_of(config)
+    layouts = layout_configs(config)
+    if config.seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {config.seeds}")
+    lengths = sorted({config.train.length, *config.eval.lengths, *config.speed.lengths})
+    rng = np.random.default_rng(0)
+    for n in lengths:
+        mqar(rng, voc, n, config.task.mqar_pairs, config.task.mqar_queries)
+        for d in config.task.needle_depths:
+            needle(rng, voc, n, float(d))
+    return (f"longctx[{config.name}]: layouts "
+            + ", ".join(f"{k}={c.layer_pattern}" for k, (c, _) in layouts.items())
+            + f"; {config.seeds} seeds x {config.train.steps} steps at {config.train.length} "
+            f"tokens; eval {list(config.eval.lengths)}; speed {list(config.speed.lengths)}; "
+            f"memory {'on' if config.memory.enabled else 'off'}; out {config.out_dir}")
+
+
 def main(argv) -> None:
     """Parse --config (and --config.* overrides) into a private FlagValues: scripts/plan.py,
     imported for its formula, registers its own global --config flag."""
@@ -545,7 +567,12 @@ def main(argv) -> None:
     fv = flags.FlagValues()
     holder = config_flags.DEFINE_config_file("config", "configs/longctx.py",
                                              "long-context benchmark config", flag_values=fv)
+    dry = flags.DEFINE_bool("dry_run", False, "only validate the config (layouts, vocabulary, "
+                            "task lengths), print what would run, and exit", flag_values=fv)
     fv(argv)
+    if dry.value:
+        print(validate(holder.value))
+        return
     import jax
 
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".cache", "jax"))
