@@ -86,7 +86,12 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
         weight_decay=0.01, log_every=50, checkpoint_every=500,
         # DSA indexer dense warm-up before SFT (DeepSeek-V3.2): indexer only, everything else
         # frozen, dense attention, KL over every causal key; 0 skips it
-        indexer_warmup_steps=100, indexer_warmup_lr=1e-3))
+        indexer_warmup_steps=100, indexer_warmup_lr=1e-3,
+        # QAT phase after SFT (rl/loop.py:run_sft): qat_steps more steps of the same objective
+        # with the routed experts fake-quantised to MXFP4 (model.moe.qat for this phase only),
+        # lr qat_lr; checkpoints in <workdir>/sft/qat, which are then the SFT weights RL starts
+        # from; 0 skips it
+        qat_steps=0, qat_lr=3e-4))
     # the weights of MTP, MoE balance and indexer KL are model fields (model.mtp.loss_weight,
     # model.moe.aux_loss_coef, model.dsa.indexer_loss_weight), shared by SFT and RL
 

@@ -365,6 +365,11 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     algo = algo_from_config(config.rl.algo)
     fams = task_families(config)
     lines = [check_run_config(config, num_devices, phase=p) for p in phases]
+    if qat := sft_qat_steps(config):  # SFT runs the phase; RL starts from its weights
+        qat_model(ModelConfig.from_dict(config.model))
+        lines.append(f"  SFT QAT phase: {qat} steps (lr {config.sft.qat_lr}, MXFP4 fake-quantised"
+                     f" experts), checkpoints in {sft_checkpoint_dir(config)}: the SFT weights "
+                     "RL starts from")
     lines.append(f"  algorithm {algo.name}: estimator {algo.estimator}, clip "
                  f"[{algo.clip_low}, {algo.clip_high}], agg {algo.agg}, KL {algo.kl_kind} x "
                  f"{algo.kl_coef} in the {algo.kl_placement}; tasks {', '.join(fams)}; "
@@ -393,11 +398,20 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
        sft.indexer_warmup_lr); checkpoints in sft/indexer_warmup/.
     2. SFT (sft.steps): next-token + MTP + balance + indexer KL (model.dsa.indexer_stage, sparse
        by default) on every parameter, from the warm-up's weights; checkpoints in sft/.
-    Resuming picks up whichever phase was unfinished (a finished SFT skips the warm-up)."""
+    3. QAT (sft.qat_steps, 0 skips it): the same objective and data (its own shuffle) with the
+       routed experts fake-quantised to MXFP4 in the forward (model.moe.qat=True for this phase
+       only; straight-through gradients), lr sft.qat_lr with a 10% warm-up, from SFT's final
+       weights; checkpoints in sft/qat/. Its weights are then the final SFT weights
+       (sft_checkpoint_dir): load_sft_variables, RL's init_from="sft" and its KL reference read
+       them. RL itself trains through fake-quantised experts only with model.moe.qat=True.
+    Resuming picks up whichever phase was unfinished (a finished SFT skips the warm-up; a
+    finished SFT is restored, not rerun, before the QAT phase)."""
 
     s = config.sft
     workdir = os.path.join(config.workdir, "sft")
     model, tok = _model(config), load_tokenizer(config.tokenizer)
+    qat_steps = sft_qat_steps(config)
+    qmodel = qat_model(model.cfg) if qat_steps else None  # rejected before SFT runs
     mesh, rules = shd.mesh_from_config(config)
     splits = load_task_splits(config)
     examples = sft_examples(config, splits["train"])
@@ -421,11 +435,48 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
             resume=resume, progress=progress, postfix="indexer_kl", mesh=mesh, rules=rules,
             config=config)
         variables = wstate.variables
-    return _supervised_phase(
+    state = _supervised_phase(
         "sft", model, opt, variables, it, steps=s.steps, objective="lm",
         workdir=workdir, seed=config.seed, log_every=s.log_every,
         checkpoint_every=s.checkpoint_every, resume=resume, progress=progress, postfix="ce",
         mesh=mesh, rules=rules, config=config)
+    if not qat_steps:
+        return state
+    qopt = make_optimizer(_optim(s.qat_lr, max(qat_steps // 10, 1), qat_steps, s.weight_decay,
+                                 optim_numerics(config)))
+    return _supervised_phase(
+        "sft_qat", qmodel, qopt, state.variables, _sft_stream(examples, tok, s, config.seed + 2),
+        steps=qat_steps, objective="lm", workdir=os.path.join(workdir, "qat"), seed=config.seed,
+        log_every=s.log_every, checkpoint_every=s.checkpoint_every,
+        resume=resume, progress=progress, postfix="ce", mesh=mesh, rules=rules, config=config)
+
+
+def sft_qat_steps(config) -> int:
+    """sft.qat_steps (0 when the field is absent), validated: an int >= 0."""
+    n = config.sft.get("qat_steps", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"sft.qat_steps must be an integer >= 0 (0: no QAT phase), got {n!r}")
+    if n and not config.sft.get("qat_lr", 0) > 0:
+        raise ValueError(f"sft.qat_steps={n} needs sft.qat_lr > 0, got "
+                         f"{config.sft.get('qat_lr')!r}")
+    return n
+
+
+def qat_model(cfg: ModelConfig) -> Model:
+    """The model of the SFT QAT phase: `cfg` with model.moe.qat=True (routed experts
+    fake-quantised to MXFP4 in the forward). Raises ValueError for a model without routed
+    experts, with packed MXFP4 experts (nothing float to train), or with widths that are not
+    multiples of the MXFP4 block (32)."""
+    from model import quant
+
+    if not cfg.moe.num_experts:
+        raise ValueError(f"sft.qat_steps > 0 but model {cfg.name} has no routed experts (only they "
+                         "have an MXFP4 path): set sft.qat_steps=0")
+    if cfg.moe.expert_format != "bf16":
+        raise ValueError(f"sft.qat_steps > 0 needs float experts to train, but "
+                         f"model.moe.expert_format={cfg.moe.expert_format!r}")
+    quant.mxfp4_config(cfg)  # d_model and moe.expert_dim multiples of 32
+    return Model(cfg.replace(moe=dataclasses.replace(cfg.moe, qat=True)))
 
 
 def optim_numerics(config) -> dict:
@@ -463,8 +514,10 @@ def _restore_variables(directory, model: Model, opt, mesh=None, rules=None, abst
 
 def sft_checkpoint_dir(config) -> str:
     """Where the final SFT weights live (what load_sft_variables and RL's init_from="sft" read):
-    workdir/sft/checkpoints."""
-    return os.path.join(config.workdir, "sft", "checkpoints")
+    workdir/sft/checkpoints, or the QAT phase's workdir/sft/qat/checkpoints when sft.qat_steps
+    > 0 (run_sft)."""
+    sub = ("qat",) if sft_qat_steps(config) else ()
+    return os.path.join(config.workdir, "sft", *sub, "checkpoints")
 
 
 def load_sft_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
@@ -475,8 +528,9 @@ def load_sft_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
     v = _restore_variables(d, model, opt, mesh, rules)
     if v is None:
         raise FileNotFoundError(
-            f"no SFT checkpoint under {d}: run scripts/sft.py with the same --config first, or "
-            f"set --config.rl.init_from=scratch")
+            f"no SFT checkpoint under {d}: run scripts/sft.py with the same --config first"
+            + (" (it runs the sft.qat_steps QAT phase after a finished SFT)"
+               if sft_qat_steps(config) else "") + ", or set --config.rl.init_from=scratch")
     return v
 
 
