@@ -24,7 +24,9 @@ Per-device table (--mesh; `per_device_plan`): every parameter is mapped through 
 axis rules the runtime uses (model/sharding.py: axes that do not divide a dimension are dropped,
 i.e. that dimension is replicated; those dims are listed). Assumptions, also printed:
   * training keeps a working copy of every parameter in its dtype (bf16 for reference_2p8t;
-    MXFP4 experts are trained as bf16 with QAT, then re-quantised for the sampler; the router and
+    MXFP4 experts are trained as bf16 with QAT, model.moe.qat; the rollouts are counted on these
+    same parameters, so the packed MXFP4 experts that rl.rollout_experts=mxfp4 quantises from
+    them once per rollout batch are not counted; the router and
     KDA gate parameters are f32), gradients in the same dtypes, an f32 master copy of every
     non-f32 parameter, and AdamW's two f32 moments; all sharded like the parameters (ZeRO-3 over
     fsdp x expert, experts over the expert axis);
