@@ -4,7 +4,8 @@
     python scripts/longctx.py --config configs/longctx.py:smoke    # ~5 min (compiles), same pipeline
 
 Variants:
-  full   4 layouts x 3 training seeds, 1500 steps at 32 tokens, evaluated at 32..512 (16x), speed
+  full   4 layouts x 3 training seeds, 1500 steps at 32 tokens (the first 40% on the copy
+         task, then mqar + needle), evaluated at 32..512 (16x), speed
          and live state bytes at 32..2048, the tiny model's 16K-token prefill memory (compiled
          memory analysis, 1K chunks vs one shot). Writes runs/longctx/longctx.json and .png.
   smoke  the same cells, smaller: 30 steps, 2 seeds (one-seed intervals are undefined), lengths
@@ -70,6 +71,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict(dict(
         length=32, steps=1500, batch=32, lr=3e-3, warmup=100, weight_decay=0.01,
         dense_warmup_frac=0.2,  # DSA layouts: first fraction of steps on the dense path
+        # first fraction of steps on the copy task (scripts/longctx.py copy_task): forms the
+        # induction circuit the attention-only layouts cannot form from the sparse answer targets
+        copy_frac=0.4,
     ))
     c.eval = ml_collections.ConfigDict(dict(
         lengths=(32, 64, 128, 256, 512), examples=48, batch=48, prefill_chunk=128,
