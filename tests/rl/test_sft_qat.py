@@ -70,9 +70,9 @@ def test_qat_phase_runs_after_sft_and_is_what_rl_starts_from(tmp_path):
     examples = loop.sft_examples(config, loop.load_task_splits(config)["train"])
     batch = {k: jnp.asarray(v) for k, v in
              next(loop._sft_stream(examples, tok, config.sft, config.seed + 2)).items()}
-    ce = {name: float(make_sft_loss(m)(before["params"], before["router_state"], batch)[1][0]
-                      ["ce"]) for name, m in (("qat", loop.qat_model(model.cfg)),
-                                              ("float", model))}
+    ce = {name: float(jax.jit(make_sft_loss(m))(before["params"], before["router_state"],
+                                                 batch)[1][0]["ce"])
+          for name, m in (("qat", loop.qat_model(model.cfg)), ("float", model))}
     assert qat[0]["sft_qat/ce"] == pytest.approx(ce["qat"], rel=1e-5, abs=1e-6)
     assert abs(ce["qat"] - ce["float"]) > 1e-4, ce
 
