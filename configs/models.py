@@ -130,3 +130,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {sorted(PRESETS)}")
     return PRESETS[name]()
+
+
+def build(name: str = "test", **overrides):
+    """The validated ModelConfig of preset `name` with dotted-path overrides, the Python
+    counterpart of --config.x.y=v: build("test", **{"dsa.index_topk": 8, "d_model": 32}).
+    An unknown path raises (ml_collections does not create fields on assignment)."""
+    from model.config import ModelConfig
+
+    c = get_config(name)
+    for key, v in overrides.items():
+        node = c
+        *path, leaf = key.split(".")
+        for p in path:
+            node = node[p]
+        if leaf not in node:
+            raise KeyError(f"model config {name!r} has no field {key!r}")
+        node[leaf] = v
+    return ModelConfig.from_dict(c)

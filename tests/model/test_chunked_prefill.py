@@ -27,14 +27,7 @@ LENGTHS = (40, 19)  # the second row ends inside the second chunk
 
 
 def _cfg(**over) -> ModelConfig:
-    c = models.get_config("test")
-    for k, v in over.items():
-        node = c
-        *path, leaf = k.split(".")
-        for p in path:
-            node = node[p]
-        node[leaf] = v
-    return ModelConfig.from_dict(c)
+    return models.build("test", **over)
 
 
 VARIANTS = {

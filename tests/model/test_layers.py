@@ -32,14 +32,7 @@ from model.layers.rope import apply_rope
 
 
 def _cfg(**over) -> ModelConfig:
-    c = models.get_config("test")
-    for key, v in over.items():
-        node = c
-        *path, leaf = key.split(".")
-        for p in path:
-            node = node[p]
-        node[leaf] = v
-    return ModelConfig.from_dict(c)
+    return models.build("test", **over)
 
 
 # ----------------------------------------------------------------------------- RoPE

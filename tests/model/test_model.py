@@ -16,15 +16,8 @@ from model.tokenizer import ByteTokenizer
 from model.transformer import Model
 
 
-def _cfg(name="test", **over):
-    c = models.get_config(name)
-    for k, v in over.items():
-        node = c
-        *path, leaf = k.split(".")
-        for p in path:
-            node = node[p]
-        node[leaf] = v
-    return ModelConfig.from_dict(c)
+def _cfg(name="test", **over) -> ModelConfig:
+    return models.build(name, **over)
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,7 @@ from model.layers.rope import YaRN, apply_rope, rope_inv_freq
 
 
 def _cfg(name="test", **over) -> ModelConfig:
-    c = models.get_config(name)
-    for k, v in over.items():
-        node = c
-        *path, leaf = k.split(".")
-        for p in path:
-            node = node[p]
-        node[leaf] = v
-    return ModelConfig.from_dict(c)
+    return models.build(name, **over)
 
 
 def _dsa(cfg: ModelConfig, **fields):

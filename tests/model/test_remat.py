@@ -27,10 +27,7 @@ POLICIES = ("none", "full", "save_dots")
 
 
 def _cfg(name="test", **over) -> ModelConfig:
-    c = models.get_config(name)
-    for k, v in over.items():
-        c[k] = v
-    return ModelConfig.from_dict(c)
+    return models.build(name, **over)
 
 
 @pytest.fixture(scope="module")
