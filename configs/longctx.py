@@ -1,6 +1,6 @@
 """Long-context retrieval benchmark: accuracy, decode-state bytes and speed by layout and length.
 
-    python scripts/longctx.py --config configs/longctx.py          # full: 28 min on 2 busy CPU cores
+    python scripts/longctx.py --config configs/longctx.py          # full: 15-28 min on 2 CPU cores
     python scripts/longctx.py --config configs/longctx.py:smoke    # ~5 min (compiles), same pipeline
 
 Variants:

@@ -1,7 +1,7 @@
 """Long-context retrieval benchmark: which attention layout keeps retrieval past its training
 length, what its decode state costs, and how fast it prefills and decodes.
 
-    python scripts/longctx.py --config configs/longctx.py          # 28 min on 2 busy CPU cores
+    python scripts/longctx.py --config configs/longctx.py          # 15-28 min on 2 CPU cores
     python scripts/longctx.py --config configs/longctx.py:smoke    # ~5 min (mostly compiling)
     python scripts/longctx.py --config configs/longctx.py --dry_run # validate the config only
 
