@@ -17,12 +17,11 @@ Timings are medians over repeats after a warm-up; nothing here asserts a speed.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.check import median_seconds
 from pallas_kernels.mxfp4 import arg_specs
 from pallas_kernels.mxfp4.ops import dequantize, mxfp4_matmul
 
@@ -31,14 +30,7 @@ PEAK_BW = {"gpu": 4.8e12, "tpu": 8.19e11}  # bytes/s: H200 HBM3e; TPU v5e (overr
 
 def _time(fn, *args, min_reps: int = 3, budget_s: float = 1.0) -> float:
     """Median wall seconds of fn(*args) after one warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
-    times: list[float] = []
-    t_end = time.perf_counter() + budget_s
-    while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < 50):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, *args, reps=min_reps, budget_s=budget_s)
 
 
 @jax.jit
