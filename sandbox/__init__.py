@@ -13,8 +13,9 @@ import importlib
 
 _EXPORTS = {
     "SandboxClient": "client", "connect": "client",
-    "IsolationUnavailable": "executor", "SandboxConfig": "executor", "UnisolatedWarning": "executor",
-    "check_isolation": "executor",
+    "Executor": "backend",
+    "IsolationUnavailable": "config", "SandboxConfig": "config", "UnisolatedWarning": "config",
+    "check_isolation": "preflight",
     "SandboxPool": "pool", "default_pool": "pool", "run": "pool",
     "STATUSES": "result", "ExecutionResult": "result", "InvalidRequest": "result",
     "Session": "session", "SessionLimits": "session", "SessionError": "session",

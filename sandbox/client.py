@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from .backend import Executor
 from .result import ExecutionResult, normalize_request
 
 RETRY_HTTP = {429, 500, 502, 503, 504}
@@ -131,9 +132,10 @@ def req_to_native(req: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-class SandboxClient:
-    """Remote sandbox executor with the SandboxPool interface (submit, run, map, run_batch,
-    submit_sequence, run_sequence, stats, close).
+class SandboxClient(Executor):
+    """Remote sandbox executor with the SandboxPool interface (sandbox/backend.py's `Executor`:
+    submit, run, map, run_batch, submit_sequence, run_sequence, session; plus stats, close). The
+    number of steps per sequence is the server's to limit (ServerConfig.max_steps).
 
     max_concurrency: requests in flight (one thread and one keep-alive connection each).
     retries / backoff_s: transient failures other than 429 (exponential backoff, or Retry-After).
@@ -325,38 +327,16 @@ class SandboxClient:
         self._record(rs, t0)
         return rs
 
-    def submit(self, code: str, **kw: Any) -> Future:
-        req = normalize_request(code, **kw)
+    def _submit_request(self, req: dict) -> Future:
         return self._pool.submit(self._do_run, req)
 
-    def run(self, code: str, **kw: Any) -> ExecutionResult:
-        return self.submit(code, **kw).result()
-
-    def submit_sequence(self, steps: list[dict]) -> Future:
-        reqs = [normalize_request(s["code"], **{k: v for k, v in s.items() if k != "code"}) for s in steps]
+    def _submit_steps(self, reqs: list[dict]) -> Future:
         return self._pool.submit(self._do_seq, reqs)
-
-    def run_sequence(self, steps: list[dict]) -> list[ExecutionResult]:
-        return self.submit_sequence(steps).result()
-
-    def map(self, codes: Iterable[str], **kw: Any) -> list[ExecutionResult]:
-        futs = [self.submit(c, **kw) for c in codes]
-        return [f.result() for f in futs]
-
-    def run_batch(self, requests: Iterable[dict]) -> list[ExecutionResult]:
-        futs = [self.submit(r["code"], **{k: v for k, v in r.items() if k != "code"}) for r in requests]
-        return [f.result() for f in futs]
 
     # ---- sessions ----------------------------------------------------------------------------
     def open_session(self, *, files: dict | None = None, limits=None):
         """The backend of a `Session` on the server; use `session()`."""
         return RemoteSession(self, files, limits)
-
-    def session(self, *, files: dict[str, str | bytes] | None = None, limits=None):
-        """Opens a `sandbox.Session` on the server (see sandbox/session.py)."""
-        from .session import Session
-
-        return Session(self, files=files, limits=limits)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -373,12 +353,6 @@ class SandboxClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> SandboxClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _session_error(e: RemoteError, sid: str | None):

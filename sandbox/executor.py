@@ -23,17 +23,18 @@ deadline or an output overflow the monitor and the sandbox's pid 1 are SIGKILLed
 whole pid namespace; the slot then waits on a pidfd for that pid 1 to be gone (reaping it when the
 worker process is its subreaper) and checks the slot cgroup is empty, so no process of the slot
 survives a run.
+
+This module is the slot: set-up, launch, the /work lifecycle and teardown. Its parts live in one
+file per job: sandbox/config.py (SandboxConfig and the errors), sandbox/host.py (uid locks,
+/proc, kills, mounts, sweeping), sandbox/preflight.py (`check_isolation`), sandbox/monitor.py
+(watching a launched run to its verdict) and sandbox/workfiles.py (files into and out of /work).
+Names other modules import from here (SandboxConfig, IsolationUnavailable, UnisolatedWarning,
+check_isolation, ...) are re-exported.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import fcntl
-import json
 import os
-import pwd
-import select
 import shlex
 import shutil
 import signal
@@ -41,71 +42,31 @@ import stat
 import subprocess
 import time
 import warnings
-from dataclasses import dataclass, field
 
 from . import cgroups, seccomp
+from .config import (
+    INSTALL_HINT,
+    IsolationUnavailable,
+    SandboxConfig,
+    SlotBroken,
+    UnisolatedWarning,
+)
+from .host import (
+    MNT_DETACH,
+    _ensure_state_dir,
+    _libc,
+    _mount_tmpfs,
+    _slot_dir,
+    _sweep_uid,
+    _try_lock,
+    kill_uid,
+    set_child_subreaper,  # noqa: F401 - re-exported (benchmarks/sandbox_pool.py imports it here)
+    sweep_stale,
+)
+from .monitor import supervise
+from .preflight import _which, check_isolation
 from .result import ExecutionResult, normalize_request
-
-INSTALL_HINT = "install it with: apt-get install bubblewrap"
-
-DEFAULT_UID_BASE = int(os.environ.get("KIMI_SANDBOX_UID_BASE", "1900000000"))
-DEFAULT_STATE_DIR = os.environ.get("KIMI_SANDBOX_STATE_DIR", "/run/kimi-sandbox")
-
-
-class IsolationUnavailable(RuntimeError):
-    """The isolation the sandbox needs cannot be set up here (says what is missing and the fix)."""
-
-
-class UnisolatedWarning(UserWarning):
-    """Emitted when code runs with isolation="none" (trusted local debugging only)."""
-
-
-@dataclass
-class SandboxConfig:
-    """Machine-level settings of the sandbox (per-call limits are arguments of `run`)."""
-
-    isolation: str = "bwrap"  # "bwrap" or "none" (trusted local debugging only: warns)
-    bwrap: str = "bwrap"  # a name is looked up on PATH (then /usr/bin); a path must exist
-    python: str = "/usr/bin/python3"  # must live under /usr (the sandbox sees only /usr)
-    python_flags: tuple[str, ...] = ("-S", "-B")  # no site import (fast start), no .pyc writes
-    bash: str = "/usr/bin/bash"
-    setpriv: str = "/usr/bin/setpriv"
-    shell: str = "/usr/bin/dash"
-    state_dir: str = DEFAULT_STATE_DIR
-    uid_base: int = DEFAULT_UID_BASE
-    uid_count: int = 4096
-    work_mb: int = 64  # /work tmpfs size (files in, files written by the program)
-    work_inodes: int = 8192
-    tmp_mb: int = 64  # /tmp and /dev/shm tmpfs size each
-    max_procs: int = 64  # pids cgroup limit (processes + threads) and RLIMIT_NPROC backstop
-    nofile: int = 1024
-    # CPUs per sandbox (cgroup cpu.max in v2, cpu.cfs_quota_us in v1); None = no quota. Needs the
-    # cpu controller; where it is missing the isolation report says so (and require_cgroups
-    # raises).
-    cpu_quota: float | None = 1.0
-    # RLIMIT_AS in MB. None = automatic: no address-space limit where the memory cgroup enforces
-    # memory_mb (threads and malloc arenas reserve far more address space than they use), and
-    # memory_mb + 4096 where there is no memory cgroup (then the only memory limit).
-    address_space_mb: int | None = None
-    require_cgroups: bool = False  # raise instead of warning when no memory/pids cgroup exists
-    extra_ro_binds: tuple[tuple[str, str], ...] = ()
-    env: dict[str, str] = field(default_factory=dict)  # extra variables (not for isolated runs)
-
-    def __post_init__(self) -> None:
-        if self.cpu_quota is not None and not (isinstance(self.cpu_quota, (int, float))
-                                               and 0.01 <= self.cpu_quota <= 1024):
-            raise ValueError(f"cpu_quota must be None or a number of CPUs in [0.01, 1024], "
-                             f"got {self.cpu_quota!r}")
-        if self.address_space_mb is not None and not (isinstance(self.address_space_mb, int)
-                                                      and self.address_space_mb >= 64):
-            raise ValueError(f"address_space_mb must be None or an int >= 64, got "
-                             f"{self.address_space_mb!r}")
-
-
-class SlotBroken(RuntimeError):
-    """The slot cannot guarantee a clean next run (its working directory could not be reset, or
-    a process of it could not be killed). The worker answers the current run, then is replaced."""
-
+from .workfiles import clear_dir, place_files, read_back
 
 # Isolated runs (check scripts over files a completion wrote): the program arrives on an fd from
 # a root-only, unlinked file, so its text is on no path inside the sandbox; the interpreter
@@ -120,279 +81,14 @@ _ISOLATED_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LAN
                  "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-# --------------------------------------------------------------------------------------------
-# small OS helpers
-
-_libc = ctypes.CDLL(None, use_errno=True)
-MS_NOSUID, MS_NODEV = 2, 4
-MNT_DETACH = 2
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def set_child_subreaper() -> bool:
-    return _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    return _libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
-
-
-def _mount_tmpfs(target: str, opts: str) -> None:
-    if _libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"mount tmpfs on {target}: {os.strerror(e)}")
-
-
-def _umount(target: str) -> None:
-    _libc.umount2(target.encode(), MNT_DETACH)
-
-
-def _mountpoints() -> set[str]:
-    out = set()
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 4:
-                    out.add(parts[4].replace("\\040", " "))
-    except OSError:
-        pass
-    return out
-
-
-def _proc_uids(live_only: bool = False) -> dict[int, list[int]]:
-    """uid -> pids, from /proc (real uid). live_only: without zombies (dead processes whose
-    parent has not reaped them yet: they hold no resources and cannot be killed again)."""
-    res: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as f:
-                zombie = False
-                for line in f:
-                    if line.startswith(b"State:"):
-                        zombie = line.split()[1] == b"Z"
-                    elif line.startswith(b"Uid:"):
-                        if not (live_only and zombie):
-                            res.setdefault(int(line.split()[1]), []).append(int(name))
-                        break
-        except (OSError, ValueError, IndexError):
-            continue
-    return res
-
-
-def pids_of_uid(uid: int) -> list[int]:
-    return _proc_uids().get(uid, [])
-
-
-def live_pids_of_uid(uid: int) -> list[int]:
-    """pids_of_uid without zombies (an orphan's zombie waits for init, which may reap slowly)."""
-    return _proc_uids(live_only=True).get(uid, [])
-
-
-def kill_uid(uid: int, timeout_s: float = 5.0) -> bool:
-    """SIGKILLs every process whose real uid is `uid` (never uid 0). True when none is left."""
-    if uid == 0:
-        raise ValueError("refusing to kill uid 0")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pids = live_pids_of_uid(uid)
-        if not pids:
-            return True
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-            try:  # reap it if it was reparented to us
-                os.waitpid(p, os.WNOHANG)
-            except ChildProcessError:
-                pass
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-
-
-def _lock_path(cfg: SandboxConfig, uid: int) -> str:
-    return os.path.join(cfg.state_dir, "locks", f"{uid}.lock")
-
-
-def _try_lock(cfg: SandboxConfig, uid: int) -> int | None:
-    fd = os.open(_lock_path(cfg, uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
-    except BlockingIOError:
-        os.close(fd)
-        return None
-
-
-def _ensure_state_dir(cfg: SandboxConfig) -> None:
-    for d, mode in ((cfg.state_dir, 0o711), (os.path.join(cfg.state_dir, "locks"), 0o700),
-                    (os.path.join(cfg.state_dir, "slots"), 0o711)):
-        os.makedirs(d, mode=mode, exist_ok=True)
-        st = os.lstat(d)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            raise IsolationUnavailable(f"sandbox state dir {d} is not a directory owned by us")
-        if stat.S_IMODE(st.st_mode) != mode:
-            os.chmod(d, mode)
-
-
-def _clear_dir(path: str) -> None:
-    """Removes everything inside `path` without following symlinks (fd-based rmtree)."""
-    with os.scandir(path) as it:
-        entries = list(it)
-    for e in entries:
-        if e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path)
-        else:
-            os.unlink(e.path)
-
-
-def _slot_dir(cfg: SandboxConfig, uid: int) -> str:
-    return os.path.join(cfg.state_dir, "slots", str(uid))
-
-
-def _sweep_uid(cfg: SandboxConfig, layout: cgroups.CgroupLayout | None, uid: int,
-               keep_cgroup: bool = False) -> None:
-    """Cleans what a dead owner of `uid` may have left. Caller holds the uid's lock."""
-    if uid != 0 and os.geteuid() == 0 and uid != os.getuid():
-        kill_uid(uid)
-    if layout is not None and layout.version and not keep_cgroup:
-        for d in layout.slot_dirs(uid).values():
-            try:
-                cgroups.remove_dir(d)
-            except OSError:
-                pass
-    sd = _slot_dir(cfg, uid)
-    work = os.path.join(sd, "work")
-    mps = _mountpoints()
-    if work in mps:
-        _umount(work)
-    if os.path.isdir(sd) and not os.path.islink(sd):
-        shutil.rmtree(sd, ignore_errors=True)
-
-
-def sweep_stale(cfg: SandboxConfig, layout: cgroups.CgroupLayout | None) -> list[int]:
-    """Cleans slots (processes, mounts, cgroups, dirs) whose owner is gone. Returns their uids."""
-    cand: set[int] = set()
-    try:
-        cand |= {int(n) for n in os.listdir(os.path.join(cfg.state_dir, "slots")) if n.isdigit()}
-    except OSError:
-        pass
-    if layout is not None:
-        for gd in layout.group_dirs():
-            try:
-                cand |= {int(n[1:]) for n in os.listdir(gd) if n.startswith("u") and n[1:].isdigit()}
-            except OSError:
-                pass
-    swept = []
-    for uid in sorted(cand):
-        if not (cfg.uid_base <= uid < cfg.uid_base + cfg.uid_count):
-            continue
-        fd = _try_lock(cfg, uid)
-        if fd is None:
-            continue
-        try:
-            _sweep_uid(cfg, layout, uid)
-            swept.append(uid)
-        finally:
-            os.close(fd)
-    if layout is not None and swept:
-        cgroups.remove_group_dirs(layout)
-    return swept
-
-
-# --------------------------------------------------------------------------------------------
-# isolation checks
-
-
-def _which(path: str, name: str) -> str | None:
-    """An explicit path must exist; a bare name is looked up on PATH, then in /usr/bin."""
-    if "/" in path:
-        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
-    found = shutil.which(path)
-    if found:
-        return os.path.realpath(found)
-    fallback = os.path.join("/usr/bin", path)
-    return fallback if os.path.isfile(fallback) and os.access(fallback, os.X_OK) else None
-
-
-def check_isolation(cfg: SandboxConfig) -> list[str]:
-    """Problems that prevent bubblewrap isolation here (empty when it can be set up)."""
-    problems = []
-    if _which(cfg.bwrap, "bwrap") is None:
-        where = cfg.bwrap if "/" in cfg.bwrap else f"{cfg.bwrap!r} on PATH or in /usr/bin"
-        problems.append(f"bubblewrap (bwrap) not found ({where}): {INSTALL_HINT}")
-    try:
-        with open("/proc/sys/user/max_user_namespaces") as f:
-            if int(f.read().strip() or 0) == 0:
-                problems.append("user namespaces are disabled (user.max_user_namespaces = 0): "
-                                "sysctl -w user.max_user_namespaces=15000")
-    except OSError:
-        problems.append("this kernel has no user namespaces (/proc/sys/user/max_user_namespaces)")
-    try:
-        with open("/proc/sys/kernel/unprivileged_userns_clone") as f:
-            if f.read().strip() == "0":
-                problems.append("unprivileged user namespaces are disabled: "
-                                "sysctl -w kernel.unprivileged_userns_clone=1")
-    except OSError:
-        pass
-    try:
-        with open("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") as f:
-            if f.read().strip() == "1":
-                problems.append("AppArmor restricts unprivileged user namespaces: "
-                                "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0")
-    except OSError:
-        pass
-    for tool, name in ((cfg.setpriv, "setpriv (util-linux)"), (cfg.shell, "dash")):
-        if tool == cfg.setpriv and os.geteuid() != 0:
-            continue
-        if not (os.path.isfile(tool) and os.access(tool, os.X_OK)):
-            problems.append(f"{name} not found at {tool}: apt-get install util-linux dash")
-    for interp in (cfg.python, cfg.bash):
-        if not os.path.realpath(interp).startswith("/usr/"):
-            problems.append(f"interpreter {interp} is not under /usr, which is all the sandbox sees")
-        elif not os.path.isfile(interp):
-            problems.append(f"interpreter {interp} not found (apt-get install python3 bash)")
-    return problems
-
-
-# --------------------------------------------------------------------------------------------
-# the slot
-
-_STATUS_PREFIX = b"{"
-
-
-def _decode(b: bytes) -> str:
-    return b.decode("utf-8", errors="replace")
-
-
-def _read_uid_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 class Slot:
     """One isolated execution slot (not thread-safe: one run at a time)."""
 
     def __init__(self, cfg: SandboxConfig | None = None, *, sweep: bool = True,
-                 in_child_launch: bool = False,
                  layout: cgroups.CgroupLayout | None = None) -> None:
-        """The default launches through vfork+exec of dash + setpriv (safe from any thread and,
-        measured, cheaper than forking the caller). `in_child_launch=True` instead sets up
-        cgroups, rlimits and the uid switch in a forked child before exec (only safe in a
-        single-threaded process)."""
+        """Runs are launched through vfork+exec of dash + setpriv (safe from any thread and,
+        measured, cheaper than forking the caller)."""
         self.cfg = cfg = cfg or SandboxConfig()
-        self.in_child_launch = in_child_launch
         self.uid: int | None = None
         self._lock_fd: int | None = None
         self.cg: cgroups.SlotCgroup | None = None
@@ -589,52 +285,8 @@ class Slot:
 
     # ---- files --------------------------------------------------------------------------------
     def _place_files(self, files: dict[str, bytes]) -> None:
-        """Writes request files into /work without following links or blocking on FIFOs that an
-        earlier step of a sequence may have left (OSError says which path)."""
-        if not files:
-            return
-        root_fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        chown = self.root and not self.none_mode
-        try:
-            for rel, content in files.items():
-                parts = rel.split("/")
-                dfd = os.dup(root_fd)
-                try:
-                    for comp in parts[:-1]:
-                        try:
-                            os.mkdir(comp, 0o755, dir_fd=dfd)
-                            if chown:
-                                os.chown(comp, self.uid, self.uid, dir_fd=dfd, follow_symlinks=False)
-                        except FileExistsError:
-                            pass
-                        nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
-                        os.close(dfd)
-                        dfd = nfd
-                    try:
-                        ffd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                                      | os.O_NOCTTY | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-                    except OSError as e:
-                        raise OSError(e.errno, f"{rel}: {e.strerror}") from None
-                    try:
-                        if not stat.S_ISREG(os.fstat(ffd).st_mode):
-                            raise OSError(errno.EEXIST, f"{rel}: exists and is not a regular file")
-                        os.ftruncate(ffd, 0)
-                        view = memoryview(content)
-                        while view:
-                            n = os.write(ffd, view)
-                            view = view[n:]
-                        if chown:
-                            os.fchown(ffd, self.uid, self.uid)
-                    finally:
-                        os.close(ffd)
-                except OSError as e:
-                    if rel in str(e):
-                        raise
-                    raise OSError(e.errno, f"{rel}: {e.strerror}") from None
-                finally:
-                    os.close(dfd)
-        finally:
-            os.close(root_fd)
+        """Request files into /work (sandbox/workfiles.py), owned by the slot uid under root."""
+        place_files(self.workdir, files, self.uid if self.root and not self.none_mode else None)
 
     def _attach_collected(self, r: ExecutionResult, req: dict) -> None:
         """The request's `collect` files into r.files (notes on what could not be read join
@@ -646,46 +298,8 @@ class Slot:
                 r.message = "; ".join(filter(None, [r.message] + notes))
 
     def _read_back(self, paths: list[str], limit: int) -> tuple[dict[str, bytes], list[str]]:
-        """Reads files from the work dir: no symlink is followed, only regular files, size-capped."""
-        out: dict[str, bytes] = {}
-        notes: list[str] = []
-        for rel in paths:
-            parts = rel.split("/")
-            fds = []
-            try:
-                fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-                fds.append(fd)
-                for comp in parts[:-1]:
-                    fd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                    fds.append(fd)
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY,
-                             dir_fd=fd)
-                fds.append(fd)
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    notes.append(f"{rel}: not a regular file")
-                    continue
-                data = os.read(fd, limit + 1) if limit >= 0 else b""
-                chunks = [data]
-                total = len(data)
-                while data and total <= limit:
-                    data = os.read(fd, limit + 1 - total)
-                    chunks.append(data)
-                    total += len(data)
-                blob = b"".join(chunks)
-                if len(blob) > limit:
-                    notes.append(f"{rel}: truncated to {limit} bytes")
-                    blob = blob[:limit]
-                out[rel] = blob
-            except OSError as e:
-                if e.errno == errno.ELOOP or e.errno == errno.ENOTDIR:
-                    notes.append(f"{rel}: symlink or non-directory in path, not followed")
-                elif e.errno != errno.ENOENT:
-                    notes.append(f"{rel}: {e.strerror}")
-            finally:
-                for f in reversed(fds):
-                    os.close(f)
-        return out, notes
+        """Files from /work (sandbox/workfiles.py): no link followed, regular files, capped."""
+        return read_back(self.workdir, paths, limit)
 
     # ---- the working directory: a fresh mount per run or sequence ---------------------------
     def _mount_work(self) -> None:
@@ -723,7 +337,7 @@ class Slot:
                 self._mount_work()
             else:
                 try:  # the common case, in-process; anything odd -> rename away, rm -rf
-                    _clear_dir(self.workdir)
+                    clear_dir(self.workdir)
                 except (OSError, RecursionError):
                     trash = f"{self.workdir}.old{self.resets}"
                     os.rename(self.workdir, trash)
@@ -888,8 +502,8 @@ class Slot:
     def _shell_launcher(self, req: dict, timeout_s: float) -> list[str]:
         """dash: attach the slot cgroups, set rlimits, exec setpriv -> bwrap (all in argv).
 
-        Used where forking the calling process is unsafe (a multi-threaded caller): the launch is a
-        plain vfork+exec, at the price of two more execs than the in-child launcher.
+        Forking the calling process is unsafe (a multi-threaded caller): the launch is a plain
+        vfork+exec, at the price of two more execs than setting up in a forked child.
         """
         import resource as R
 
@@ -912,35 +526,6 @@ class Slot:
                      "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
         return argv
 
-    def _child_setup_fn(self, req: dict, timeout_s: float):
-        """The in-child launcher: runs between fork and exec of bwrap (single-threaded callers)."""
-        import resource as R
-
-        procs_files = self.cg.procs_files if self.cg is not None else []
-        limits = self._limits(req, timeout_s)
-        uid, root = self.uid, self.root
-        prctl = _libc.prctl
-
-        def setup() -> None:
-            pid = str(os.getpid()).encode()
-            for p in procs_files:
-                fd = os.open(p, os.O_WRONLY)
-                os.write(fd, pid)
-                os.close(fd)
-            for res, soft, hard in limits:
-                R.setrlimit(res, (soft, hard))
-            if root:
-                for cap in range(64):  # empty the bounding set (PR_CAPBSET_DROP)
-                    if prctl(24, cap, 0, 0, 0) != 0:
-                        break
-                os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-            if prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-                raise OSError("PR_SET_NO_NEW_PRIVS failed")
-
-        return setup
-
     def _run_bwrap(self, req: dict) -> ExecutionResult:
         timeout_s = req["timeout_s"]
         if self.cg is not None:
@@ -958,15 +543,12 @@ class Slot:
         tail = (self._static_args + self._env[bool(req.get("isolated"))]
                 + ["--seccomp", str(sc_r), "--json-status-fd", str(st_w), "--"] + cmd)
         passed = (sc_r, st_w) if prog_fd is None else (sc_r, st_w, prog_fd)
-        if self.in_child_launch:
-            argv, preexec = tail, self._child_setup_fn(req, timeout_s)
-        else:
-            argv, preexec = self._shell_launcher(req, timeout_s) + tail, None
+        argv = self._shell_launcher(req, timeout_s) + tail
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=out_w, stderr=err_w,
                                     pass_fds=passed, env={}, cwd="/", close_fds=True,
-                                    start_new_session=True, preexec_fn=preexec)
+                                    start_new_session=True)
         except (OSError, subprocess.SubprocessError) as e:
             for fd in (sc_r, st_r, st_w, out_r, out_w, err_r, err_w):
                 os.close(fd)
@@ -985,170 +567,13 @@ class Slot:
 
     def _supervise(self, proc, req, t0, out_r, err_r, st_r, timeout_s,
                    status_channel: bool = True) -> ExecutionResult:
-        limit = req["output_limit_bytes"]
-        deadline = t0 + timeout_s
-        bufs = {out_r: bytearray(), err_r: bytearray()}
-        trunc = {out_r: False, err_r: False}
-        status_buf = bytearray()
-        child_pid = None
-        pidfd = None
-        exit_code = None
-        killed_for = None
-        poller = select.poll()
-        open_fds = {out_r, err_r, st_r}
-        for fd in open_fds:
-            poller.register(fd, select.POLLIN)
-
-        def kill_tree():
-            try:
-                proc.kill()
-            except OSError:
-                pass
-            if pidfd is not None:
-                try:
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                except OSError:
-                    pass
-            if self.cg is not None:
-                for d in self.cg.dirs.values():
-                    kf = os.path.join(d, "cgroup.kill")
-                    if os.path.exists(kf):
-                        try:
-                            with open(kf, "w") as f:
-                                f.write("1")
-                        except OSError:
-                            pass
-
-        try:
-            while open_fds:
-                now = time.monotonic()
-                if killed_for is None and now >= deadline:
-                    killed_for = "timeout"
-                    kill_tree()
-                wait_ms = 1000 if killed_for else max(0, int((deadline - now) * 1000) + 1)
-                events = poller.poll(min(wait_ms, 1000))
-                if killed_for and not events and time.monotonic() > deadline + 10:
-                    break  # pipes held open by something we cannot kill: give up on them
-                for fd, _ev in events:
-                    try:
-                        chunk = os.read(fd, 65536)
-                    except OSError:
-                        chunk = b""
-                    if not chunk:
-                        poller.unregister(fd)
-                        open_fds.discard(fd)
-                        continue
-                    if fd == st_r:
-                        status_buf += chunk
-                        while b"\n" in status_buf:
-                            line, _, rest = bytes(status_buf).partition(b"\n")
-                            status_buf = bytearray(rest)
-                            try:
-                                msg = json.loads(line)
-                            except ValueError:
-                                continue
-                            if "child-pid" in msg and child_pid is None:
-                                child_pid = int(msg["child-pid"])
-                                try:
-                                    pidfd = os.pidfd_open(child_pid)
-                                    if _read_uid_of(child_pid) != self.uid:
-                                        os.close(pidfd)
-                                        pidfd = None
-                                except OSError:
-                                    pidfd = None
-                                if killed_for:
-                                    kill_tree()
-                            if "exit-code" in msg:
-                                exit_code = int(msg["exit-code"])
-                        continue
-                    buf = bufs[fd]
-                    room = limit - len(buf)
-                    if room > 0:
-                        buf += chunk[:room]
-                    if len(chunk) > room:
-                        trunc[fd] = True
-                        if killed_for is None:
-                            killed_for = "output_limit"
-                            kill_tree()
-            if killed_for and proc.poll() is None:
-                kill_tree()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                kill_tree()
-                proc.wait()
-            wall = time.monotonic() - t0
-            self._reap_sandbox(pidfd)
-        finally:
-            for fd in (out_r, err_r, st_r):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            if pidfd is not None:
-                os.close(pidfd)
-        if not status_channel and proc.returncode is not None:
-            rc = proc.returncode
-            exit_code = rc if rc >= 0 else 128 - rc
-        oom = self.cg.oom_killed_since_last() if self.cg is not None else False
-        peak = self.cg.run_peak_bytes() if self.cg is not None else None
-        if self.cg is not None:
-            self.cg.trim()
-        stdout, stderr = _decode(bytes(bufs[out_r])), _decode(bytes(bufs[err_r]))
-        res = ExecutionResult(status="ok", exit_code=exit_code, stdout=stdout, stderr=stderr,
-                              wall_s=wall, stdout_truncated=trunc[out_r],
-                              stderr_truncated=trunc[err_r],
-                              memory_peak_mb=round(peak / 2**20, 2) if peak is not None else None)
-        self._classify(res, killed_for, oom, req, started=exit_code is not None,
-                       launcher_rc=proc.returncode)
+        """The run monitor (sandbox/monitor.py) on this slot's cgroup and uid; a slot whose
+        processes survive SIGKILL is marked broken (never reused)."""
+        res, broken = supervise(proc, req, t0, out_r, err_r, st_r, timeout_s, cg=self.cg,
+                                uid=self.uid, root=self.root, status_channel=status_channel)
+        if broken:
+            self.broken = broken
         return res
-
-    def _reap_sandbox(self, pidfd: int | None) -> None:
-        """Waits until the sandbox's pid 1 (hence its whole pid namespace) is gone; reaps it.
-        A slot whose processes cannot all be killed is marked broken (never reused)."""
-        if pidfd is not None:
-            r, _, _ = select.select([pidfd], [], [], 10.0)
-            if not r:
-                try:
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                except OSError:
-                    pass
-                select.select([pidfd], [], [], 10.0)
-            try:  # we are its subreaper once the monitor exits (pool workers set that)
-                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
-            except (ChildProcessError, OSError):
-                pass
-        if self.cg is not None:
-            if self.cg.pids() and not self.cg.kill_all():
-                self.broken = f"processes of the slot cgroup survive SIGKILL: {self.cg.pids()[:10]}"
-        elif self.root and self.uid:
-            if pids_of_uid(self.uid) and not kill_uid(self.uid):
-                self.broken = f"processes of uid {self.uid} survive SIGKILL"
-
-    @staticmethod
-    def _classify(res: ExecutionResult, killed_for, oom, req, started, launcher_rc) -> None:
-        code = res.exit_code
-        if code is not None and 128 < code <= 128 + 64:
-            res.signal = code - 128
-        if killed_for == "timeout":
-            res.status, res.message = "timeout", f"wall-clock limit of {req['timeout_s']:g}s exceeded"
-        elif killed_for == "output_limit":
-            res.status = "output_limit"
-            res.message = f"output exceeded {req['output_limit_bytes']} bytes"
-        elif oom:
-            res.status, res.message = "memory", f"memory limit of {req['memory_mb']} MB exceeded"
-        elif not started:
-            res.status = "sandbox_error"
-            res.exit_code = None
-            res.message = f"sandbox setup failed (launcher exit {launcher_rc}): {res.stderr.strip()[-2000:]}"
-        elif code == 0:
-            res.status = "ok"
-        elif code == 128 + signal.SIGXCPU:
-            res.status, res.message = "timeout", "CPU-time limit exceeded"
-        elif _looks_like_oom(res.stderr, req["language"]):
-            res.status, res.message = "memory", "the program ran out of memory"
-        else:
-            res.status = "error"
 
     # ---- isolation="none" -------------------------------------------------------------------
     def _run_none(self, req: dict) -> ExecutionResult:
@@ -1238,24 +663,3 @@ class Slot:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _looks_like_oom(stderr: str, language: str) -> bool:
-    tail = stderr[-2000:]
-    if language == "python":
-        lines = [ln for ln in tail.strip().splitlines() if ln.strip()]
-        return bool(lines) and lines[-1].startswith("MemoryError")
-    return "Cannot allocate memory" in tail or "xmalloc: cannot allocate" in tail
-
-
-def sandbox_uid_range(cfg: SandboxConfig | None = None) -> range:
-    cfg = cfg or SandboxConfig()
-    return range(cfg.uid_base, cfg.uid_base + cfg.uid_count)
-
-
-def user_exists(uid: int) -> bool:
-    try:
-        pwd.getpwuid(uid)
-        return True
-    except KeyError:
-        return False

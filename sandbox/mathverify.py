@@ -15,19 +15,14 @@ some inputs make sympy run for minutes. So checks run in separate worker process
 
 from __future__ import annotations
 
-import collections
 import os
-import select
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any
 
-from . import worker as _wire
-
-_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from . import wire
+from .workers import WorkerDied, WorkerPool, WorkerProcess
 
 _WARMUP = [
     (r"$\frac{1}{2}$", "0.5"), (r"\boxed{\sqrt{2}}", r"$\sqrt{2}$"), ("x^2+2x+1", "(x+1)^2"),
@@ -56,7 +51,8 @@ def _drop_privileges() -> dict:
     import resource
 
     from . import seccomp
-    from .executor import SandboxConfig, _ensure_state_dir, _try_lock
+    from .config import SandboxConfig
+    from .host import _ensure_state_dir, _try_lock
 
     applied: dict[str, Any] = {}
     libc = ctypes.CDLL(None, use_errno=True)
@@ -97,7 +93,7 @@ def worker_main() -> int:
 
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # it logs every timeout with the input
 
-    from .executor import set_parent_death_signal
+    from .host import set_parent_death_signal
 
     set_parent_death_signal()
     for a, b in _WARMUP:
@@ -108,106 +104,64 @@ def worker_main() -> int:
     isolate = os.environ.get("KIMI_MATHVERIFY_ISOLATE", "1") == "1"
     applied = _drop_privileges() if isolate else {}
     applied.pop("lock_fd", None)
-    _wire.write_msg(wfd, {"ok": True, "isolation": applied, "pid": os.getpid()})
+    wire.write_msg(wfd, {"ok": True, "isolation": applied, "pid": os.getpid()})
     while True:
-        msg = _wire.read_msg(rfd)
-        if msg is None:
+        msg = wire.read_msg(rfd)
+        if msg is None or msg.get("op") == "close":
             return 0
         try:
             res = _check(math_verify, msg["completion"], msg["answer"], int(msg.get("timeout_s", 5)))
         except Exception as e:  # noqa: BLE001
             res = {"correct": False, "status": "error", "error": f"{type(e).__name__}: {e}"}
-        _wire.write_msg(wfd, res)
+        wire.write_msg(wfd, res)
 
 
-class _MathWorker:
-    def __init__(self, isolate: bool) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _PKG_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env["KIMI_MATHVERIFY_ISOLATE"] = "1" if isolate else "0"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from sandbox.mathverify import worker_main; sys.exit(worker_main())"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_PKG_PARENT, close_fds=True)
-        self._r, self._w = self.proc.stdout.fileno(), self.proc.stdin.fileno()
-        hello = self._recv(180.0)
-        if hello is None or not hello.get("ok"):
-            self.kill()
-            raise RuntimeError("math-verify worker failed to start")
-        self.isolation = hello.get("isolation", {})
+class MathVerifier(WorkerPool):
+    """math-verify in isolated worker processes, with a wall-clock timeout per check.
 
-    def _recv(self, timeout: float):
-        r, _, _ = select.select([self._r], [], [], timeout)
-        if not r:
-            return None
-        return _wire.read_msg(self._r)
+    The workers are supervised by sandbox/workers.py (the same pool as SandboxPool's): they start
+    in the background; a check past its wall-clock limit, or whose worker dies on it, is answered
+    with status "timeout" and the worker is killed and replaced; a worker that cannot start
+    answers "sandbox_error" (retried with backoff).
+    """
 
-    def call(self, msg: dict, timeout: float):
-        _wire.write_msg(self._w, msg)
-        return self._recv(timeout)
-
-    def kill(self) -> None:
-        try:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-
-class MathVerifier:
-    """math-verify in isolated worker processes, with a wall-clock timeout per check."""
+    _down_message = "math-verify worker is not up"
 
     def __init__(self, workers: int = 1, *, timeout_s: float = 10.0, isolate: bool = True) -> None:
+        super().__init__(workers, thread_name="math-verify")
         self.timeout_s = timeout_s
         self.isolate = isolate
-        self._q: collections.deque = collections.deque()
-        self._cv = threading.Condition()
-        self._closed = False
-        self.restarts = 0
-        self._workers: list[_MathWorker | None] = [None] * workers
-        self._threads = [threading.Thread(target=self._manage, args=(i,), daemon=True,
-                                          name=f"math-verify-{i}") for i in range(workers)]
-        for t in self._threads:
-            t.start()
+        self._start(wait_ready=False)
 
-    def _manage(self, i: int) -> None:
-        while True:
-            with self._cv:
-                while not self._q and not self._closed:
-                    self._cv.wait()
-                if not self._q:
-                    break
-                fut, msg, timeout = self._q.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            t0 = time.monotonic()
-            try:
-                if self._workers[i] is None:
-                    self._workers[i] = _MathWorker(self.isolate)
-                res = self._workers[i].call(msg, timeout)
-            except (OSError, RuntimeError, EOFError) as e:
-                res = {"correct": False, "status": "sandbox_error", "error": str(e)}
-                self._kill(i)
+    def _spawn(self, i: int, first: bool) -> WorkerProcess:
+        w = WorkerProcess("sandbox.mathverify:worker_main", index=i, start_timeout_s=180.0,
+                          site=True, env={"KIMI_MATHVERIFY_ISOLATE": "1" if self.isolate else "0"})
+        if not w.hello.get("ok"):
+            w.kill()
+            raise RuntimeError("math-verify worker failed to start")
+        w.info = w.hello.get("isolation", {})
+        return w
+
+    def _serve(self, i: int, w: WorkerProcess, item: tuple) -> tuple[bool, dict]:
+        _fut, msg, timeout = item
+        t0 = time.monotonic()
+        try:
+            res = w.call(msg, timeout)
+        except WorkerDied as e:
+            if e.kind == "timeout":
+                res = {"correct": False, "status": "timeout",
+                       "error": f"math-verify exceeded {timeout:g}s"}
+            elif e.kind == "exited":  # died on this input (a completion's verdict, not ours)
+                res = {"correct": False, "status": "timeout", "error": f"math-verify {e}"}
             else:
-                if res is None:
-                    res = {"correct": False, "status": "timeout",
-                           "error": f"math-verify exceeded {timeout:g}s"}
-                    self._kill(i)
-            res["time_s"] = round(time.monotonic() - t0, 4)
-            fut.set_result((bool(res.get("correct")), res))
-        if self._workers[i] is not None:
-            self._workers[i].kill()
-            self._workers[i] = None
+                res = {"correct": False, "status": "sandbox_error", "error": str(e)}
+            self._retire(i, str(e), crashed=True)
+        res["time_s"] = round(time.monotonic() - t0, 4)
+        return bool(res.get("correct")), res
 
-    def _kill(self, i: int) -> None:
-        if self._workers[i] is not None:
-            self._workers[i].kill()
-            self._workers[i] = None
-            self.restarts += 1
+    def _failed(self, item: tuple, message: str) -> tuple[bool, dict]:
+        return False, {"correct": False, "status": "sandbox_error", "error": message,
+                       "time_s": 0.0}
 
     def submit(self, completion: str, answer: str, timeout_s: float | None = None,
                inner_timeout_s: int | None = None) -> Future:
@@ -217,15 +171,9 @@ class MathVerifier:
         inner_timeout_s: math-verify's own parsing/comparison timeout (default timeout_s - 1).
         """
         timeout = float(timeout_s or self.timeout_s)
-        fut: Future = Future()
         inner = int(inner_timeout_s) if inner_timeout_s else max(1, int(timeout) - 1)
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("MathVerifier is closed")
-            self._q.append((fut, {"completion": completion, "answer": str(answer),
-                                  "timeout_s": inner}, timeout))
-            self._cv.notify()
-        return fut
+        msg = {"completion": completion, "answer": str(answer), "timeout_s": inner}
+        return self._put(lambda: (Future(), msg, timeout))
 
     def verify(self, completion: str, answer: str, timeout_s: float | None = None,
                inner_timeout_s: int | None = None) -> tuple[bool, dict]:
@@ -233,20 +181,7 @@ class MathVerifier:
 
     def isolation_report(self) -> dict:
         w = next((w for w in self._workers if w is not None), None)
-        return dict(w.isolation) if w is not None else {}
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        for t in self._threads:
-            t.join()
-
-    def __enter__(self) -> MathVerifier:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        return dict(w.info) if w is not None else {}
 
 
 _default_lock = threading.Lock()
@@ -256,6 +191,6 @@ _default: MathVerifier | None = None
 def default_math_verifier() -> MathVerifier:
     global _default
     with _default_lock:
-        if _default is None or _default._closed:
+        if _default is None or _default.closed:
             _default = MathVerifier(workers=1)
         return _default

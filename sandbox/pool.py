@@ -1,7 +1,9 @@
 """`SandboxPool`: N isolated worker slots behind a futures API.
 
 Each worker is a separate process (`sandbox.worker`) owning one `Slot` (its own uid, cgroups and
-working directory); a manager thread per worker feeds it from one shared queue. Results come back
+working directory); a manager thread per worker feeds it from one shared queue (the supervision
+is sandbox/workers.py's, shared with the math verifier; the caller-facing methods are
+sandbox/backend.py's `Executor`, shared with the HTTP client). Results come back
 as futures; `map`/`run_batch` return them in submission order. A worker that dies (killed, crashed,
 hung past its task's deadline) is replaced and the task it was running is reported as
 `sandbox_error`, never lost. A slot that cannot guarantee a clean next run (its working directory
@@ -26,114 +28,17 @@ from __future__ import annotations
 import atexit
 import collections
 import os
-import select
-import subprocess
-import sys
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from . import worker as _wire
-from .executor import IsolationUnavailable, SandboxConfig, UnisolatedWarning
-from .result import ExecutionResult, InvalidRequest, normalize_request, normalize_step
-
-_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_RUN_KEYS = ("language", "stdin", "files", "timeout_s", "memory_mb", "output_limit_bytes",
-             "collect", "collect_limit_bytes", "max_procs")
-
-
-class WorkerDied(RuntimeError):
-    pass
-
-
-class _Worker:
-    """Main-process handle of one worker process."""
-
-    def __init__(self, index: int, cfg: SandboxConfig, sweep: bool, layout=None) -> None:
-        self.index = index
-        self.cfg = cfg
-        self.layout = layout
-        self.proc: subprocess.Popen | None = None
-        self.info: dict = {}
-        self.busy_since: float | None = None
-        self.runs = 0
-        self._start(sweep)
-
-    def _start(self, sweep: bool) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _PKG_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen([sys.executable, "-S", "-c",
-                                      "import sys; from sandbox.worker import main; sys.exit(main())"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                     cwd=_PKG_PARENT, close_fds=True)
-        self._w = self.proc.stdin.fileno()
-        self._r = self.proc.stdout.fileno()
-        _wire.write_msg(self._w, {"config": self.cfg, "sweep": sweep, "layout": self.layout})
-        reply = self._recv(timeout=120.0)
-        if not reply.get("ok"):
-            self.kill()
-            if reply.get("kind") == "isolation":
-                raise IsolationUnavailable(reply["error"])
-            raise RuntimeError(f"sandbox worker failed to start: {reply.get('error')}")
-        self.info = reply["info"]
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def _recv(self, timeout: float | None):
-        if timeout is not None:
-            r, _, _ = select.select([self._r], [], [], timeout)
-            if not r:
-                raise WorkerDied(f"worker {self.index} did not answer within {timeout:.0f}s")
-        try:
-            msg = _wire.read_msg(self._r)
-        except (OSError, EOFError, ValueError) as e:
-            raise WorkerDied(f"worker {self.index} channel broken: {e}") from e
-        if msg is None:
-            rc = self.proc.poll() if self.proc else None
-            raise WorkerDied(f"worker {self.index} died (exit {rc})")
-        return msg
-
-    def call(self, msg: dict, timeout: float) -> dict:
-        try:
-            _wire.write_msg(self._w, msg)
-        except OSError as e:
-            raise WorkerDied(f"worker {self.index} is gone: {e}") from e
-        return self._recv(timeout)
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-    def close(self, timeout: float = 30.0) -> None:
-        if self.proc is None:
-            return
-        try:
-            _wire.write_msg(self._w, {"op": "close"})
-            self.proc.stdin.close()
-            self.proc.wait(timeout=timeout)
-        except (OSError, subprocess.TimeoutExpired, ValueError):
-            pass
-        self.kill()
-        self.proc = None
+from .backend import Executor
+from .config import IsolationUnavailable, SandboxConfig, UnisolatedWarning
+from .result import ExecutionResult, InvalidRequest, normalize_request
+from .workers import WorkerPool, WorkerProcess
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -156,9 +61,6 @@ class _Stats:
         self.queue = collections.deque(maxlen=window)  # submit -> start
         self.first_submit: float | None = None
         self.last_done: float | None = None
-        self.restarts = 0  # workers that crashed or hung
-        self.replaced = 0  # slots retired because they could not guarantee a clean next run
-        self.spawn_failures = 0
 
     def submit(self, n: int = 1) -> float:
         now = time.monotonic()
@@ -188,7 +90,7 @@ class _Stats:
             self.queue.clear()
             self.first_submit = self.last_done = None
 
-    def snapshot(self, in_flight: int) -> dict[str, Any]:
+    def snapshot(self, in_flight: int, restarts: int, replaced: int) -> dict[str, Any]:
         with self.lock:
             lat, ex, qu = list(self.latency), list(self.exec), list(self.queue)
             span = (self.last_done - self.first_submit) if self.first_submit and self.last_done else 0.0
@@ -204,8 +106,8 @@ class _Stats:
                 "completed": self.completed,
                 "in_flight": in_flight,
                 "by_status": dict(self.by_status),
-                "worker_restarts": self.restarts,
-                "slots_replaced": self.replaced,
+                "worker_restarts": restarts,
+                "slots_replaced": replaced,
                 "runs_per_s": round(self.completed / span, 2) if span > 0 else None,
                 "latency_ms": ms(lat),
                 "exec_ms": ms(ex),
@@ -217,7 +119,7 @@ class _Stats:
 _live_pools: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
 
 
-class SandboxPool:
+class SandboxPool(WorkerPool, Executor):
     """A pool of isolated sandbox workers with futures, ordered batches and statistics.
 
     workers: number of worker slots (default: CPU count). Machine-level settings come from
@@ -227,8 +129,14 @@ class SandboxPool:
 
     max_sessions: hard cap on sessions open at once (`session()`; see sandbox/session.py).
 
-    Raises IsolationUnavailable at construction when bubblewrap isolation cannot be set up.
+    The caller-facing methods (submit, run, map, run_batch, submit_sequence, run_sequence,
+    session) are sandbox/backend.py's `Executor`; the worker supervision is sandbox/workers.py's
+    `WorkerPool`. Raises IsolationUnavailable at construction when bubblewrap isolation cannot be
+    set up.
     """
+
+    max_steps = 64
+    _down_message = "no sandbox slot is up"
 
     def __init__(self, workers: int | None = None, *, config: SandboxConfig | None = None,
                  hang_grace_s: float = 60.0, max_sessions: int = 64, **overrides: Any) -> None:
@@ -242,7 +150,7 @@ class SandboxPool:
         if config.isolation == "none":
             warnings.warn("SandboxPool(isolation='none'): code runs UNISOLATED on this host "
                           "(trusted local debugging only)", UnisolatedWarning, stacklevel=2)
-        self.n = int(workers or os.cpu_count() or 1)
+        super().__init__(int(workers or os.cpu_count() or 1), thread_name="sandbox-worker")
         # cgroups are laid out once, here, before any worker exists (cgroup v2 may need to move
         # this process into a leaf of its own cgroup to nest the slots there).
         self._layout = None
@@ -256,87 +164,32 @@ class SandboxPool:
         self.max_sessions = max_sessions
         self._sessions = None  # SessionManager, made by the first session
         self._sessions_lock = threading.Lock()
-        self._q: collections.deque = collections.deque()
-        self._cv = threading.Condition()
         self._stats = _Stats()
-        self._in_flight = 0
-        self._closed = False
-        self._workers: list[_Worker | None] = [None] * self.n
-        self._down_reason: list[str | None] = [None] * self.n
-        self._down_since: list[float | None] = [None] * self.n
-        self._last_replacement: str | None = None
-        self._threads: list[threading.Thread] = []
-        ready = [threading.Event() for _ in range(self.n)]
-        errors: list[BaseException | None] = [None] * self.n
-        for i in range(self.n):
-            t = threading.Thread(target=self._manage, args=(i, ready[i], errors), daemon=True,
-                                 name=f"sandbox-worker-{i}")
-            t.start()
-            self._threads.append(t)
-        for e in ready:
-            e.wait()
-        err = next((e for e in errors if e is not None), None)
-        if err is not None:
-            self.close()
-            raise err
+        self._start(wait_ready=True)
         _live_pools.add(self)
 
-    # ---- worker management (one thread per worker: it spawns, feeds and replaces it) ---------
-    def _spawn(self, i: int, sweep: bool) -> _Worker:
-        w = _Worker(i, self.config, sweep=sweep, layout=self._layout)
+    # ---- the workers (sandbox/workers.py supervises them) -------------------------------------
+    def _spawn(self, i: int, first: bool) -> WorkerProcess:
+        w = WorkerProcess("sandbox.worker:main", index=i, start_timeout_s=120.0,
+                          hello={"config": self.config, "sweep": i == 0 if first else True,
+                                 "layout": self._layout})
+        reply = w.hello
+        if not reply.get("ok"):
+            w.kill()
+            if reply.get("kind") == "isolation":
+                raise IsolationUnavailable(reply["error"])
+            raise RuntimeError(f"sandbox worker failed to start: {reply.get('error')}")
+        w.info = reply["info"]
         if self._sessions is not None and w.info.get("uid") is not None:
             self._sessions.reaper.add(w.info["uid"])  # swept if this process dies
         return w
 
-    def _manage(self, i: int, ready: threading.Event, errors: list) -> None:
-        try:
-            self._workers[i] = self._spawn(i, sweep=(i == 0))
-        except BaseException as e:  # noqa: BLE001
-            errors[i] = e
-            ready.set()
-            return
-        ready.set()
-        while True:
-            if self._workers[i] is None and not self._respawn(i):
-                # down: leave the queue to slots that are up; take a task only when none is up,
-                # so that callers get a sandbox_error instead of waiting for ever
-                with self._cv:
-                    if self._closed and not self._q:
-                        break
-                    if not self._q or any(w is not None for w in self._workers):
-                        self._cv.wait(timeout=self._respawn_wait(i))
-                        continue
-                    item = self._q.popleft()
-                self._fail(item, f"no sandbox slot is up: {self._down_reason[i]}")
-                continue
-            with self._cv:
-                while not self._q and not self._closed:
-                    self._cv.wait()
-                if not self._q:
-                    break
-                item = self._q.popleft()
-            self._run_item(i, item)
-        w = self._workers[i]
-        if w is not None:
-            w.close()
-            self._workers[i] = None
+    def _retired(self, old: WorkerProcess) -> None:
+        if self._sessions is not None and old.info.get("uid") is not None:
+            self._sessions.reaper.remove(old.info["uid"])
 
-    def _run_item(self, i: int, item: tuple) -> None:
-        fut, msg, n_results, t_sub, budget, on_reply = item
-        w = self._workers[i]
-        if w.proc is None or w.proc.poll() is not None:  # died while idle: replace it first
-            self._replace(i, f"worker died while idle (exit {w.proc.poll() if w.proc else None})",
-                          crashed=True)
-            w = self._workers[i]
-            if w is None:  # could not restart: hand the task back to the queue
-                with self._cv:
-                    self._q.appendleft(item)
-                    self._cv.notify_all()
-                return
-        if not fut.set_running_or_notify_cancel():
-            with self._cv:
-                self._in_flight -= 1
-            return
+    def _serve(self, i: int, w: WorkerProcess, item: tuple) -> Any:
+        _fut, msg, n_results, t_sub, budget, on_reply = item
         t_start = time.monotonic()
         broken = None
         try:
@@ -360,59 +213,14 @@ class SandboxPool:
         for r in results:
             r.worker = i
         self._stats.done(t_sub, t_start, results)
-        with self._cv:
-            self._in_flight -= 1
-        fut.set_result(results if msg["op"] == "seq" else results[0])
+        return results if msg["op"] == "seq" else results[0]
 
-    def _fail(self, item: tuple, message: str) -> None:
-        fut, msg, n_results, t_sub, _, _ = item
-        if not fut.set_running_or_notify_cancel():
-            with self._cv:
-                self._in_flight -= 1
-            return
+    def _failed(self, item: tuple, message: str) -> Any:
+        _fut, msg, n_results, t_sub, _, _ = item
         now = time.monotonic()
         results = [ExecutionResult.sandbox_error(message) for _ in range(n_results)]
         self._stats.done(t_sub, now, results)
-        with self._cv:
-            self._in_flight -= 1
-        fut.set_result(results if msg["op"] == "seq" else results[0])
-
-    def _replace(self, i: int, reason: str, crashed: bool) -> None:
-        """Retires worker i (killed if still running) and starts a fresh one in its place."""
-        old = self._workers[i]
-        self._workers[i] = None
-        if old is not None:
-            if crashed:
-                old.kill()
-            else:
-                old.close(timeout=30.0)  # a broken slot exits on its own after answering
-            if self._sessions is not None and old.info.get("uid") is not None:
-                self._sessions.reaper.remove(old.info["uid"])
-        with self._stats.lock:
-            if crashed:
-                self._stats.restarts += 1
-            else:
-                self._stats.replaced += 1
-            self._last_replacement = reason
-        self._respawn(i)
-
-    def _respawn(self, i: int) -> bool:
-        try:
-            self._workers[i] = self._spawn(i, sweep=True)
-            self._down_reason[i] = None
-            self._down_since[i] = None
-            return True
-        except BaseException as e:  # noqa: BLE001 - the slot stays down; retried with backoff
-            self._workers[i] = None
-            self._down_reason[i] = f"{type(e).__name__}: {e}"
-            self._down_since[i] = self._down_since[i] or time.monotonic()
-            with self._stats.lock:
-                self._stats.spawn_failures += 1
-            return False
-
-    def _respawn_wait(self, i: int) -> float:
-        down_for = time.monotonic() - (self._down_since[i] or time.monotonic())
-        return min(30.0, 1.0 + down_for / 4)
+        return results if msg["op"] == "seq" else results[0]
 
     def health(self) -> dict[str, Any]:
         """Slot health (the HTTP server's /health reads it):
@@ -430,8 +238,7 @@ class SandboxPool:
         """
         slots = []
         for i, w in enumerate(self._workers):
-            alive = (not self._closed and w is not None and w.proc is not None
-                     and w.proc.poll() is None)
+            alive = not self._closed and w is not None and w.alive()
             state = "down" if not alive else ("busy" if w.busy_since is not None else "idle")
             slots.append({"index": i, "state": state, "pid": w.pid if w is not None else None,
                           "uid": w.info.get("uid") if w is not None else None,
@@ -439,14 +246,15 @@ class SandboxPool:
                           "down_reason": None if alive else (self._down_reason[i] or
                                                               ("closed" if self._closed else None))})
         down = [s["index"] for s in slots if s["state"] == "down"]
-        with self._stats.lock:
+        with self._count_lock:
             return {"workers": self.n, "up": self.n - len(down), "down": down,
                     "busy": sum(s["state"] == "busy" for s in slots),
-                    "restarts": self._stats.restarts, "replaced": self._stats.replaced,
-                    "spawn_failures": self._stats.spawn_failures,
-                    "last_replacement": self._last_replacement, "slots": slots}
+                    "restarts": self.restarts, "replaced": self.replaced,
+                    "spawn_failures": self.spawn_failures,
+                    "last_replacement": self.last_replacement, "slots": slots}
 
-    def _check_fits(self, req: dict) -> dict:
+    # ---- the executor interface (sandbox/backend.py) ------------------------------------------
+    def _check(self, req: dict) -> dict:
         """Caller mistakes against this pool's machine settings raise InvalidRequest (files that
         cannot fit the working directory would otherwise fail inside the worker)."""
         files = req["files"]
@@ -461,17 +269,16 @@ class SandboxPool:
                                  "(SandboxConfig.work_inodes)")
         return req
 
-    # ---- API --------------------------------------------------------------------------------
     def _enqueue(self, msg: dict, n_results: int, budget: float, on_reply=None) -> Future:
-        fut: Future = Future()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("SandboxPool is closed")
-            t_sub = self._stats.submit(n_results)
-            self._in_flight += 1
-            self._q.append((fut, msg, n_results, t_sub, budget, on_reply))
-            self._cv.notify()
-        return fut
+        return self._put(lambda: (Future(), msg, n_results, self._stats.submit(n_results), budget,
+                                  on_reply))
+
+    def _submit_request(self, req: dict) -> Future:
+        return self._enqueue({"op": "run", "req": req}, 1, req["timeout_s"])
+
+    def _submit_steps(self, reqs: list[dict]) -> Future:
+        return self._enqueue({"op": "seq", "reqs": reqs}, len(reqs),
+                             sum(r["timeout_s"] for r in reqs))
 
     def _enqueue_session(self, desc: dict, req: dict, on_reply) -> Future:
         """One command of a session (sandbox/session.py): any worker runs it with the session's
@@ -496,51 +303,9 @@ class SandboxPool:
         """The backend of a `Session` (sandbox/session.py); use `session()`."""
         return self.sessions.open(files=files, limits=limits)
 
-    def session(self, *, files: dict[str, str | bytes] | None = None, limits=None):
-        """Opens a Session: one episode's private working directory kept across commands, with
-        its own limits (SessionLimits or a dict of its fields). See sandbox/session.py."""
-        from .session import Session
-
-        return Session(self, files=files, limits=limits)
-
-    def submit(self, code: str, **kw: Any) -> Future:
-        """Schedules one run; returns a Future[ExecutionResult]. Invalid requests raise
-        InvalidRequest here (see result.normalize_request)."""
-        req = self._check_fits(normalize_request(code, **kw))
-        return self._enqueue({"op": "run", "req": req}, 1, req["timeout_s"])
-
-    def run(self, code: str, **kw: Any) -> ExecutionResult:
-        return self.submit(code, **kw).result()
-
-    def submit_sequence(self, steps: list[dict]) -> Future:
-        """Runs steps (dicts of `run` arguments, with "code") one after the other in one slot,
-        sharing the working directory; returns a Future[list[ExecutionResult]]."""
-        if not isinstance(steps, (list, tuple)) or not steps:
-            raise InvalidRequest("submit_sequence needs a non-empty list of steps")
-        if len(steps) > 64:
-            raise InvalidRequest(f"{len(steps)} steps: at most 64 per sequence")
-        reqs = [self._check_fits(normalize_step(s)) for s in steps]
-        return self._enqueue({"op": "seq", "reqs": reqs}, len(reqs),
-                             sum(r["timeout_s"] for r in reqs))
-
-    def run_sequence(self, steps: list[dict]) -> list[ExecutionResult]:
-        return self.submit_sequence(steps).result()
-
-    def map(self, codes: Iterable[str], **kw: Any) -> list[ExecutionResult]:
-        """Runs every program with the same arguments; results in input order."""
-        futs = [self.submit(c, **kw) for c in codes]
-        return [f.result() for f in futs]
-
-    def run_batch(self, requests: Iterable[dict]) -> list[ExecutionResult]:
-        """Runs request dicts ({"code": ..., plus any `run` argument}); results in input order."""
-        reqs = [self._check_fits(normalize_step(r)) for r in requests]  # all checked first
-        futs = [self._enqueue({"op": "run", "req": q}, 1, q["timeout_s"]) for q in reqs]
-        return [f.result() for f in futs]
-
+    # ---- reports and shutdown -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        with self._cv:
-            inflight = self._in_flight
-        s = self._stats.snapshot(inflight)
+        s = self._stats.snapshot(self.in_flight(), self.restarts, self.replaced)
         s["workers"] = self.n
         if self._sessions is not None:
             s["sessions"] = self._sessions.stats()
@@ -564,32 +329,7 @@ class SandboxPool:
         session first."""
         if self._sessions is not None and not self._closed:
             self._sessions.shutdown()
-        with self._cv:
-            if self._closed:
-                return
-            self._closed = True
-            if cancel_pending:
-                while self._q:
-                    item = self._q.popleft()
-                    item[0].cancel()
-                    self._in_flight -= 1
-            self._cv.notify_all()
-        for t in self._threads:
-            t.join()
-        for i, w in enumerate(self._workers):
-            if w is not None:
-                w.close()
-                self._workers[i] = None
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> SandboxPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        WorkerPool.close(self, cancel_pending)
 
     def __del__(self) -> None:
         try:

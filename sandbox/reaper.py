@@ -10,7 +10,7 @@ killed, the cgroups removed, the /work tmpfs detached and the slot directory del
 touched). So killing the owner leaves no process, mount, cgroup or directory behind, without
 waiting for the next pool to start.
 
-Framing: the worker's (8-byte length + pickle; both ends are this package). Messages:
+Framing: sandbox/wire.py (8-byte length + pickle; both ends are this package). Messages:
 {"config", "layout"} first, then {"add": uid}, {"remove": uid}, {"bye": True}.
 Not covered: a reaper killed together with its owner (then the next pool's start-up sweep
 removes it all, as before sessions existed).
@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from . import worker as _wire
+from . import wire as _wire
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP_WAIT_S = 30.0  # how long a dead owner's uids may stay locked (its workers dying)
@@ -81,7 +81,7 @@ class ReaperHandle:
 def sweep(cfg, layout, uids: set[int], wait_s: float = SWEEP_WAIT_S) -> list[int]:
     """Sweeps each uid once its lock is free (within wait_s); returns the uids swept."""
     from .cgroups import remove_group_dirs
-    from .executor import _sweep_uid, _try_lock
+    from .host import _sweep_uid, _try_lock
 
     left, done = set(uids), []
     deadline = time.monotonic() + wait_s

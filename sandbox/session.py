@@ -65,11 +65,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from . import cgroups
-from .executor import (
+from .config import IsolationUnavailable, SlotBroken
+from .executor import Slot
+from .host import (
     MNT_DETACH,
-    IsolationUnavailable,
-    Slot,
-    SlotBroken,
     _ensure_state_dir,
     _libc,
     _mount_tmpfs,
@@ -694,7 +693,6 @@ class _SessionRunner(Slot):
 
     def __init__(self, base: Slot, desc: dict) -> None:  # noqa: D107 - no Slot.__init__ on purpose
         self.cfg = base.cfg
-        self.in_child_launch = False
         self.none_mode = False
         self.root = base.root
         self.bwrap = base.bwrap

@@ -1,10 +1,9 @@
 """A pool worker process: owns one `Slot` and runs requests one at a time.
 
-Started by `SandboxPool` as `python -S -m sandbox.worker` with a pipe on stdin (requests) and one
-on stdout (replies); framing is an 8-byte little-endian length followed by a pickle (both ends are
-this package, never untrusted input). Runs are launched with vfork+exec through dash and setpriv,
-which measured cheaper than forking the worker to set up in the child. It is the
-child subreaper of its sandboxes (the sandbox's pid 1 is reaped here, by pid, never by
+Started by `SandboxPool` (through sandbox/workers.py) as `python -S -c "... sandbox.worker import
+main ..."` with a pipe on stdin (requests) and one on stdout (replies), framed by sandbox/wire.py.
+Runs are launched with vfork+exec through dash and setpriv, which measured cheaper than forking
+the worker to set up in the child. It is the child subreaper of its sandboxes (the sandbox's pid 1 is reaped here, by pid, never by
 waitpid(-1)), and it dies with the pool (parent-death signal, and EOF on its request pipe).
 
 A command of a session (op "session") runs with the session's uid, tmpfs and cgroup, never the
@@ -19,42 +18,10 @@ the worker exits; the pool replaces it with a fresh worker and slot (new uid, ne
 from __future__ import annotations
 
 import os
-import pickle
-import struct
 import sys
 import traceback
 
-_HDR = struct.Struct("<Q")
-
-
-def read_msg(fd: int):
-    hdr = _read_exact(fd, _HDR.size)
-    if hdr is None:
-        return None
-    (n,) = _HDR.unpack(hdr)
-    body = _read_exact(fd, n)
-    if body is None:
-        return None
-    return pickle.loads(body)
-
-
-def write_msg(fd: int, obj) -> None:
-    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    data = memoryview(_HDR.pack(len(body)) + body)
-    while data:
-        n = os.write(fd, data)
-        data = data[n:]
-
-
-def _read_exact(fd: int, n: int) -> bytes | None:
-    chunks, got = [], 0
-    while got < n:
-        b = os.read(fd, min(n - got, 1 << 20))
-        if not b:
-            return None
-        chunks.append(b)
-        got += len(b)
-    return b"".join(chunks)
+from .wire import read_msg, write_msg
 
 
 def main() -> int:
@@ -65,13 +32,9 @@ def main() -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    from .executor import (
-        IsolationUnavailable,
-        Slot,
-        SlotBroken,
-        set_child_subreaper,
-        set_parent_death_signal,
-    )
+    from .config import IsolationUnavailable, SlotBroken
+    from .executor import Slot
+    from .host import set_child_subreaper, set_parent_death_signal
     from .result import ExecutionResult
 
     ppid = os.getppid()
@@ -86,7 +49,7 @@ def main() -> int:
     if cfg.isolation == "none":  # the pool warned its caller already
         import warnings
 
-        from .executor import UnisolatedWarning
+        from .config import UnisolatedWarning
 
         warnings.simplefilter("ignore", UnisolatedWarning)
     try:

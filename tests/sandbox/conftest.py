@@ -7,7 +7,7 @@ import time
 import pytest
 
 from sandbox import SandboxPool
-from sandbox.executor import pids_of_uid
+from sandbox.host import pids_of_uid
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ import subprocess
 import time
 
 from sandbox import SandboxPool
-from sandbox.executor import SandboxConfig, _slot_dir
+from sandbox.config import SandboxConfig
+from sandbox.host import _slot_dir
 
 LEFTOVERS = {
     "deep_tree_python": ("import os\nfor _ in range(5000):\n    os.mkdir('d')\n    os.chdir('d')\n"

@@ -7,7 +7,9 @@ import pytest
 
 import sandbox
 from sandbox import InvalidRequest, IsolationUnavailable, SandboxPool, UnisolatedWarning
-from sandbox.executor import SandboxConfig, Slot, check_isolation
+from sandbox.config import SandboxConfig
+from sandbox.executor import Slot
+from sandbox.preflight import check_isolation
 
 
 def test_ok_and_exit_codes(pool, no_leftovers):

@@ -69,7 +69,7 @@ def test_crashed_worker_is_replaced_and_task_reported():
         fut = p.submit("import time; print('started', flush=True); time.sleep(60)", timeout_s=120)
         queued = p.submit("print('after crash')")
         # wait until the sandbox process of the slot exists, then kill the worker process
-        from sandbox.executor import pids_of_uid
+        from sandbox.host import pids_of_uid
 
         deadline = time.monotonic() + 60
         while not pids_of_uid(uid0) and time.monotonic() < deadline:
@@ -113,7 +113,8 @@ def test_stale_slots_are_swept():
     import sys
 
     from sandbox.cgroups import CgroupLayout
-    from sandbox.executor import SandboxConfig, _mountpoints, _slot_dir, sweep_stale
+    from sandbox.config import SandboxConfig
+    from sandbox.host import _mountpoints, _slot_dir, sweep_stale
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import time\nfrom sandbox.executor import Slot\ns = Slot()\n"

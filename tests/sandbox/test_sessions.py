@@ -27,7 +27,7 @@ from sandbox import (
     SessionClosed,
     SessionLimitExceeded,
 )
-from sandbox.executor import _mountpoints, live_pids_of_uid
+from sandbox.host import _mountpoints, live_pids_of_uid
 from sandbox.server import SandboxServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
