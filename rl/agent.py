@@ -289,12 +289,12 @@ class AgentRolloutWorker:
 
 
 def is_agent_task(task) -> bool:
-    """Whether a task is played as a multi-turn episode (the multi-step terminal family, or a
+    """Whether a task is played as a multi-turn episode (a multi-turn domain such as multistep, or a
     terminal task that asks for it with meta["agent"] = True, e.g. a folder task)."""
-    from sandbox.tasks import multistep
+    from sandbox.tasks.domains import is_multi_turn
 
     meta = getattr(task, "meta", {}) or {}
-    return meta.get("family_name") == multistep.FAMILY or bool(meta.get("agent"))
+    return is_multi_turn(meta.get("family_name")) or bool(meta.get("agent"))
 
 
 class _Merged:

@@ -4,7 +4,9 @@
     score, details = verify(task, completion)                  # default pool + math workers
     scored = verify_batch(tasks, completions, executor=pool)   # all runs submitted at once
 
-Families (fields in sandbox/tasks/schema.py):
+Scoring methods: this module is the one list of them (each is a `_start_<name>` function, an
+optional field check, and one `register_scoring` line; a task names its method in `Task.family`,
+fields in sandbox/tasks/schema.py; `check_task` refuses an unknown method or missing fields):
 
   python_tests  HumanEval/MBPP unit tests. The solution is prompt + completion (or the completion's
                 fenced code block when it defines the entry point itself). It runs in one sandbox
@@ -24,6 +26,8 @@ Families (fields in sandbox/tasks/schema.py):
                 program text on no path), so nothing the commands wrote into /work reaches the
                 interpreter, its search path or its environment; check exit code 0 = solved.
                 Expected outputs belong in the check, never in `files` (which the model sees).
+  answer_check  the raw completion is data: written to answer.txt next to `files`, judged by the
+                task's `check` script in one isolated sandbox (exit 0 = solved).
 
 details always has: family, score, status ("pass", "fail", or the sandbox status that prevented a
 verdict such as "timeout"/"sandbox_error"), cases (list of per-case dicts with passed and
@@ -34,6 +38,7 @@ and `submit_sequence(steps)` returning futures works.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -41,7 +46,7 @@ from typing import Any, Protocol
 
 from . import python_tests
 from .result import ExecutionResult
-from .tasks.schema import Task
+from .tasks.schema import Task, TaskFormatError
 
 
 class Executor(Protocol):
@@ -147,6 +152,44 @@ def _done(score: float, details: dict) -> Pending:
 
 
 # --------------------------------------------------------------------------------------------
+# the registry of scoring methods
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringMethod:
+    """start(task, completion, verifier) -> Pending submits the method's sandbox runs through
+    `verifier.executor` (or `verifier.math`); check(task) raises TaskFormatError when the task
+    lacks a field the method needs (None: the method has no required fields)."""
+    start: Callable[[Task, str, Verifier], Pending]
+    check: Callable[[Task], None] | None = None
+
+
+_METHODS: dict[str, ScoringMethod] = {}
+
+
+def register_scoring(name: str, start: Callable[[Task, str, Verifier], Pending],
+                     check: Callable[[Task], None] | None = None) -> None:
+    """Adds (or replaces) the scoring method `name` (see ScoringMethod)."""
+    _METHODS[name] = ScoringMethod(start, check)
+
+
+def scoring_methods() -> list[str]:
+    """The registered scoring methods, sorted."""
+    return sorted(_METHODS)
+
+
+def check_task(task: Task) -> None:
+    """Raises TaskFormatError when `task.family` is not a registered scoring method or the task
+    lacks a field its method needs; the message says which."""
+    method = _METHODS.get(task.family)
+    if method is None:
+        raise TaskFormatError(f"task {task.id}: unknown family {task.family!r} (known scoring "
+                              f"methods: {scoring_methods()})")
+    if method.check is not None:
+        method.check(task)
+
+
+# --------------------------------------------------------------------------------------------
 # python unit tests
 
 def _import_lines(src: str) -> str:
@@ -170,6 +213,16 @@ def _start_python_tests(task: Task, completion: str, ctx: Verifier) -> Pending:
     """See sandbox/python_tests.py: the solution runs in one sandbox on the test's arguments only,
     the original test judges the returned plain data in another."""
     return Pending(python_tests.start(task, build_solution(task, completion), ctx.executor))
+
+
+def _check_python_tests(task: Task) -> None:
+    if not task.test:
+        raise TaskFormatError(f"task {task.id}: python_tests needs 'test'")
+    if "def check" in task.test and not task.entry_point:
+        raise TaskFormatError(f"task {task.id}: python_tests with check() needs 'entry_point'")
+
+
+register_scoring("python_tests", _start_python_tests, _check_python_tests)
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,6 +264,19 @@ def _start_stdio(task: Task, completion: str, ctx: Verifier) -> Pending:
     return Pending(finish)
 
 
+def _check_stdio(task: Task) -> None:
+    if not task.cases or not all(isinstance(c, dict) and "input" in c and "output" in c
+                                 for c in task.cases):
+        raise TaskFormatError(f"task {task.id}: stdio needs cases [{{input, output}}, ...]")
+    if task.compare not in ("lines", "tokens"):
+        raise TaskFormatError(f"task {task.id}: compare must be 'lines' or 'tokens'")
+    if task.language not in ("python", "bash"):
+        raise TaskFormatError(f"task {task.id}: language must be python or bash")
+
+
+register_scoring("stdio", _start_stdio, _check_stdio)
+
+
 # --------------------------------------------------------------------------------------------
 # math
 
@@ -230,6 +296,14 @@ def _start_math(task: Task, completion: str, ctx: Verifier) -> Pending:
         return score, details
 
     return Pending(finish)
+
+
+def _check_math(task: Task) -> None:
+    if not str(task.answer).strip():
+        raise TaskFormatError(f"task {task.id}: math needs 'answer'")
+
+
+register_scoring("math", _start_math, _check_math)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,26 +348,18 @@ def _start_terminal(task: Task, completion: str, ctx: Verifier) -> Pending:
     return Pending(finish)
 
 
+def _check_terminal(task: Task) -> None:
+    if not task.check:
+        raise TaskFormatError(f"task {task.id}: terminal needs 'check'")
+    if task.check_language not in ("bash", "python"):
+        raise TaskFormatError(f"task {task.id}: check_language must be bash or python")
+
+
+register_scoring("terminal", _start_terminal, _check_terminal)
+
+
 # --------------------------------------------------------------------------------------------
-# registry and entry points
-
-_FAMILIES: dict[str, Callable[[Task, str, Verifier], Pending]] = {
-    "python_tests": _start_python_tests,
-    "stdio": _start_stdio,
-    "math": _start_math,
-    "terminal": _start_terminal,
-}
-
-
-def register_family(name: str, start: Callable[[Task, str, Verifier], Pending]) -> None:
-    """Adds a task family: `start(task, completion, verifier) -> Pending` submits its sandbox
-    runs through `verifier.executor` (or `verifier.math`) and returns a Pending."""
-    _FAMILIES[name] = start
-
-
-def registered_families() -> list[str]:
-    return sorted(_FAMILIES)
-
+# entry points
 
 class Verifier:
     """Scores completions through an executor (local pool or remote client) and math workers."""
@@ -321,18 +387,16 @@ class Verifier:
     def submit(self, task: Task | dict, completion: str) -> Pending:
         """Starts scoring `completion` (a str; text that is not valid UTF-8, such as lone
         surrogates, is replaced by U+FFFD first, so a completion can never make its own
-        verification raise: only a bad task or a broken executor does)."""
+        verification raise: only a bad task (TaskFormatError, from check_task) or a broken
+        executor does)."""
         if isinstance(task, dict):
             task = Task.from_dict(task)
+        check_task(task)
         if not isinstance(completion, str):
             raise TypeError(f"completion must be a str, got {type(completion).__name__}")
         completion = _valid_text(completion)
-        start = _FAMILIES.get(task.family)
-        if start is None:
-            return _done(0.0, {"family": task.family, "score": 0.0, "status": "unknown_family",
-                               "cases": [], "wall_s": 0.0})
         try:
-            return start(task, completion, self)
+            return _METHODS[task.family].start(task, completion, self)
         except Exception as e:  # noqa: BLE001 - surfaced by result(), never a silent 0
             err = e
 
@@ -392,4 +456,4 @@ def _start_answer_check(task: Task, completion: str, ctx: Verifier) -> Pending:
     return Pending(finish)
 
 
-register_family("answer_check", _start_answer_check)
+register_scoring("answer_check", _start_answer_check)

@@ -1,19 +1,40 @@
-"""Task families and loaders (JSONL task files, HumanEval and MBPP formats, task folders).
+"""Tasks: the record (schema.py), loaders of task files, and the task domains.
 
-The generated families live in generators.py (one-shot) and multistep.py (multi-step episodes);
-folders.py loads Terminal-Bench/Harbor-style task folders."""
+    from sandbox.tasks import Task, load_tasks, load_humaneval, load_task_dir
 
-from .folders import load_task_dir, load_task_dirs
-from .loaders import (
-                      humaneval_task,
-                      iter_jsonl,
-                      load_humaneval,
-                      load_mbpp,
-                      load_tasks,
-                      mbpp_task,
-                      save_tasks,
-)
-from .schema import FAMILIES, Task, TaskFormatError
+    schema.py     Task (the record; `family` names its scoring method, sandbox/verifiers.py)
+    loaders.py    this project's JSONL, HumanEval and MBPP files; (task, demo) pair files
+    folders.py    Terminal-Bench/Harbor-style task folders
+    domains/      the task domains, one file each, and their registry (domains/__init__.py)
+    splits.py     the split rule (a task's split is a hash of its canonical key)
+    sampling.py   make_split / make_mixture of the generated domains, by name
+    sft.py        SFT mixing: demonstrations with a share of corrupted ones
+    generators.py, multistep.py   the older module names, re-exporting the above
 
-__all__ = ["FAMILIES", "Task", "TaskFormatError", "humaneval_task", "iter_jsonl", "load_humaneval",
-           "load_mbpp", "load_task_dir", "load_task_dirs", "load_tasks", "mbpp_task", "save_tasks"]
+Names are imported lazily (like the `sandbox` package), so importing sandbox.tasks.schema, as
+sandbox/verifiers.py does, runs none of the loaders (which check tasks with the verifiers).
+"""
+
+import importlib
+
+_EXPORTS = {
+    "Task": "schema", "TaskFormatError": "schema",
+    "humaneval_task": "loaders", "iter_jsonl": "loaders", "load_humaneval": "loaders",
+    "load_mbpp": "loaders", "load_tasks": "loaders", "mbpp_task": "loaders", "save_tasks": "loaders",
+    "load_task_dir": "folders", "load_task_dirs": "folders",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'sandbox.tasks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

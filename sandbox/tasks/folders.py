@@ -40,6 +40,7 @@ import os
 import tomllib
 from typing import Any
 
+from ..verifiers import check_task
 from .schema import Task, TaskFormatError
 
 _SECTIONS = {
@@ -187,8 +188,10 @@ def load_task_dir(path: str | os.PathLike) -> Task:
     if envc.get("memory_mb") is not None:
         fields["memory_mb"] = _positive(toml_path, "[environment] memory_mb", envc["memory_mb"], True)
     tid = cfg.get("task", {}).get("name") or f"folder/{name}"
-    return Task(id=tid, family="terminal", prompt=prompt, files=files, setup=setup, check=check,
+    task = Task(id=tid, family="terminal", prompt=prompt, files=files, setup=setup, check=check,
                 check_language="python" if scripts[0] == "test.py" else "bash", meta=meta, **fields)
+    check_task(task)
+    return task
 
 
 def load_task_dirs(root: str | os.PathLike) -> list[Task]:

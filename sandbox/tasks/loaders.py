@@ -4,13 +4,16 @@
     tasks = load_humaneval("HumanEval.jsonl.gz")  # task_id, prompt, canonical_solution, test, entry_point
     tasks = load_mbpp("mbpp.jsonl")               # task_id, text, code, test_list, test_setup_code
     save_tasks(tasks, "out.jsonl")
+    write_jsonl(pairs, "pairs.jsonl"); pairs = read_jsonl("pairs.jsonl")   # (task, demo) pairs
 
-`.gz` files are read transparently. Blank lines are skipped; a malformed line raises
+`.gz` files are read transparently. Blank lines are skipped; a malformed line, or a task whose
+scoring method is unknown or lacks a field it needs (sandbox.verifiers.check_task), raises
 TaskFormatError naming the file and line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -19,6 +22,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from ..verifiers import check_task
 from .schema import Task, TaskFormatError
 
 
@@ -49,6 +53,7 @@ def load_tasks(path: str | os.PathLike) -> list[Task]:
     for lineno, obj in iter_jsonl(path):
         try:
             t = Task.from_dict(obj)
+            check_task(t)
         except TaskFormatError as e:
             raise TaskFormatError(f"{path}:{lineno}: {e}") from e
         if t.id in seen:
@@ -75,9 +80,11 @@ def humaneval_task(obj: dict[str, Any], *, timeout_s: float = 10.0) -> Task:
     meta = {k: v for k, v in obj.items()
             if k not in ("task_id", "prompt", "canonical_solution", "test", "entry_point")}
     meta["source"] = "humaneval"
-    return Task(id=str(obj["task_id"]), family="python_tests", prompt=obj["prompt"],
+    task = Task(id=str(obj["task_id"]), family="python_tests", prompt=obj["prompt"],
                 test=obj["test"], entry_point=obj["entry_point"],
                 canonical_solution=obj.get("canonical_solution", ""), timeout_s=timeout_s, meta=meta)
+    check_task(task)
+    return task
 
 
 def load_humaneval(path: str | os.PathLike, *, timeout_s: float = 10.0) -> list[Task]:
@@ -112,9 +119,11 @@ def mbpp_task(obj: dict[str, Any], *, timeout_s: float = 10.0) -> Task:
     prompt = obj.get("text") or obj.get("prompt") or ""
     if tests:
         prompt = f"{prompt}\nYour code should pass these tests:\n" + "\n".join(obj["test_list"])
-    return Task(id=f"mbpp/{obj.get('task_id')}", family="python_tests", prompt=prompt, test=test,
+    task = Task(id=f"mbpp/{obj.get('task_id')}", family="python_tests", prompt=prompt, test=test,
                 entry_point=entry, canonical_solution=code, timeout_s=timeout_s,
                 meta={"source": "mbpp", "prompt_is_text": True})
+    check_task(task)
+    return task
 
 
 def load_mbpp(path: str | os.PathLike, *, timeout_s: float = 10.0) -> list[Task]:
@@ -125,3 +134,20 @@ def load_mbpp(path: str | os.PathLike, *, timeout_s: float = 10.0) -> list[Task]
         except TaskFormatError as e:
             raise TaskFormatError(f"{path}:{lineno}: {e}") from e
     return out
+
+
+def write_jsonl(items: Iterable[Task | tuple[Task, Any]], path: str | os.PathLike) -> None:
+    """Tasks, or (task, demo) pairs (the demo is stored in meta["demo"]), via save_tasks."""
+    tasks = []
+    for it in items:
+        if isinstance(it, Task):
+            tasks.append(it)
+        else:
+            t, demo = it
+            tasks.append(dataclasses.replace(t, meta={**t.meta, "demo": demo}))
+    save_tasks(tasks, path)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[tuple[Task, Any]]:
+    """(task, meta["demo"]) pairs from a file written by write_jsonl."""
+    return [(t, t.meta.get("demo", "")) for t in load_tasks(path)]

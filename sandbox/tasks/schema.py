@@ -1,16 +1,19 @@
-"""The task record shared by all families, and its JSONL form.
+"""The task record shared by all domains and scoring methods, and its JSONL form.
 
-One JSON object per line. Common fields:
+One JSON object per line. Common fields (checked when a Task is built):
 
   id           str, unique within a file (required)
-  family       "python_tests" | "stdio" | "math" | "terminal" (required)
+  family       str, the scoring method that judges the task (required): one registered in
+               sandbox/verifiers.py, the one list of them ("python_tests", "stdio", "math",
+               "terminal", "answer_check"). Which domain made a task is meta["family_name"].
   prompt       str, what the model sees (default "")
   timeout_s    float, wall-clock limit per sandbox run (default 10)
   memory_mb    int, memory limit per sandbox run (default 512)
   scoring      "all" (1.0 only if every case passes, the default) | "fraction" (share of cases)
   meta         object, anything else (source, difficulty, split, ...), carried through untouched
 
-Per family:
+Fields per scoring method (the method checks them: sandbox.verifiers.check_task, called by every
+loader and by Verifier.submit, raises TaskFormatError naming what is missing):
 
   python_tests   HumanEval/MBPP-style unit tests. The solution is prompt + completion (or the code
                  block of the completion); it runs in one sandbox on the test's arguments only,
@@ -38,14 +41,17 @@ Per family:
                    its own text on no path); exit code 0 means solved (required). Expected
                    outputs belong here, never in `files` (the model's commands can read those).
       check_language  "bash" (default) | "python"
+  answer_check   the raw completion is written to answer.txt next to `files` and `check`
+                 (`check_language`) judges it; exit 0 = solved.
+
+This module knows no scoring method (so it imports nothing of sandbox/verifiers.py): a Task
+built in code with an unknown method or missing fields is refused when it is loaded or verified.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
-
-FAMILIES = ("python_tests", "stdio", "math", "terminal")
 
 
 class TaskFormatError(ValueError):
@@ -72,7 +78,7 @@ class Task:
     language: str = "python"
     # math
     answer: str = ""
-    # terminal
+    # terminal, answer_check
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     setup: str = ""
     check: str = ""
@@ -82,37 +88,14 @@ class Task:
         self.validate()
 
     def validate(self) -> None:
-        f = self.family
+        """The common fields; a scoring method's own fields: sandbox.verifiers.check_task."""
         if not isinstance(self.id, str) or not self.id:
             raise TaskFormatError("task id must be a non-empty string")
-        if f not in FAMILIES:
-            from ..verifiers import registered_families
-
-            if f not in registered_families():
-                raise TaskFormatError(f"task {self.id}: unknown family {f!r} (known: {FAMILIES})")
+        if not isinstance(self.family, str) or not self.family:
+            raise TaskFormatError(f"task {self.id}: family must name a scoring method "
+                                  "(sandbox.verifiers.scoring_methods())")
         if self.scoring not in ("all", "fraction"):
             raise TaskFormatError(f"task {self.id}: scoring must be 'all' or 'fraction'")
-        if f == "python_tests":
-            if not self.test:
-                raise TaskFormatError(f"task {self.id}: python_tests needs 'test'")
-            if "def check" in self.test and not self.entry_point:
-                raise TaskFormatError(f"task {self.id}: python_tests with check() needs 'entry_point'")
-        elif f == "stdio":
-            if not self.cases or not all(isinstance(c, dict) and "input" in c and "output" in c
-                                         for c in self.cases):
-                raise TaskFormatError(f"task {self.id}: stdio needs cases [{{input, output}}, ...]")
-            if self.compare not in ("lines", "tokens"):
-                raise TaskFormatError(f"task {self.id}: compare must be 'lines' or 'tokens'")
-            if self.language not in ("python", "bash"):
-                raise TaskFormatError(f"task {self.id}: language must be python or bash")
-        elif f == "math":
-            if not str(self.answer).strip():
-                raise TaskFormatError(f"task {self.id}: math needs 'answer'")
-        elif f == "terminal":
-            if not self.check:
-                raise TaskFormatError(f"task {self.id}: terminal needs 'check'")
-            if self.check_language not in ("bash", "python"):
-                raise TaskFormatError(f"task {self.id}: check_language must be bash or python")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Task:
