@@ -76,11 +76,11 @@ log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- tasks
 def task_families(config) -> list[str]:
-    """config.tasks.families as a list, each checked against the generators' registry."""
-    from sandbox.tasks import generators, multistep
+    """config.tasks.families as a list, each checked against the task domain registry."""
+    from sandbox.tasks.domains import generated_domains
 
     fams = [f.strip() for f in config.tasks.families.split(",") if f.strip()]
-    valid = sorted([*generators.FAMILIES, multistep.FAMILY])
+    valid = generated_domains()
     unknown = [f for f in fams if f not in valid]
     if unknown or not fams:
         raise ValueError(f"tasks.families: unknown family {(unknown or [''])[0]!r}; give a "
@@ -89,20 +89,17 @@ def task_families(config) -> list[str]:
 
 
 def load_task_splits(config) -> dict:
-    """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generators (or
+    """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generated domains (or
     tasks.task_file for RL prompts, without demonstrations)."""
-    from sandbox.tasks import generators, multistep
+    from sandbox.tasks.sampling import make_split
 
     t = config.tasks
     fams = task_families(config)
     diff = {f: (t.difficulty.get(f, 0) or None) for f in fams}
     n = {"train": t.train_per_family, "val": t.val_per_family, "test": t.test_per_family}
 
-    def split(f, s):  # multi-step tasks carry their demonstration turns in meta["demo_turns"]
-        if f == multistep.FAMILY:
-            return [(x, x.meta["demo_turns"])
-                    for x in multistep.make_split(s, n[s], t.seed, difficulty=diff[f])]
-        return generators.make_split(f, s, n[s], t.seed, difficulty=diff[f])
+    def split(f, s):  # a multi-turn domain's demo is its list of turns (meta["demo_turns"])
+        return make_split(f, s, n[s], t.seed, difficulty=diff[f])
 
     out = {s: [p for f in fams for p in split(f, s)] for s in n}
     if t.task_file:
@@ -192,21 +189,21 @@ def _sft_rows(examples, tokenizer, seq_len):
 
 def sft_examples(config, pairs) -> list:
     """(prompt, completion, ok) for SFT from (task, demo) pairs, sft.imperfect_frac of each
-    domain well-formed but wrong: one-shot domains through sandbox.tasks.generators, multi-step
-    episodes through sandbox.tasks.multistep.sft_episodes rendered exactly as the rollouts'
+    domain well-formed but wrong: one-shot domains through sandbox.tasks.sft.sft_examples,
+    multi-step episodes through sandbox.tasks.sft.sft_episodes rendered exactly as the rollouts'
     environment renders turns (rl.envs.demo_turns with agent_env_config)."""
     from rl.agent import is_agent_task
     from rl.envs import demo_turns
-    from sandbox.tasks import generators, multistep
+    from sandbox.tasks import sft
 
     s = config.sft
     one = [p for p in pairs if not is_agent_task(p[0])]
     agent = [p[0] for p in pairs if is_agent_task(p[0])]
-    out = generators.sft_examples(one, s.imperfect_frac, config.seed) if one else []
+    out = sft.sft_examples(one, s.imperfect_frac, config.seed) if one else []
     if agent:
         env = agent_env_config(config)
         out += [(t.prompt, demo_turns(t, env, turns), ok)
-                for t, turns, ok in multistep.sft_episodes(agent, s.imperfect_frac, config.seed)]
+                for t, turns, ok in sft.sft_episodes(agent, s.imperfect_frac, config.seed)]
     return out
 
 
