@@ -1,12 +1,17 @@
-"""Drivers: SFT on generated demonstrations, the RL loop, and held-out evaluation.
+"""Drivers: SFT on generated demonstrations and the RL loop, plus what the evaluation scripts share
+with them (task splits, rollout workers, checkpoint loaders).
 
     run_sft(config)    -> TrainState     workdir/sft/{checkpoints, metrics.jsonl, events}
     run_rl(config)     -> TrainState     workdir/rl/{checkpoints, metrics.jsonl, events}
-    run_eval(config, variables, split)   per-domain pass@1 with 95% intervals
+    load_sft_variables / load_rl_variables + make_rollout_worker + rl.pipeline.evaluate:
+                                         per-domain pass@1 with 95% intervals (scripts/evaluate.py)
 
-All three read one ml_collections config (configs/rl.py). Every run is resumable: checkpoints hold
-the train state, rng, data-iterator position and (RL) the reference policy; `resume=True` picks
-up at the last good checkpoint and continues exactly (same data order, same rng stream).
+Both read one ml_collections config (configs/rl.py); run_rl's helpers each get their own
+section of it (config.rl, config.rl.agent, config.eval). Every run is resumable: checkpoints hold
+the train state (with a critic: the value head and its optimizer state), rng and data-iterator
+position; the frozen reference policy is not stored (it is the initial weights, reloaded on
+resume). `resume=True` picks up at the last good checkpoint and continues exactly (same data
+order, same rng stream).
 
 RL iteration (one batch of lookahead when rl.overlap_scoring): generate batch i+1 while the
 sandbox scores batch i; then old/ref log-probs (and, for algorithms with a critic such as PPO, the
@@ -32,6 +37,7 @@ processes and gathered once; checkpoints are written and restored sharded by eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -201,30 +207,29 @@ def sft_examples(config, pairs) -> list:
     agent = [p[0] for p in pairs if is_agent_task(p[0])]
     out = sft.sft_examples(one, s.imperfect_frac, config.seed) if one else []
     if agent:
-        env = agent_env_config(config)
+        env = agent_env_config(config.rl.agent)
         out += [(t.prompt, demo_turns(t, env, turns), ok)
                 for t, turns, ok in sft.sft_episodes(agent, s.imperfect_frac, config.seed)]
     return out
 
 
-def agent_env_config(config):
-    """rl.envs.EnvConfig of multi-turn episodes from config.rl.agent."""
+def agent_env_config(a):
+    """rl.envs.EnvConfig of multi-turn episodes from the agent section (config.rl.agent)."""
     from rl.envs import EnvConfig
 
-    a = config.rl.agent
     return EnvConfig(max_turns=int(a.max_turns), observation_tokens=int(a.observation_tokens),
                      command_timeout_s=float(a.command_timeout_s),
                      format_penalty=float(a.format_penalty))
 
 
-def make_rollout_worker(config, model, tok, sampling, verifier, executor, *, group_size: int,
+def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_size: int,
                         tasks=(), mesh=None, rules=None):
-    """The rollout worker of a run: rl.pipeline.RolloutWorker for one-shot tasks, wrapped in an
-    rl.agent.RoutingWorker with an AgentRolloutWorker (rl.agent: width, turn_tokens, the
-    environment's caps) when any of `tasks` is a multi-turn task."""
+    """The rollout worker of a run from the RL section `r` (config.rl: max_prompt_len, agent):
+    rl.pipeline.RolloutWorker for one-shot tasks, wrapped in an rl.agent.RoutingWorker with an
+    AgentRolloutWorker (rl.agent: width, turn_tokens, the environment's caps) when any of `tasks`
+    is a multi-turn task."""
     from rl.agent import AgentRolloutWorker, RoutingWorker, is_agent_task
 
-    r = config.rl
     worker = RolloutWorker(model, tok, sampling, verifier, group_size=group_size,
                            max_prompt_len=r.max_prompt_len, mesh=mesh, rules=rules)
     if not any(is_agent_task(t) for t in tasks):
@@ -235,17 +240,17 @@ def make_rollout_worker(config, model, tok, sampling, verifier, executor, *, gro
     a = r.agent
     agent = AgentRolloutWorker(
         model, tok, dataclasses.replace(sampling, max_new_tokens=int(a.turn_tokens)), executor,
-        group_size=group_size, width=int(a.width), env_config=agent_env_config(config),
+        group_size=group_size, width=int(a.width), env_config=agent_env_config(a),
         mesh=mesh, rules=rules)
     return RoutingWorker(worker, agent)
 
 
-def train_width(config, tasks=()) -> int:
-    """Width of the packed train rows: one-shot rows (max_prompt_len + max_new_tokens), or the
-    multi-turn episode width when any task is multi-turn."""
+def train_width(r, tasks=()) -> int:
+    """Width of the packed train rows from the RL section `r` (config.rl): one-shot rows
+    (max_prompt_len + max_new_tokens), or the multi-turn episode width (agent.width) when any
+    task is multi-turn."""
     from rl.agent import is_agent_task
 
-    r = config.rl
     w = r.max_prompt_len + r.max_new_tokens
     return max(w, int(r.agent.width)) if any(is_agent_task(t) for t in tasks) else w
 
@@ -268,11 +273,7 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
     state_sh = train_state_shardings(model, opt, mesh, rules)
     state = init_train_state_sharded(variables, opt, state_sh)
     if resume:
-        restored = ckpt.restore_latest(_sharded_target(state, state_sh), data_iter=it)
-        if restored is not None:
-            state, rng, _, _ = restored
-            rng = _local_key(rng)
-            log.info("%s resumed at step %d", name, int(state.step))
+        state, rng = _resume(ckpt, state, state_sh, rng, it, name)
     step_fn = make_sft_step(model, opt, objective=objective, mesh=mesh, rules=rules,
                             state_shardings=state_sh)
     writer = MetricsWriter(workdir, config=config) if _primary() else None
@@ -314,6 +315,17 @@ def _local_key(rng):
 def _sharded_target(state, shardings):
     """The restore target of a (sharded) state: its shapes/dtypes with `shardings`."""
     return shd.sharded_abstract(jax.eval_shape(lambda: state), shardings)
+
+
+def _resume(ckpt: Checkpointer, state, shardings, rng, data_iter, name: str):
+    """(state, rng) of the latest good checkpoint in `ckpt` (restored into `shardings`, the data
+    iterator set to its saved position), or the given (state, rng) when there is none."""
+    restored = ckpt.restore_latest(_sharded_target(state, shardings), data_iter=data_iter)
+    if restored is None:
+        return state, rng
+    state, rng, _, _ = restored
+    log.info("%s resumed at step %d", name, int(state.step))
+    return state, _local_key(rng)
 
 
 def check_run_config(config, num_devices: int, phase: str = "rl") -> str:
@@ -553,7 +565,7 @@ def heldout_text(config, tokenizer, n: int = 64, width: int = 128):
             continue
         if is_agent_task(task):
             ids = encode_episode(tokenizer, task.prompt,
-                                 demo_turns(task, agent_env_config(config), demo))[0]
+                                 demo_turns(task, agent_env_config(config.rl.agent), demo))[0]
         else:
             ids = tokenizer.encode(tokenizer.chat_prompt(task.prompt), bos=True)
             ids += tokenizer.encode(demo, eos=True)
@@ -642,11 +654,119 @@ def rollout_policy(config, model: Model, *, mesh=None, rules=None):
     return qmodel, quant.make_ptq_fn(qmodel, mesh, rules)
 
 
-def rollout_sampling(config, eos_id: int) -> SamplingConfig:
-    """The rollout sampler's config; the trainer's log-probs use the same distribution."""
-    r = config.rl
+def rollout_sampling(r, eos_id: int) -> SamplingConfig:
+    """The rollout sampler's config from the RL section (config.rl); the trainer's log-probs use
+    the same distribution."""
     return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                           top_p=r.top_p, top_k=r.top_k, eos_id=eos_id, speculative=r.speculative)
+
+
+def eval_sampling(e, sampling: SamplingConfig) -> SamplingConfig:
+    """The evaluation sampler from the eval section (config.eval): the rollout sampler at
+    temperature 0 when eval.greedy, else at eval.temperature."""
+    return dataclasses.replace(sampling, temperature=0.0 if e.greedy else e.temperature)
+
+
+def _initial_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
+    """The weights RL starts from (rl.init_from): the final SFT weights (load_sft_variables:
+    workdir, sft section) or a fresh init from config.seed; sharded on `mesh`."""
+    init_from = config.rl.init_from
+    if init_from == "sft":
+        return load_sft_variables(config, model, mesh=mesh, rules=rules)
+    if init_from == "scratch":
+        return shd.init_sharded(model, jax.random.key(config.seed), mesh, rules)
+    raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {init_from!r}")
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    """Whether something done every `every` steps (and at the last step) is due at `step`."""
+    return step % every == 0 or step == last
+
+
+class _Launcher:
+    """Starts rollout batches of this process's prompts (rows `mine` of each global prompt batch
+    of `data`) with the sampler's copy of the current policy, and remembers the rng and data
+    position from before the latest launch. The checkpoint stores those, so a resume regenerates
+    exactly the pending (lookahead) batch (bit-exact when rl.overlap_scoring=False; with overlap
+    the lookahead batch was generated one update earlier than on resume)."""
+
+    def __init__(self, worker, data, mine, to_sampler):
+        self._worker, self._data, self._mine, self._to_sampler = worker, data, mine, to_sampler
+        self.rng = self._pos = None  # the launch point (set by launch)
+
+    def launch(self, rng, state):
+        """-> (the next rng, the pending rollout group of the next prompt batch)."""
+        self.rng, self._pos = rng, self._data.get_state()
+        rng, sub = jax.random.split(rng)
+        return rng, self._worker.start(self._to_sampler(state.variables),
+                                       next(self._data)[self._mine], sub,
+                                       version=int(state.step))
+
+    def position(self) -> _Position:
+        """The data iterator as the checkpoint should save it: at the latest launch point."""
+        return _Position(self._data, self._pos)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RolloutForward:
+    """The rollout-time forward of build_train_batch: old log-probs (and, with a critic, old
+    values from the same forward) under the current policy, and the frozen reference policy's
+    log-probs when the algorithm needs them. Takes and returns this process's rows; runs on the
+    global batch."""
+
+    logp_fn: object
+    logp_value_fn: object  # None without a critic
+    ref_vars: dict | None  # None when the algorithm needs no reference
+    mesh: object = None
+    rules: object = None
+
+    def at(self, state):
+        """The forward under `state`'s policy: (tokens, mask) -> {"old_logp", ...} rows."""
+        def forward(tokens, mask):
+            gt, gm = shd.to_global((np.asarray(tokens), np.asarray(mask)), self.mesh, self.rules)
+            out = {}
+            if self.logp_value_fn is not None:
+                out["old_logp"], out["old_values"] = self.logp_value_fn(
+                    state.variables, state.value_params, gt, gm)
+            else:
+                out["old_logp"] = self.logp_fn(state.variables, gt, gm)
+            if self.ref_vars is not None:
+                out["ref_logp"] = self.logp_fn(self.ref_vars, gt, gm)
+            return shd.host_rows(out)
+        return forward
+
+
+def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, mesh, rules):
+    """One update on a scored rollout group: old/ref log-probs (+ values), advantages and the
+    jit train step on the global batch assembled from every process's rows. Returns (state,
+    metrics: the batch's host-side values, `staleness` and the train step's, seconds taken)."""
+    t0 = time.perf_counter()
+    batch, met = build_train_batch(group, algo, width, forward=forward.at(state))
+    met["staleness"] = int(state.step) - group.policy_version  # updates behind
+    state, tmet = step_fn(state, shd.to_global(batch, mesh, rules))
+    met.update({k: float(v) for k, v in jax.device_get(tmet).items()})
+    return state, met, time.perf_counter() - t0
+
+
+def _timing_metrics(group, train_s: float, iteration_s: float) -> dict:
+    """The iteration's time split (generate / score-wait / score / train / whole) and the
+    fraction of scoring time hidden behind generation."""
+    return {"time/generate_s": group.gen_s, "time/score_wait_s": group.score_wait_s,
+            "time/score_s": group.score_s, "time/train_s": train_s,
+            "time/iteration_s": iteration_s,
+            "score_hidden_frac": 1.0 - group.score_wait_s / max(group.score_s, 1e-9)}
+
+
+def _evaluate(e, worker, tasks, writer, on_eval, variables, step: int):
+    """Held-out pass@1 of the sampler's `variables` on `tasks` (eval section `e`: batch_prompts),
+    written as val/<domain>/pass1 and handed to on_eval(step, results)."""
+    res = evaluate(worker, variables, tasks, jax.random.key(step), batch_prompts=e.batch_prompts)
+    if writer is not None:
+        writer.write(step, {f"{d}/pass1": v["pass@1"] for d, v in res.items()
+                            if isinstance(v, dict)}, "val/")
+    if on_eval is not None:
+        on_eval(step, res)
+    return res
 
 
 def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
@@ -655,144 +775,91 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     one batch ahead while the previous batch is scored; the batch trained at update i was
     generated by the policy of update i-1 (staleness 1, logged as `staleness`), and
     the truncated importance weight against the sampler's log-probs (rl.algo.tis_cap, on by
-    default in configs/rl.py) corrects for it."""
+    default in configs/rl.py) corrects for it. `pool`: a sandbox executor to score with (default:
+    one opened from config.sandbox and closed at the end); on_eval(step, results) after each
+    evaluation."""
     if "mtp_loss_weight" in config.rl:
         raise ValueError("rl.mtp_loss_weight was removed: the MTP weight is "
                          "model.mtp.loss_weight, shared by SFT and RL")
-    r, model, tok = config.rl, rl_model(config), load_tokenizer(config.tokenizer)
-    algo = algo_from_config(r.algo)
+    r, e = config.rl, config.eval
+    model, tok, algo = rl_model(config), load_tokenizer(config.tokenizer), algo_from_config(r.algo)
     workdir = os.path.join(config.workdir, "rl")
+    mesh, rules = shd.mesh_from_config(config)
+    on_mesh = dict(mesh=mesh, rules=rules)
     splits = load_task_splits(config)
     train_tasks = [t for t, _ in splits["train"]]
-    val_tasks = _balanced([t for t, _ in splits["val"]], config.eval.val_tasks)
-    it = iter(task_dataset(train_tasks, seed=config.seed, batch_size=r.prompts_per_batch))
-    mesh, rules = shd.mesh_from_config(config)
-    mine = host_prompt_slice(r.prompts_per_batch, r.group_size, mesh, rules)  # my prompts
+    val_tasks = _balanced([t for t, _ in splits["val"]], e.val_tasks)
+    data = iter(task_dataset(train_tasks, seed=config.seed, batch_size=r.prompts_per_batch))
 
-    if r.init_from == "sft":
-        init_vars = load_sft_variables(config, model, mesh=mesh, rules=rules)
-    elif r.init_from == "scratch":
-        init_vars = shd.init_sharded(model, jax.random.key(config.seed), mesh, rules)
-    else:
-        raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {r.init_from!r}")
-    state, opt, critic, value_opt = init_rl_state(config, model, algo, init_vars, mesh=mesh,
-                                                  rules=rules)
+    # the policy's train state (with a critic: the value head) from the initial weights, or the
+    # latest checkpoint; the frozen reference policy is the initial weights in their own buffers
+    # (the train state is donated to each update), reloaded rather than checkpointed
+    init_vars = _initial_variables(config, model, **on_mesh)
+    state, opt, critic, value_opt = init_rl_state(config, model, algo, init_vars, **on_mesh)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    # frozen reference policy: the initial (SFT) model, sharded like the policy, in its own
-    # buffers (the train state is donated to each update)
-    ref_vars = init_vars
-    rng = jax.random.key(config.seed + 1)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=r.keep_checkpoints)
+    rng = jax.random.key(config.seed + 1)
     if resume:
-        restored = ckpt.restore_latest(shd.sharded_abstract(jax.eval_shape(lambda: state),
-                                                            state_sh), data_iter=it)
-        if restored is not None:
-            state, rng, _, _ = restored
-            rng = _local_key(rng)
-            log.info("RL resumed at step %d", int(state.step))
+        state, rng = _resume(ckpt, state, state_sh, rng, data, "RL")
 
-    # the sampler's policy (rl.rollout_experts): the trained model, or its MXFP4 quantisation
-    sample_model, to_sampler = rollout_policy(config, model, mesh=mesh, rules=rules)
+    # rollouts: the sampler's policy (rl.rollout_experts: the trained model or its MXFP4
+    # quantisation), the sandbox that scores them, the rollout and evaluation workers
+    sample_model, to_sampler = rollout_policy(config, model, **on_mesh)
     own_pool = pool is None
     if own_pool:
         pool, verifier = _open_pool(config)
     else:
         from sandbox.verifiers import Verifier
         verifier = Verifier(executor=pool)
-    sampling = rollout_sampling(config, tok.eos_id)
-    on_mesh = dict(mesh=mesh, rules=rules)
-    worker = make_rollout_worker(config, sample_model, tok, sampling, verifier, pool,
+    sampling = rollout_sampling(r, tok.eos_id)
+    worker = make_rollout_worker(r, sample_model, tok, sampling, verifier, pool,
                                  group_size=r.group_size, tasks=train_tasks, **on_mesh)
-    eval_worker = make_rollout_worker(
-        config, sample_model, tok, dataclasses.replace(
-            sampling, temperature=0.0 if config.eval.greedy else config.eval.temperature),
-        verifier, pool, group_size=1, tasks=val_tasks, **on_mesh)
-    width = train_width(config, train_tasks)
+    eval_worker = make_rollout_worker(r, sample_model, tok, eval_sampling(e, sampling), verifier,
+                                      pool, group_size=1, tasks=val_tasks, **on_mesh)
+    launcher = _Launcher(worker, data, host_prompt_slice(r.prompts_per_batch, r.group_size,
+                                                         mesh, rules), to_sampler)
+
+    # training: the rollout-time forward and the update, both jit programs on the mesh
+    forward = _RolloutForward(
+        logp_fn=make_logp_fn(model, sampling, **on_mesh),
+        logp_value_fn=(make_logp_value_fn(model, critic, sampling, **on_mesh)
+                       if critic is not None else None),
+        ref_vars=init_vars if algo.needs_ref else None, **on_mesh)
     step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
                               sampling=sampling, critic=critic, value_optimizer=value_opt,
                               state_shardings=state_sh, **on_mesh)
-    logp_fn = make_logp_fn(model, sampling, **on_mesh)
-    logp_value_fn = (make_logp_value_fn(model, critic, sampling, **on_mesh)
-                     if critic is not None else None)
+    train_on = functools.partial(_train_on, algo=algo, width=train_width(r, train_tasks),
+                                 forward=forward, step_fn=step_fn, **on_mesh)
     writer = MetricsWriter(workdir, config=config) if _primary() else None
-
-    def rollout_forward(state):
-        """The rollout-time forward for build_train_batch: old log-probs (and, with a critic,
-        old values from the same forward) under the current policy, ref log-probs if needed.
-        Takes and returns this process's rows; runs on the global batch."""
-        def forward(tokens, mask):
-            gt, gm = shd.to_global((np.asarray(tokens), np.asarray(mask)), mesh, rules)
-            out = {}
-            if logp_value_fn is not None:
-                out["old_logp"], out["old_values"] = logp_value_fn(
-                    state.variables, state.value_params, gt, gm)
-            else:
-                out["old_logp"] = logp_fn(state.variables, gt, gm)
-            if algo.needs_ref:
-                out["ref_logp"] = logp_fn(ref_vars, gt, gm)
-            return shd.host_rows(out)
-        return forward
-
-    def do_eval(step):
-        res = evaluate(eval_worker, to_sampler(state.variables), val_tasks,
-                       jax.random.key(step), batch_prompts=config.eval.batch_prompts)
-        if writer is not None:
-            writer.write(step, {f"{d}/pass1": v["pass@1"] for d, v in res.items()
-                                if isinstance(v, dict)}, "val/")
-        if on_eval is not None:
-            on_eval(step, res)
-        return res
-
-    # The checkpoint stores the data position and rng *before* the pending (lookahead) batch was
-    # drawn, so a resume regenerates exactly that batch (bit-exact when overlap_scoring=False;
-    # with overlap the lookahead batch was generated one update earlier than on resume).
-    launch_point = {"rng": rng, "pos": it.get_state()}
-
-    def launch(rng):
-        launch_point.update(rng=rng, pos=it.get_state())
-        rng, sub = jax.random.split(rng)
-        return rng, worker.start(to_sampler(state.variables), next(it)[mine], sub,
-                                 version=int(state.step))
+    evaluate_at = functools.partial(_evaluate, e, eval_worker, val_tasks, writer, on_eval)
 
     start = int(state.step)
     bar = _progress(r.steps, "rl", start) if progress and _primary() else None
-    if start == 0 and config.eval.every:
-        do_eval(0)
-    rng, pending = launch(rng)
-    for i in range(start, r.steps):
-        t_iter = time.perf_counter()
-        nxt = None
-        if r.overlap_scoring and i + 1 < r.steps:  # generate i+1 while batch i is scored
-            rng, nxt = launch(rng)
+    if start == 0 and e.every:
+        evaluate_at(to_sampler(state.variables), 0)
+    rng, pending = launcher.launch(rng, state)
+    for step in range(start + 1, r.steps + 1):
+        t_iter, more, nxt = time.perf_counter(), step < r.steps, None
+        if r.overlap_scoring and more:  # generate the next batch while this one is scored
+            rng, nxt = launcher.launch(rng, state)
         group = pending.result()
-        t_train = time.perf_counter()  # old/ref log-probs (+ values), advantages, the update
-        batch, met = build_train_batch(group, algo, width, forward=rollout_forward(state))
-        met["staleness"] = int(state.step) - group.policy_version  # updates behind
-        jb = shd.to_global(batch, mesh, rules)  # the global batch from every process's rows
-        state, tmet = step_fn(state, jb)
-        tmet = jax.device_get(tmet)
-        train_s = time.perf_counter() - t_train
-        if not r.overlap_scoring and i + 1 < r.steps:
-            rng, nxt = launch(rng)
+        state, met, train_s = train_on(group, state)
+        if not r.overlap_scoring and more:
+            rng, nxt = launcher.launch(rng, state)
         pending = nxt
-        step = i + 1
-        met.update({k: float(v) for k, v in tmet.items()})
-        met.update({"time/generate_s": group.gen_s, "time/score_wait_s": group.score_wait_s,
-                    "time/score_s": group.score_s, "time/train_s": train_s,
-                    "time/iteration_s": time.perf_counter() - t_iter,
-                    "score_hidden_frac": 1.0 - group.score_wait_s / max(group.score_s, 1e-9)})
-        if step % r.log_every == 0 or step == r.steps:
+        met.update(_timing_metrics(group, train_s, time.perf_counter() - t_iter))
+        if _due(step, r.log_every, r.steps):
             met = shd.reduce_host_metrics(met)  # host-side values over every process's rows
             if writer is not None:
                 writer.write(step, met, "rl/")
         if bar is not None:
             bar.set_postfix(reward=f"{met['reward_mean']:.2f}", kl=f"{met.get('kl_ref', 0):.3f}")
             bar.update(1)
-        if config.eval.every and (step % config.eval.every == 0 or step == r.steps):
-            do_eval(step)
-        if step % r.checkpoint_every == 0 or step == r.steps:
-            ckpt.save(step, state, rng=launch_point["rng"],
-                      data_iter=_Position(it, launch_point["pos"]), meta={"phase": "rl"})
+        if e.every and _due(step, e.every, r.steps):
+            evaluate_at(to_sampler(state.variables), step)
+        if _due(step, r.checkpoint_every, r.steps):
+            ckpt.save(step, state, rng=launcher.rng, data_iter=launcher.position(),
+                      meta={"phase": "rl"})
     if bar is not None:
         bar.close()
     ckpt.wait()

@@ -1,8 +1,8 @@
 """The main job: SFT from scratch, then GRPO over three sandbox-verified domains, then held-out
 evaluation, on 2 CPU cores.
 
-    python scripts/demo.py                                   # configs/rl.py:demo, <= 20 min
-    python scripts/demo.py --config configs/rl.py:smoke      # the same pipeline, 3-5 min
+    python scripts/demo.py                                   # configs/rl.py:demo (time: README)
+    python scripts/demo.py --config configs/rl.py:smoke      # the same pipeline, smaller
     python scripts/demo.py --config.rl.steps=300             # any field is overridable
 
 Writes to <workdir>: sft/ and rl/ (orbax checkpoints, TensorBoard events, metrics.jsonl),
@@ -125,9 +125,9 @@ def main(_):
         test = [t for t, _ in load_task_splits(config)["test"]]
         base = SamplingConfig(max_new_tokens=config.rl.max_new_tokens, temperature=0.0,
                               eos_id=tok.eos_id, speculative=config.rl.speculative)
-        w_greedy = make_rollout_worker(config, model, tok, base, verifier, pool, group_size=1,
+        w_greedy = make_rollout_worker(config.rl, model, tok, base, verifier, pool, group_size=1,
                                        tasks=test)
-        w_sampled = make_rollout_worker(config, model, tok,
+        w_sampled = make_rollout_worker(config.rl, model, tok,
                                         dataclasses.replace(base, temperature=1.0), verifier,
                                         pool, group_size=_SAMPLES.value, tasks=test)
         before = _eval_both(config, load_sft_variables(config, model), test, w_greedy, w_sampled,

@@ -137,7 +137,7 @@ def main(_):
             sampling = SamplingConfig(max_new_tokens=config.rl.max_new_tokens,
                                       temperature=_TEMP.value, eos_id=tok.eos_id,
                                       speculative=config.rl.speculative)
-            worker = make_rollout_worker(config, model, tok, sampling, verifier, pool,
+            worker = make_rollout_worker(config.rl, model, tok, sampling, verifier, pool,
                                          group_size=_N.value, tasks=tasks)
             res = evaluate(worker, variables, tasks, jax.random.key(0), n_samples=_N.value,
                            ks=ks, batch_prompts=config.eval.batch_prompts)
