@@ -1,7 +1,7 @@
 """Long-context retrieval benchmark: accuracy, decode-state bytes and speed by layout and length.
 
-    python scripts/longctx.py --config configs/longctx.py          # full: 15-28 min on 2 CPU cores
-    python scripts/longctx.py --config configs/longctx.py:smoke    # ~5 min (compiles), same pipeline
+    python scripts/longctx.py --config configs/longctx.py          # full (run times: README)
+    python scripts/longctx.py --config configs/longctx.py:smoke    # the same pipeline, smaller
 
 Variants:
   full   4 layouts x 3 training seeds, 1500 steps at 32 tokens (the first 40% on the copy

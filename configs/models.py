@@ -1,12 +1,12 @@
 """Model presets as named configs.
 
-    python scripts/plan.py --config configs/models.py:reference_2p8t      # ~10 s, no allocation
+    python scripts/plan.py --config configs/models.py:reference_2p8t      # no allocation
     python scripts/plan.py --config configs/models.py:tiny --config.d_model=96
 
 Variants:
   test            2 layers "KD", d_model 64: every layer kind, MoE and MTP; used by the tests.
   tiny            4 layers "KKKD", d_model 128 (~2.4M params): the CPU benchmark model.
-  demo            4 layers "KKKD", d_model 96: the RL demo's policy (fits 20 min on 2 cores).
+  demo            4 layers "KKKD", d_model 96: the RL demo's policy (sized for 2 CPU cores).
   small           16 layers, d_model 1024, 32 experts: a real single-GPU run.
   reference_2p8t  the article's model: ~2.8T total params, KDA:DSA 3:1, MTP depth 1, 1M context,
                   MXFP4 experts (~1.56 TB). Only ever built with jax.eval_shape.
@@ -74,8 +74,9 @@ def tiny() -> ml_collections.ConfigDict:
 
 
 def demo() -> ml_collections.ConfigDict:
-    # The RL demo's policy: every feature of the architecture, sized so SFT + GRPO + eval fit in
-    # ~20 minutes on 2 CPU cores (capacity dispatch: batched einsums beat ragged_dot on CPU).
+    # The RL demo's policy: every feature of the architecture, sized so SFT + GRPO + eval run on
+    # 2 CPU cores in the README's demo time (capacity dispatch: batched einsums beat ragged_dot
+    # on CPU).
     return _base(
         name="demo", d_model=96, num_layers=4, layer_pattern="KKKD", max_seq_len=256,
         kda=dict(num_heads=2, head_dim=48),

@@ -2,8 +2,8 @@
 
     python scripts/train_rl.py --config configs/rl.py:grpo_tiny              # RL only (needs an
                                                                              # SFT checkpoint)
-    python scripts/demo.py --config configs/rl.py:demo                        # SFT+RL+eval, <=20 min
-    python scripts/demo.py --config configs/rl.py:smoke                       # 3-5 min
+    python scripts/demo.py --config configs/rl.py:demo                        # SFT+RL+eval
+    python scripts/demo.py --config configs/rl.py:smoke                       # the same, smaller
     ... --config.rl.algo.name=dapo --config.rl.steps=50 --config.model.d_model=96
 
 Variants: demo (the README's main job on 2 CPU cores), smoke (the same pipeline, smaller),
@@ -141,9 +141,9 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # client_concurrency = requests in flight from this process to the fleet, 0 = derived:
     # ceil(fleet_slots / process count) so that all processes together keep every fleet slot
     # busy (fleet_slots = the fleet's total workers; 0 = unknown -> 16). docs/scaling.md.
+    # Time and memory limits are per task (Task.timeout_s / memory_mb, set by each task domain).
     c.sandbox = ml_collections.ConfigDict(dict(
-        workers=2, timeout_s=5.0, memory_mb=256, remote="", client_concurrency=0,
-        fleet_slots=0))
+        workers=2, remote="", client_concurrency=0, fleet_slots=0))
     # MXFP4 (model/quant.py): the module groups that stay high precision wherever experts are
     # MXFP4 (rollouts, scripts/evaluate.py --experts=mxfp4, scripts/export.py); only "experts"
     # has an MXFP4 path, so it is the one group that may be left out (the default)
@@ -186,7 +186,7 @@ def agent() -> ml_collections.ConfigDict:
     """Multi-step terminal episodes only (sandbox/tasks/multistep.py level 1: the file to copy
     or count is only named inside another file) on the demo model: SFT on multi-turn
     demonstrations (40% well-formed but wrong), then GRPO over episodes played in sandbox
-    sessions through Hermes tool calls (rl/agent.py). About 20 minutes on 2 CPU cores:
+    sessions through Hermes tool calls (rl/agent.py). Run time and results: the README.
         python scripts/demo.py --config configs/rl.py:agent"""
     c = demo()
     c.name = "agent"

@@ -1,4 +1,5 @@
-"""Orbax checkpoints for the RL loop: train state, reference params, rng, metadata, data position.
+"""Orbax checkpoints for the SFT and RL drivers: train state, rng, metadata, data position (and,
+optionally, reference-policy params: the drivers store none, see below).
 
     ckpt = Checkpointer("runs/x/ckpt", keep=3, save_every=50)
     restored = ckpt.restore_latest(jax.eval_shape(lambda: state), data_iter=it)
@@ -19,10 +20,12 @@ One checkpoint is one orbax step directory `<directory>/<step>/` with the items
               every array item, the rng key implementation, the reference-params pointer
   data        the grain iterator state (grain.checkpoint.CheckpointSave: one JSON per process)
 
-Reference params: by default (`ref_source=None`) they are saved by copy whenever `save` gets
-`ref_params`. With `ref_source=RefPointer(dir, step, item, field)` (or a directory string) they
-are never written: every checkpoint records the pointer and `restore_latest` loads them from it
-(`load_params`). A pointer into this Checkpointer's own directory pins that step against pruning.
+Reference params (rl/loop.py does not use them: its frozen reference policy is the initial
+weights, reloaded on resume; tests/rl/test_checkpoint.py covers the feature): by default
+(`ref_source=None`) they are saved by copy whenever `save` gets `ref_params`. With
+`ref_source=RefPointer(dir, step, item, field)` (or a directory string) they are never written:
+every checkpoint records the pointer and `restore_latest` loads them from it (`load_params`). A
+pointer into this Checkpointer's own directory pins that step against pruning.
 
 Atomicity: orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it into place only
 once every item is written (an atomic rename on local/POSIX file systems; a commit file on GCS),
@@ -541,12 +544,6 @@ class Checkpointer:
         """Newest committed step, or None."""
         steps = self.all_steps()
         return max(steps) if steps else None
-
-    def should_save(self, step: int, *, force: bool = False) -> bool:
-        step = int(step)
-        if self.read_only or step in self._mngr.all_steps():
-            return False
-        return force or self._mngr.should_save(step)
 
     def save(self, step: int, state, *, rng, data_iter=None, ref_params=None,
              meta: dict | None = None, force: bool = False) -> bool:

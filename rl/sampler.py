@@ -21,8 +21,8 @@ Also here: `pack` (prompt + completion rows for the trainer). Trainer-side log-p
 MTP self-speculative decoding (`SamplingConfig(speculative="mtp")`): the first MTP module drafts
 one token, one trunk pass verifies two; greedy output equals the plain sampler's token for token,
 sampled output has its distribution (see `_generate_speculative_impl`). On a 2-core CPU with the
-demo model it is slower than plain decoding: 0.57-0.87x in `scripts/bench.py spec`, with 71-76%
-of drafts accepted. Not covered: drafts longer than one token (chaining deeper MTP modules) and
+demo model it is slower than plain decoding (measured by `scripts/bench.py spec`; numbers in the
+README). Not covered: drafts longer than one token (chaining deeper MTP modules) and
 tree drafts.
 """
 
