@@ -1,11 +1,12 @@
-"""The task domains: one file each, one line each in DOMAINS below.
+"""The task domains: one file each, registered below (its module on the import line, its DOMAIN
+in the DOMAINS tuple).
 
     from sandbox.tasks.domains import DOMAINS, get_domain
     get_domain("arithmetic").sample(random.Random(0), 1)   # (Task, demo)
 
 A domain makes tasks (data, prompt, check spec, demonstrations, corruptions; see base.py for the
 interface); a scoring method judges them (sandbox/verifiers.py, the one list of those). Adding a
-domain: a new file here defining `DOMAIN` (a base.Domain) and one line in DOMAINS; sampling
+domain: a new file here defining `DOMAIN` (a base.Domain) and its entry below; sampling
 (sandbox/tasks/sampling.py), SFT mixing (sandbox/tasks/sft.py), config.tasks.families
 (rl.loop.task_families) and multi-turn routing (rl.agent.is_agent_task) read this registry.
 """
