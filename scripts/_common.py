@@ -1,14 +1,16 @@
-"""Shared script setup: repo on sys.path, JAX compilation cache, multi-host init, logging."""
+"""Shared script setup: XLA flags before jax, JAX compilation cache, multi-host init, logging.
+
+The scripts import the project's packages as installed (scripts/setup.sh installs the repository
+editable into .venv); they do not patch sys.path. `import _common` works because Python puts the
+running script's directory (scripts/) first on the path.
+"""
 
 import logging
 import os
-import sys
+
+from model._xla_env import configure_xla_env
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from model._xla_env import configure_xla_env  # noqa: E402
 
 configure_xla_env()  # before jax is imported
 

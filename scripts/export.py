@@ -22,7 +22,7 @@ use are rejected rather than ignored: plan takes no --checkpoint/--out, import t
 
 import os
 
-import _common  # noqa: F401  (sys.path, cache)
+import _common  # noqa: F401  (XLA flags before jax)
 from absl import app, flags
 from ml_collections import config_flags
 

@@ -1,8 +1,8 @@
 """Long-context retrieval benchmark: which attention layout keeps retrieval past its training
 length, what its decode state costs, and how fast it prefills and decodes.
 
-    python scripts/longctx.py --config configs/longctx.py          # 15-28 min on 2 CPU cores
-    python scripts/longctx.py --config configs/longctx.py:smoke    # ~5 min (mostly compiling)
+    python scripts/longctx.py --config configs/longctx.py          # run times: README
+    python scripts/longctx.py --config configs/longctx.py:smoke    # the same, smaller
     python scripts/longctx.py --config configs/longctx.py --dry_run # validate the config only
 
 Steps (config: configs/longctx.py):
@@ -49,12 +49,9 @@ import os
 import sys
 import time
 
+from model._xla_env import configure_xla_env
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from model._xla_env import configure_xla_env  # noqa: E402
-
 configure_xla_env()
 
 import numpy as np  # noqa: E402

@@ -1,6 +1,6 @@
 """Two processes joined by jax.distributed run RL through scripts/train_rl.py; compared with one.
 
-    python scripts/multihost_check.py                 # ~4 min on 2 CPU cores (cold cache)
+    python scripts/multihost_check.py                 # run time: README
     python scripts/multihost_check.py --steps 3 --workdir /tmp/mh
 
 What it runs (CPU, fake devices; configs/rl.py:smoke_8dev from scratch: the test model with
@@ -90,8 +90,7 @@ def _run(cmds: list[tuple[list[str], dict]], log_dir: pathlib.Path, name: str,
 
 
 RESTORE = """
-import sys, jax, numpy as np
-sys.path.insert(0, {root!r})
+import jax, numpy as np
 from configs import rl
 from model.transformer import Model
 from model.config import ModelConfig
@@ -134,7 +133,7 @@ def main() -> int:
     d_one = (_digest(_run([(_cmd(one, a.steps), _env(8))], base, "one", a.timeout)[0])
              or ["missing"])[-1]
     t_one = time.time() - t0
-    r = subprocess.run([sys.executable, "-c", RESTORE.format(root=str(ROOT), workdirs=[
+    r = subprocess.run([sys.executable, "-c", RESTORE.format(workdirs=[
         str(two), str(one)])], env=_env(1), cwd=ROOT, capture_output=True, text=True,
         timeout=a.timeout)
     if r.returncode != 0:

@@ -12,7 +12,8 @@ untracked files that git does not ignore, as `git ls-files` lists them; with --r
 of that commit instead), the named tests first run there unmodified (the baseline: a failing
 baseline stops the check, since every mutation would then look caught), then each mutation is
 written into the copy, its tests run, and the file is restored before the next. Tests run with
-PYTHONDONTWRITEBYTECODE=1 (no bytecode of a mutated module can outlive its mutation) and
+PYTHONPATH=<the copy> (the scripts they start import the copy, not the editable install's
+checkout), PYTHONDONTWRITEBYTECODE=1 (no bytecode of a mutated module can outlive its mutation) and
 `-x -p no:cacheprovider` (--every-failure drops -x); the copy's .cache is the checkout's .cache (a symlink: the JAX
 compilation cache is keyed by program, so mutated programs never collide with real ones;
 --fresh-cache gives the copy an empty one instead).
@@ -170,7 +171,9 @@ def mutated_text(text: str, m: Mutation) -> str | None:
 def run_tests(tree: pathlib.Path, tests, timeout_s: float, k: str | None, first: bool = True
               ) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("PYTHONPATH", None)  # the copy's conftest/pytest config puts the copy on the path
+    # the copy's packages first, for pytest and for the scripts its tests start (the editable
+    # install maps the package names to the checkout, not to the copy)
+    env["PYTHONPATH"] = str(tree)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
            *(["-x"] if first else []), *tests] + (["-k", k] if k else [])
     t0 = time.monotonic()

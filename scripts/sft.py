@@ -1,7 +1,7 @@
 """Supervised fine-tuning of the model from scratch on generated demonstrations.
 
-    python scripts/sft.py --config configs/rl.py:demo            # ~6 min on 2 CPU cores
-    python scripts/sft.py --config configs/rl.py:smoke           # ~1 min
+    python scripts/sft.py --config configs/rl.py:demo            # the demo's SFT (time: README)
+    python scripts/sft.py --config configs/rl.py:smoke           # the same, smaller
 
 First the DSA indexer's dense warm-up (config.sft.indexer_warmup_steps: the indexer alone
 learns the dense attention's distribution, everything else frozen; 0 skips it), then the SFT
@@ -20,7 +20,7 @@ Scale-out: runs on the mesh of config.sharding, one process per host in a multi-
 --check_devices=N only validates the config for a job of N devices (no device touched).
 """
 
-import _common  # noqa: F401  (sys.path, cache)
+import _common  # noqa: F401  (XLA flags before jax)
 from absl import app, flags
 from ml_collections import config_flags
 
