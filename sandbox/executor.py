@@ -24,9 +24,10 @@ whole pid namespace; the slot then waits on a pidfd for that pid 1 to be gone (r
 worker process is its subreaper) and checks the slot cgroup is empty, so no process of the slot
 survives a run.
 
-This module is the slot: set-up, launch, the /work lifecycle and teardown. Its parts live in one
+This module is the slot: set-up, the /work lifecycle, running and teardown. Its parts live in one
 file per job: sandbox/config.py (SandboxConfig and the errors), sandbox/host.py (uid locks,
-/proc, kills, mounts, sweeping), sandbox/preflight.py (`check_isolation`), sandbox/monitor.py
+/proc, kills, mounts, sweeping), sandbox/preflight.py (`check_isolation`), sandbox/launch.py (the
+command line of a run: launcher, rlimits, bwrap options, environment, program), sandbox/monitor.py
 (watching a launched run to its verdict) and sandbox/workfiles.py (files into and out of /work).
 Names other modules import from here (SandboxConfig, IsolationUnavailable, UnisolatedWarning,
 check_isolation, ...) are re-exported.
@@ -35,7 +36,6 @@ check_isolation, ...) are re-exported.
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import signal
 import stat
@@ -63,22 +63,19 @@ from .host import (
     set_child_subreaper,  # noqa: F401 - re-exported (benchmarks/sandbox_pool.py imports it here)
     sweep_stale,
 )
+from .launch import (
+    ISOLATED_ENV,
+    bwrap_args,
+    env_args,
+    rlimits,
+    shell_launcher,
+    write_etc,
+    write_program,
+)
 from .monitor import supervise
 from .preflight import _which, check_isolation
 from .result import ExecutionResult, normalize_request
 from .workfiles import clear_dir, place_files, read_back
-
-# Isolated runs (check scripts over files a completion wrote): the program arrives on an fd from
-# a root-only, unlinked file, so its text is on no path inside the sandbox; the interpreter
-# ignores /work and the environment for its own start-up and search path.
-_ISOLATED_PY_BOOT = ("import sys\nwith open(int(sys.argv.pop(1)), 'rb') as _kimi_f:\n"
-                     "    _kimi_code = compile(_kimi_f.read(), '<check>', 'exec')\n"
-                     "del _kimi_f\nexec(_kimi_code)\n")
-_ISOLATED_SH_BOOT = ('IFS= read -r -d "" __kimi_src <&"$1"; eval "exec $1<&-"; set --; '
-                     'eval "$__kimi_src"')
-_ISOLATED_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-                 "USER": "sandbox", "LOGNAME": "sandbox", "PYTHONSAFEPATH": "1",
-                 "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 class Slot:
@@ -217,68 +214,13 @@ class Slot:
                 f"kernel.unprivileged_userns_clone=1) and that bubblewrap works: {INSTALL_HINT}")
 
     def _write_etc(self) -> None:
-        uid = self.uid
-        files = {
-            "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:/work:/bin/bash\n"
-                      "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
-            "group": f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n",
-            "hosts": "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
-            "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n",
-        }
-        for name, content in files.items():
-            p = os.path.join(self.etcdir, name)
-            with open(p, "w") as f:
-                f.write(content)
-            os.chmod(p, 0o644)
-        for name in ("ld.so.cache", "localtime"):
-            src = os.path.join("/etc", name)
-            if os.path.exists(src):
-                shutil.copyfile(src, os.path.join(self.etcdir, name))  # follows the localtime link
-                os.chmod(os.path.join(self.etcdir, name), 0o644)
-        if os.path.isdir("/etc/alternatives"):
-            os.makedirs(os.path.join(self.etcdir, "alternatives"), exist_ok=True)
+        write_etc(self.etcdir, self.uid)
 
     def _bwrap_static_args(self) -> list[str]:
-        cfg = self.cfg
-        a = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
-             "--die-with-parent", "--new-session", "--hostname", "sandbox",
-             "--ro-bind", "/usr", "/usr"]
-        for d in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            p = "/" + d
-            if os.path.islink(p):
-                a += ["--symlink", os.readlink(p), p]
-            elif os.path.isdir(p):
-                a += ["--ro-bind", p, p]
-        # /etc: one bind of the slot's synthetic etc (passwd, group, hosts, nsswitch.conf and
-        # copies of ld.so.cache and localtime) plus the alternatives symlinks.
-        a += ["--ro-bind", self.etcdir, "/etc"]
-        if os.path.isdir("/etc/alternatives"):
-            a += ["--ro-bind", "/etc/alternatives", "/etc/alternatives"]
-        for src, dst in cfg.extra_ro_binds:
-            a += ["--ro-bind", src, dst]
-        size = str(cfg.tmp_mb << 20)
-        a += ["--proc", "/proc", "--dev", "/dev",
-              "--size", size, "--tmpfs", "/tmp",
-              "--size", size, "--tmpfs", "/dev/shm",
-              "--bind", self.workdir, "/work",
-              "--ro-bind", self.progdir, "/sandbox",
-              "--remount-ro", "/",
-              "--chdir", "/work", "--clearenv"]
-        return a
+        return bwrap_args(self.bwrap, self.cfg, self.etcdir, self.workdir, self.progdir)
 
     def _env_args(self, isolated: bool) -> list[str]:
-        """The program's whole environment (bwrap starts from --clearenv)."""
-        if isolated:
-            env = dict(_ISOLATED_ENV)
-        else:
-            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8",
-                   "TMPDIR": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "PYTHONPATH": "/work",
-                   "PYTHONHASHSEED": "0"}
-            env.update(self.cfg.env)
-        a = []
-        for k, v in env.items():
-            a += ["--setenv", k, v]
-        return a
+        return env_args(self.cfg, isolated)
 
     def info(self) -> dict:
         return dict(self.features)
@@ -418,53 +360,6 @@ class Slot:
                 pass  # self.broken says why: the owner replaces this slot after this answer
         return results
 
-    def _write_prog(self, req: dict) -> tuple[list[str], int | None]:
-        """The program's argv, and for isolated runs the fd its text is read from (else None).
-
-        Normal runs: the program is /sandbox/main.py|sh (read-only bind, mode 0644). Isolated runs:
-        the text goes to a root-only (0600) file in the slot's program directory that is opened
-        and unlinked at once; the fd is passed down and read by a short boot program given on the
-        command line (`-c`), which closes it before the check starts. Under a root launcher the
-        check's text is then on no path inside the sandbox, and re-opening the fd through /proc
-        is refused (the file belongs to root), so nothing a completion left in /work (a symlink
-        to the program, say) lets the check or its children read the check's own source.
-        """
-        cfg = self.cfg
-        py = req["language"] == "python"
-        for stale in ("main.py", "main.sh"):  # no run sees an earlier run's program
-            try:
-                os.unlink(os.path.join(self.progdir, stale))
-            except FileNotFoundError:
-                pass
-        if req.get("isolated"):
-            path = os.path.join(self.progdir, ".check")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                os.fchmod(fd, 0o600)
-                data = memoryview(req["code"].encode("utf-8", "surrogateescape"))
-                while data:
-                    data = data[os.write(fd, data):]
-                os.lseek(fd, 0, os.SEEK_SET)
-            except BaseException:
-                os.close(fd)
-                raise
-            finally:
-                os.unlink(path)
-            if py:
-                return [cfg.python, "-I", "-S", "-B", "-c", _ISOLATED_PY_BOOT, str(fd)], fd
-            return [cfg.bash, "--norc", "--noprofile", "-c", _ISOLATED_SH_BOOT, "check", str(fd)], fd
-        if py:
-            name, argv = "main.py", [cfg.python, *cfg.python_flags]
-        else:
-            name, argv = "main.sh", [cfg.bash, "--noprofile", "--norc"]
-        path = os.path.join(self.progdir, name)
-        # one run at a time per slot and no sandbox alive now (mode 0644)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with open(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
-            f.write(req["code"])
-        inner = "/sandbox/" + name if not self.none_mode else path
-        return argv + [inner], None
-
     def _stdin_fd(self, data: bytes | None) -> tuple[int, bool]:
         if data is None:
             return self._devnull, False
@@ -478,53 +373,7 @@ class Slot:
 
     def _limits(self, req: dict, timeout_s: float) -> list[tuple[int, int, int]]:
         """(resource, soft, hard) rlimits of a run: backstops behind the cgroups."""
-        import resource as R
-
-        cfg = self.cfg
-        max_procs = req.get("max_procs") or cfg.max_procs
-        mem = req["memory_mb"] << 20
-        # RLIMIT_AS (see SandboxConfig.address_space_mb): off behind the memory cgroup, which
-        # judges what a program uses, not what its threads and malloc arenas reserve.
-        if cfg.address_space_mb is not None:
-            as_bytes = cfg.address_space_mb << 20
-        else:
-            as_bytes = None if self.cg is not None else mem + (4096 << 20)
-        cpu = int(timeout_s) + 1
-        lim = [(R.RLIMIT_CORE, 0, 0), (R.RLIMIT_CPU, cpu, cpu + 1),
-               (R.RLIMIT_FSIZE, cfg.work_mb << 20, cfg.work_mb << 20),
-               (R.RLIMIT_NOFILE, cfg.nofile, cfg.nofile)]
-        if as_bytes is not None:
-            lim.append((R.RLIMIT_AS, as_bytes, as_bytes))
-        if self.root:  # RLIMIT_NPROC counts every process of the real uid: only for the slot uid
-            lim.append((R.RLIMIT_NPROC, max_procs + 8, max_procs + 8))
-        return lim
-
-    def _shell_launcher(self, req: dict, timeout_s: float) -> list[str]:
-        """dash: attach the slot cgroups, set rlimits, exec setpriv -> bwrap (all in argv).
-
-        Forking the calling process is unsafe (a multi-threaded caller): the launch is a plain
-        vfork+exec, at the price of two more execs than setting up in a forked child.
-        """
-        import resource as R
-
-        cfg = self.cfg
-        flag = {R.RLIMIT_CORE: "-c", R.RLIMIT_CPU: "-t", R.RLIMIT_AS: "-v", R.RLIMIT_FSIZE: "-f",
-                R.RLIMIT_NOFILE: "-n", R.RLIMIT_NPROC: "-p"}
-        unit = {R.RLIMIT_AS: 1024, R.RLIMIT_FSIZE: 512}
-        steps = []
-        if self.cg is not None:
-            steps += [f"echo $$ >{shlex.quote(p)}" for p in self.cg.procs_files]
-        for res, soft, hard in self._limits(req, timeout_s):
-            u = unit.get(res, 1)
-            steps.append(f"ulimit -S {flag[res]} {soft // u}")  # soft first: hard >= soft always
-            steps.append(f"ulimit -H {flag[res]} {hard // u}")
-        steps.append('unset PWD OLDPWD')  # dash exports PWD: keep bwrap's environment empty
-        steps.append('exec "$@"')
-        argv = [cfg.shell, "-c", " && ".join(steps), "sandbox-launch"]
-        if self.root:
-            argv += [cfg.setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
-                     "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
-        return argv
+        return rlimits(self.cfg, req, timeout_s, memory_cgroup=self.cg is not None, root=self.root)
 
     def _run_bwrap(self, req: dict) -> ExecutionResult:
         timeout_s = req["timeout_s"]
@@ -532,7 +381,7 @@ class Slot:
             max_procs = req.get("max_procs") or self.cfg.max_procs
             # + bwrap monitor and init; resets the peak and notes the usage it starts from
             self.cg.set_limits(req["memory_mb"] << 20, max_procs + 2, self.cfg.cpu_quota)
-        cmd, prog_fd = self._write_prog(req)
+        cmd, prog_fd = write_program(self.cfg, self.progdir, req)
         sc_r, sc_w = os.pipe2(os.O_CLOEXEC)
         os.write(sc_w, self.seccomp_prog)  # < pipe buffer: never blocks
         os.close(sc_w)
@@ -543,7 +392,8 @@ class Slot:
         tail = (self._static_args + self._env[bool(req.get("isolated"))]
                 + ["--seccomp", str(sc_r), "--json-status-fd", str(st_w), "--"] + cmd)
         passed = (sc_r, st_w) if prog_fd is None else (sc_r, st_w, prog_fd)
-        argv = self._shell_launcher(req, timeout_s) + tail
+        procs = self.cg.procs_files if self.cg is not None else []
+        argv = shell_launcher(self.cfg, self._limits(req, timeout_s), procs, self.root, self.uid) + tail
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=out_w, stderr=err_w,
@@ -577,14 +427,14 @@ class Slot:
 
     # ---- isolation="none" -------------------------------------------------------------------
     def _run_none(self, req: dict) -> ExecutionResult:
-        cmd, prog_fd = self._write_prog(req)
+        cmd, prog_fd = write_program(self.cfg, self.progdir, req, in_sandbox=False)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         st_r, st_w = os.pipe2(os.O_CLOEXEC)
         os.close(st_w)  # no status channel: EOF at once
         stdin_fd, own = self._stdin_fd(req.get("stdin"))
         if req.get("isolated"):
-            env = dict(_ISOLATED_ENV)
+            env = dict(ISOLATED_ENV)
         else:
             env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.workdir, "LANG": "C.UTF-8",
                    "PYTHONPATH": self.workdir}
