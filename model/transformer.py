@@ -1,4 +1,4 @@
-"""The hybrid stack: KDA / DSA attention layers (from the pattern string), MoE or dense FFNs, MTP.
+"""The hybrid stack: sequence-mixing layers (from the pattern string), MoE or dense FFNs, MTP.
 
 Public entry points live on `Model`, a thin stateless facade over the Linen module:
 
@@ -15,12 +15,14 @@ Public entry points live on `Model`, a thin stateless facade over the Linen modu
 Every block (trunk and MTP) runs under the rematerialisation policy `cfg.remat` ("none", "full",
 "save_dots"; `block_class`, `REMAT_POLICIES`); parameters are the same under every policy.
 
-Layer kinds come from `ModelConfig.layer_kinds()` and the `ATTENTION` table (letter -> layer class
-and the name of its sub-config); nothing below branches on the model type.
+Layer kinds come from `ModelConfig.layer_kinds()` and the layer registry
+(model/layers/registry.py: letter -> layer class, config section, cache); every layer follows
+`registry.SequenceMixer`, and nothing below branches on the layer kind.
 
 The cache is a plain pytree: {"lengths": [B] int32 tokens held per row, "layers": (per-layer
-cache, ...)}; KDA layers hold a conv window and a [B,H,K,V] f32 state, DSA layers the latent KV
-and indexer keys for every position < max_len.
+cache, ...)}, each layer's built by its kind's init_cache (its `LayerCache`: model/layers/kda.py
+KDACache holds a conv window and a [B,H,K,V] f32 state, dsa.py DSACache the latent KV and indexer
+keys for every position < max_len).
 
 MTP speculative decoding (rl/sampler.py) uses `verify` (a few tokens at once; KDA layers return
 their state after each prefix) + `commit` (keep n tokens per row) on this cache, and
@@ -38,16 +40,12 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.layers.dsa import DSALayer
+from model.layers import registry
 from model.layers.embeddings import Embedder
-from model.layers.kda import KDALayer
 from model.layers.linear import MLP
 from model.layers.moe import MoE
 from model.layers.mtp import MTPCombine
 from model.layers.norms import RMSNorm
-
-# layer letter -> (attention module, ModelConfig field holding its sub-config)
-ATTENTION = {"K": (KDALayer, "kda"), "D": (DSALayer, "dsa")}
 
 PAD_ID = 0
 
@@ -68,7 +66,8 @@ def _dtype(name: str):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)); x + ffn(norm(x)).
+    """Pre-norm residual block: x + attn(norm(x)); x + ffn(norm(x)); attn is the layer of kind
+    `kind` (a registry letter).
 
     `__call__` takes keywords and hands them to `forward` positionally, so that the rematerialised
     variant (`block_class`) can mark step_caches (a Python bool) static for jax.checkpoint."""
@@ -84,8 +83,8 @@ class Block(nn.Module):
     def forward(self, x, valid, positions, cache, offset, step_caches):
         c = self.cfg
         dt, pdt = _dtype(c.dtype), _dtype(c.param_dtype)
-        layer_cls, sub = ATTENTION[self.kind]
-        attn = layer_cls(getattr(c, sub), c.d_model, c.norm_eps, dt, pdt, name="attn")
+        kind = registry.get(self.kind)
+        attn = kind.layer(c.section(kind.section), c.d_model, c.norm_eps, dt, pdt, name="attn")
         h = RMSNorm(c.norm_eps, pdt, name="attn_norm")(x)
         a, new_cache, aux = attn(h, valid=valid, positions=positions, cache=cache, offset=offset,
                                  step_caches=step_caches)
@@ -291,8 +290,9 @@ class Model:
                 "mtp": self._layer_cache(self.cfg.mtp.layer_kind, batch, max_len)}
 
     def _layer_cache(self, kind: str, batch: int, max_len: int):
-        cls, sub = ATTENTION[kind]
-        return cls.init_cache(getattr(self.cfg, sub), batch, max_len, _dtype(self.cfg.dtype))
+        k = registry.get(kind)
+        return k.layer.init_cache(self.cfg.section(k.section), batch, max_len,
+                                  _dtype(self.cfg.dtype))
 
     def prefill(self, variables, tokens, lengths, cache, *, chunk: int = 0):
         """tokens [B,T] right-padded, lengths [B]. Returns (logits [B,T,V], cache, hidden
@@ -348,7 +348,7 @@ class Model:
 
     def commit(self, step_cache, n):
         """The cache after the first n[b] (0..T) verified tokens of each row."""
-        layers = tuple(ATTENTION[k][0].select_step_cache(lc, n)
+        layers = tuple(registry.get(k).layer.select_step_cache(lc, n)
                        for k, lc in zip(self.cfg.layer_kinds(), step_cache["layers"]))
         return {**step_cache, "lengths": step_cache["lengths"] + n.astype(jnp.int32),
                 "layers": layers}

@@ -61,3 +61,10 @@ def resolve(kernel: str | None, interpret: bool | None, *, cpu_default: str = "g
     if interpret is None:
         interpret = not compiles_here(kernel)
     return kernel, bool(interpret)
+
+
+def accelerated(platform: str | None = None) -> bool:
+    """Whether `platform` (default: the running one) compiles Pallas kernels of some family
+    (a TPU, or a CUDA/ROCm GPU); a CPU only interprets them."""
+    p = platform or jax.default_backend()
+    return p == "tpu" or p in GPU_PLATFORMS

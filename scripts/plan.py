@@ -61,11 +61,8 @@ import functools
 import json
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from model._xla_env import configure_xla_env  # noqa: E402
+from model._xla_env import configure_xla_env
 
 configure_xla_env()  # before jax is imported (--compiled_memory compiles gradients on CPU)
 import jax  # noqa: E402
@@ -76,6 +73,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from model import sharding as shd  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
+from model.layers import registry  # noqa: E402
 from model.transformer import Model  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/models.py:reference_2p8t",
@@ -220,10 +218,11 @@ def _split(n: int, logical: str, mesh_shape: dict, rules=None) -> int:
 
 def device_slice_cfg(cfg: ModelConfig, mesh_shape: dict, rules=None, *, kernels: str = "pallas"
                      ) -> ModelConfig:
-    """The model one device computes under tensor parallelism: attention/KDA/indexer heads and
-    FFN/expert widths divided over the axes the rules map "heads"/"mlp" to (when they divide),
-    everything else whole; kernels: the DSA/KDA/MXFP4 impl to trace ("pallas": what impl="auto"
-    runs on GPU/TPU)."""
+    """The model one device computes under tensor parallelism: each layer kind's share
+    (`LayerKind.device_slice` in model/layers/registry.py: its heads divided over the axes the
+    rules map "heads" to, when they divide) and FFN/expert widths divided over "mlp"'s axes,
+    everything else whole; kernels: the impl to trace ("pallas": what impl="auto" runs on
+    GPU/TPU for these shapes, by each op's dispatch table; "xla")."""
     import dataclasses as dc
 
     def heads(n):
@@ -232,16 +231,17 @@ def device_slice_cfg(cfg: ModelConfig, mesh_shape: dict, rules=None, *, kernels:
     def mlp(n):
         return _split(n, "mlp", mesh_shape, rules) if n else n
 
-    k, s, m = cfg.kda, cfg.dsa, cfg.moe
-    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
-    # the KDA kernels take power-of-two head dims only; impl="auto" runs XLA for the others
-    kda_impl = kernels if pow2(k.k_dim) and pow2(k.v_dim) else "xla"
+    sections = {kind.section: kind.slice_for_device(cfg.section(kind.section), heads, kernels)
+                for letter, kind in registry.kinds().items() if letter in _kinds_used(cfg)}
+    m = cfg.moe
     return cfg.replace(
-        kda=dc.replace(k, num_heads=heads(k.num_heads), impl=kda_impl),
-        dsa=dc.replace(s, num_heads=heads(s.num_heads), index_n_heads=heads(s.index_n_heads),
-                       impl=kernels),
+        **sections,
         moe=dc.replace(m, expert_dim=mlp(m.expert_dim), dense_dim=mlp(m.dense_dim),
                        mxfp4_impl=kernels))
+
+
+def _kinds_used(cfg: ModelConfig) -> set[str]:
+    return set(cfg.layer_kinds()) | ({cfg.mtp.layer_kind} if cfg.mtp.depth else set())
 
 
 @functools.lru_cache(maxsize=256)
@@ -377,19 +377,21 @@ def compiled_train_memory(cfg: ModelConfig, batch: int, seq: int,
     return out
 
 
-_CACHE_AXES = {"state": ("batch", "act_heads", None, None), "conv": ("batch", None, "act_heads"),
-               "kv": ("batch", "length", None), "k_idx": ("batch", "length", None),
-               "lengths": ("batch",)}
-
-
 def decode_state_per_device(cfg: ModelConfig, mesh_shape: dict, batch: int, seq: int,
                             rules=None) -> int:
-    """Decode cache bytes per device for `batch` sequences of `seq` tokens."""
+    """Decode cache bytes per device for `batch` sequences of `seq` tokens: each layer's cache
+    leaves split over the logical axes its kind gives them (`LayerKind.cache_axes`; leaves not
+    listed split over the batch only)."""
     shapes = jax.eval_shape(lambda: Model(cfg).init_cache(batch, seq))
+    kinds = registry.kinds()
+    layer_axes = [kinds[k].cache_axes for k in cfg.layer_kinds()]
     total = 0
     for path, x in jax.tree_util.tree_leaves_with_path(shapes):
         key = str(getattr(path[-1], "key", ""))
-        names = _CACHE_AXES.get(key, ("batch",) + (None,) * (x.ndim - 1))
+        axes = {}
+        if str(getattr(path[0], "key", "")) == "layers":  # ("layers", layer index, leaf name)
+            axes = layer_axes[path[1].idx]
+        names = axes.get(key, ("batch",) + (None,) * (x.ndim - 1))
         spec = shd.logical_to_spec(names, x.shape, mesh_shape, rules)
         n = 1
         for i, d in enumerate(x.shape):

@@ -34,15 +34,115 @@ Positions (`dsa.positions`, `dsa.rope_scaling`; formulas in model/layers/rope.py
           content and the causal mask, not on the position ids.
 """
 
+import dataclasses
+from typing import TypedDict
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import DSAConfig
+from model.config import check_kernel, require
 from model.layers.linear import dense
 from model.layers.norms import LayerNorm, RMSNorm
+from model.layers.registry import LayerKind
 from model.layers.rope import YaRN, apply_rope
 from pallas_kernels.dsa import ops as dsa_ops
+
+INDEXER_STAGES = ("dense_warmup", "sparse")
+DSA_POSITIONS = ("rope", "nope")
+ROPE_SCALINGS = ("none", "yarn")  # model/layers/rope.py
+
+
+@dataclasses.dataclass(frozen=True)
+class DSAConfig:
+    """MLA attention with the DeepSeek-V3.2 lightning indexer and top-k token selection
+    (section `dsa`)."""
+
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_rope_dim: int
+    index_topk: int
+    rope_theta: float = 10000.0
+    indexer_stage: str = "sparse"  # "dense_warmup": dense attention, KL over all causal keys
+    indexer_loss_weight: float = 0.0  # 0 disables the indexer KL (and its cost)
+    impl: str = "auto"  # kernel dispatch (pallas_kernels/dsa/ops.py: *_DISPATCH)
+    # Positions (model/layers/dsa.py): "rope" rotates q_pe/k_pe and the indexer's rope channels;
+    # "nope" rotates nothing (Kimi Linear's MLA layers; the indexer follows, see dsa.py).
+    positions: str = "rope"
+    # Long-context RoPE scaling (model/layers/rope.py: YaRN as in DeepSeek-V3): "none" | "yarn".
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0  # s: context extension factor (1 = plain RoPE)
+    rope_original_max_position: int = 4096  # the pre-extension training length L
+    rope_beta_fast: float = 32.0  # dims with > beta_fast rotations over L keep their frequency
+    rope_beta_slow: float = 1.0  # dims with < beta_slow rotations over L are interpolated by 1/s
+    rope_mscale: float = 1.0  # rotary channels scaled by mscale(s, this) / mscale(s, all_dim)
+    rope_mscale_all_dim: float = 1.0  # softmax scale multiplied by mscale(s, this)**2
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:  # width of one cached token: latent KV + shared rope key
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def validate(self, model, section: str = "dsa") -> None:
+        """Raise model.config.ConfigError naming the field (`model`: the ModelConfig)."""
+        p = section
+        for f in ("num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+                  "index_topk"):
+            require(getattr(self, f) > 0, f"{p}.{f}", "must be positive")
+        require(self.qk_rope_head_dim % 2 == 0, f"{p}.qk_rope_head_dim",
+                "must be even (RoPE pairs)")
+        require(0 <= self.index_rope_dim <= self.index_head_dim and self.index_rope_dim % 2 == 0,
+                f"{p}.index_rope_dim", f"must be even and <= {p}.index_head_dim")
+        require(self.indexer_stage in INDEXER_STAGES, f"{p}.indexer_stage",
+                f"must be one of {INDEXER_STAGES}")
+        check_kernel(dsa_ops.INDEXER_DISPATCH, self.impl, f"{p}.impl", dtype=model.dtype)
+        check_kernel(dsa_ops.SPARSE_DISPATCH, self.impl, f"{p}.impl", dtype=model.dtype,
+                     v_dim=self.kv_lora_rank, D=self.latent_dim)
+        self._validate_positions(model, p)
+
+    def _validate_positions(self, model, p: str) -> None:
+        require(self.positions in DSA_POSITIONS, f"{p}.positions",
+                f"must be one of {DSA_POSITIONS} (rope: rotary positions; nope: none, as in "
+                "Kimi Linear's MLA layers)")
+        require(self.rope_scaling in ROPE_SCALINGS, f"{p}.rope_scaling",
+                f"must be one of {ROPE_SCALINGS}")
+        require(self.rope_theta > 0, f"{p}.rope_theta", "must be positive")
+        if self.rope_scaling == "none":
+            return
+        require(self.positions == "rope", f"{p}.rope_scaling",
+                f"{self.rope_scaling!r} scales rotary positions, but {p}.positions='nope' has "
+                f"none: set {p}.rope_scaling='none' or {p}.positions='rope'")
+        require(self.rope_factor >= 1.0, f"{p}.rope_factor",
+                f"must be >= 1 (the context extension factor), got {self.rope_factor}")
+        require(self.rope_original_max_position > 0, f"{p}.rope_original_max_position",
+                "must be positive (the context length the model was trained at before scaling)")
+        require(0 < self.rope_beta_slow < self.rope_beta_fast,
+                f"{p}.rope_beta_fast/rope_beta_slow",
+                f"need 0 < beta_slow < beta_fast, got beta_slow={self.rope_beta_slow}, "
+                f"beta_fast={self.rope_beta_fast}")
+        require(self.rope_mscale >= 0 and self.rope_mscale_all_dim >= 0,
+                f"{p}.rope_mscale/rope_mscale_all_dim", "must be >= 0")
+        reach = self.rope_factor * self.rope_original_max_position
+        require(model.max_seq_len <= reach, "model.max_seq_len",
+                f"{model.max_seq_len} is beyond what YaRN is configured for ({p}.rope_factor x "
+                f"{p}.rope_original_max_position = {reach:g}): raise {p}.rope_factor")
+
+
+class DSACache(TypedDict):
+    """Decode cache of one DSA layer: a row per position < max_len."""
+
+    kv: jax.Array  # [B, S, kv_lora_rank + qk_rope_head_dim] latent KV + shared rope key
+    k_idx: jax.Array  # [B, S, index_head_dim] lightning-indexer keys
 
 
 def write_rows(buf: jax.Array, new: jax.Array, offset: jax.Array) -> jax.Array:
@@ -208,11 +308,25 @@ class DSALayer(nn.Module):
         return out, new_cache, aux
 
     @staticmethod
-    def select_step_cache(step_cache: dict, n: jax.Array) -> dict:
+    def select_step_cache(step_cache: DSACache, n: jax.Array) -> DSACache:
         del n  # positional rows: nothing to choose (see step_caches above)
         return step_cache
 
     @staticmethod
-    def init_cache(cfg: DSAConfig, batch: int, max_len: int, dtype) -> dict:
+    def init_cache(cfg: DSAConfig, batch: int, max_len: int, dtype) -> DSACache:
         return {"kv": jnp.zeros((batch, max_len, cfg.latent_dim), dtype),
                 "k_idx": jnp.zeros((batch, max_len, cfg.index_head_dim), dtype)}
+
+
+def _device_slice(cfg: DSAConfig, heads, kernels: str) -> DSAConfig:
+    """One device's share under tensor parallelism (attention and indexer heads split) with the
+    kernels impl=`kernels` runs on GPU/TPU."""
+    return dataclasses.replace(cfg, num_heads=heads(cfg.num_heads),
+                               index_n_heads=heads(cfg.index_n_heads), impl=kernels)
+
+
+KIND = LayerKind(
+    name="dsa", section="dsa", layer=DSALayer, config=DSAConfig,
+    cache_axes={"kv": ("batch", "length", None), "k_idx": ("batch", "length", None)},
+    device_slice=_device_slice,
+)

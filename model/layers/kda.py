@@ -13,14 +13,66 @@ Padding: tokens with valid=False get g=0, beta=0, so they leave the recurrent st
 inputs of every row and the [B,H,K,V] f32 state.
 """
 
+import dataclasses
+from typing import TypedDict
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import KDAConfig
+from model.config import check_kernel, require
 from model.layers.linear import dense
 from model.layers.norms import l2_normalize, rms_norm
+from model.layers.registry import LayerKind
 from pallas_kernels.kda import ops as kda_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention layer (section `kda`). K = V = head_dim unless v_head_dim is given."""
+
+    num_heads: int
+    head_dim: int
+    v_head_dim: int = 0  # 0 -> head_dim
+    conv_size: int = 4
+    gate_rank: int = 0  # low-rank decay gate W_up W_down; 0 -> head_dim
+    gate_lower_bound: float | None = None  # None: -exp(A_log)*softplus(.); else lb*sigmoid(.)
+    chunk_size: int = 64
+    impl: str = "auto"  # kernel dispatch (pallas_kernels/kda/ops.py:DISPATCH)
+
+    @property
+    def k_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def rank(self) -> int:
+        return self.gate_rank or self.head_dim
+
+    def validate(self, model, section: str = "kda") -> None:
+        """Raise model.config.ConfigError naming the field (`model`: the ModelConfig)."""
+        p = section
+        require(self.num_heads > 0 and self.head_dim > 0, f"{p}.num_heads/head_dim",
+                "must be positive")
+        require(self.conv_size >= 1, f"{p}.conv_size", "must be >= 1")
+        require(self.chunk_size in (16, 32, 64, 128), f"{p}.chunk_size",
+                "must be 16, 32, 64 or 128")
+        check_kernel(kda_ops.DISPATCH, self.impl, f"{p}.impl",
+                     f"(K = {p}.head_dim = {self.k_dim}, V = {p}.v_head_dim or head_dim = "
+                     f"{self.v_dim})", K=self.k_dim, V=self.v_dim, dtype=model.dtype)
+        if self.gate_lower_bound is not None:
+            require(self.gate_lower_bound < 0, f"{p}.gate_lower_bound",
+                    "must be negative (or None)")
+
+
+class KDACache(TypedDict):
+    """Decode cache of one KDA layer."""
+
+    conv: jax.Array  # [B, conv_size-1, H*(2K+V)] the last conv inputs, activation dtype
+    state: jax.Array  # [B, H, K, V] f32 recurrent state
 
 
 def causal_depthwise_conv(x: jax.Array, w: jax.Array, window: jax.Array,
@@ -128,13 +180,13 @@ class KDALayer(nn.Module):
         return out, new_cache, {}
 
     @staticmethod
-    def select_step_cache(step_cache: dict, n: jax.Array) -> dict:
+    def select_step_cache(step_cache: KDACache, n: jax.Array) -> KDACache:
         """From step_caches candidates keep, per row b, the one after n[b] new tokens."""
         rows = jnp.arange(n.shape[0])
         return {key: val[n, rows] for key, val in step_cache.items()}
 
     @staticmethod
-    def init_cache(cfg: KDAConfig, batch: int, max_len: int, dtype) -> dict:
+    def init_cache(cfg: KDAConfig, batch: int, max_len: int, dtype) -> KDACache:
         del max_len  # O(1) state: independent of context length
         C = cfg.num_heads * (2 * cfg.k_dim + cfg.v_dim)
         return {"conv": jnp.zeros((batch, cfg.conv_size - 1, C), dtype),
@@ -144,3 +196,22 @@ class KDALayer(nn.Module):
 def _dt_bias_init(key, shape, dtype):
     dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, jnp.log(1e-3), jnp.log(1e-1)))
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # inverse softplus
+
+
+def _device_slice(cfg: KDAConfig, heads, kernels: str) -> KDAConfig:
+    """One device's share under tensor parallelism (heads split) with the kernels impl=`kernels`
+    runs on GPU/TPU ("pallas": what 'auto' picks there for these head dims)."""
+    impl = kernels
+    if kernels == "pallas":
+        impl = "pallas" if kda_ops.DISPATCH.choose(
+            "auto", platform="gpu", K=cfg.k_dim, V=cfg.v_dim)[0] == "pallas" else "xla"
+    return dataclasses.replace(cfg, num_heads=heads(cfg.num_heads), impl=impl)
+
+
+KIND = LayerKind(
+    name="kda", section="kda", layer=KDALayer, config=KDAConfig,
+    # the state's heads follow the tensor axis; the conv window's channels concatenate q, k and
+    # v of every head and stay whole (model/sharding.py:CACHE_AXES constrains the same)
+    cache_axes={"state": ("batch", "act_heads", None, None), "conv": ("batch", None, None)},
+    device_slice=_device_slice,
+)

@@ -5,10 +5,14 @@
   sparse_attention(q, kv, indices, *, scale, v_dim)    -> o [B,T,H,v_dim] (q's dtype)
   dense_causal_attention(q, kv, *, scale, v_dim, q_offset=0) -> o [B,T,H,v_dim]
 
-Every op takes ``impl``:
-  "auto"   -> "xla" on CPU, "pallas" on GPU/TPU;
+Every op takes ``impl``; ``indexer_scores`` and ``sparse_attention`` resolve it through their
+dispatch tables (``INDEXER_DISPATCH``, ``SPARSE_DISPATCH``; ``pallas_kernels.dispatch``):
+  "auto"   -> the first of "pallas", "xla" that can take the call: "pallas" on GPU/TPU for f32 /
+              bf16 inputs, "xla" otherwise (CPU: always); the choice is logged once;
   "xla"    -> the pure-jnp reference (``reference.py``), query-chunked to bound memory;
-  "pallas" -> the Pallas kernels (``pallas_indexer.py``, ``pallas_attention.py``).
+  "pallas" -> the Pallas kernels (``pallas_indexer.py``, ``pallas_attention.py``); a call they
+              cannot take (other dtypes; sparse attention: v_dim not in (0, D]) raises
+              ``dispatch.UnsupportedImpl`` before tracing.
 The Pallas ops also take ``kernel`` and ``interpret`` (the rule of ``pallas_kernels.backend``):
 ``kernel`` "gpu" (Triton gather flavour) or "tpu" (Mosaic DMA flavour), None -> the running
 platform's (the "gpu" flavour when interpreting on CPU), or ``config.backend`` when a config is
@@ -29,10 +33,10 @@ gradients; entries of ``indices`` < 0 are skipped; q_offset may be an int array 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as _backend
+from pallas_kernels import dispatch
 from pallas_kernels.dsa import reference
 
 __all__ = [
@@ -46,18 +50,41 @@ __all__ = [
 
 _IMPLS = ("auto", "xla", "pallas")
 
+
+def _v_dim_fits(*, v_dim=None, D=None, **_) -> str | None:
+    if v_dim is None or D is None or 0 < v_dim <= D:
+        return None
+    return f"v_dim={v_dim} is not in (0, D={D}] (the values are the first v_dim kv channels)"
+
+
+def _table(op: str, *extra) -> dispatch.OpTable:
+    # The kernels pad every shape to their tiles (any B, T, S, H, K, D) and are written and
+    # tested for f32 and bf16 inputs (pallas_indexer.py, pallas_attention.py).
+    return dispatch.OpTable(op, (
+        dispatch.Impl("pallas", cannot=(dispatch.dtypes("float32", "bfloat16"), *extra),
+                      auto_skips=(dispatch.pallas_compiles_here,)),
+        dispatch.Impl("xla")))
+
+
+INDEXER_DISPATCH = _table("dsa.indexer_scores")
+SPARSE_DISPATCH = _table("dsa.sparse_attention", _v_dim_fits)
+assert set(_IMPLS) == set(INDEXER_DISPATCH.names()) == set(SPARSE_DISPATCH.names())
+
 # Query-chunk budgets for the XLA path: elements of the [B,t,K,D] gather / [B,t,H,S] logits.
 _XLA_GATHER_BUDGET = 1 << 24
 _XLA_LOGITS_BUDGET = 1 << 24
 
 
-def resolve_impl(impl: str) -> str:
-    """'auto' -> 'xla' on CPU, 'pallas' on GPU/TPU."""
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "pallas"
-    return impl
+def resolve_impl(impl: str, table: dispatch.OpTable = SPARSE_DISPATCH, **facts) -> str:
+    """The implementation `table`'s op runs for these facts (dtype, v_dim, D): 'auto' -> 'xla'
+    on CPU, 'pallas' on GPU/TPU where the kernels take the call; an explicit impl the call
+    cannot take raises `dispatch.UnsupportedImpl`."""
+    return table.resolve(impl, **facts)
+
+
+def _check_name(impl: str) -> None:
+    """Ops without a Pallas kernel accept every impl name (a uniform signature) and run XLA."""
+    SPARSE_DISPATCH.canonical(impl)
 
 
 def _kernel_args(kernel, interpret, config):
@@ -88,7 +115,7 @@ def indexer_scores(q_idx, k_idx, w, *, impl: str = "auto", interpret=None, confi
     (select_topk applies the mask). config: a ``DSABlockConfig`` for the Pallas path;
     kernel / interpret: see the module docstring.
     """
-    if resolve_impl(impl) == "xla":
+    if resolve_impl(impl, INDEXER_DISPATCH, dtype=q_idx.dtype) == "xla":
         return reference.indexer_scores(q_idx, k_idx, w)
     from pallas_kernels.dsa import pallas_indexer
 
@@ -104,7 +131,7 @@ def select_topk(scores, topk: int, *, q_offset=0, approx: bool = False, impl: st
     int array [B] (rows of different lengths in decode / chunked prefill). Slots are ordered by
     descending score, -1 slots last. approx=True uses lax.approx_max_k (validity stays exact).
     """
-    resolve_impl(impl)  # validate only: XLA top_k on every backend
+    _check_name(impl)  # validate only: XLA top_k on every backend
     return reference.select_topk(scores, topk, q_offset=q_offset, approx=approx)
 
 
@@ -124,7 +151,8 @@ def sparse_attention_with_lse(q, kv, indices, *, scale: float, v_dim: int, impl:
                               interpret=None, config=None, kernel=None):
     """sparse_attention plus the per-head log-sum-exp lse [B,T,H] f32 (-inf for empty rows)."""
     indices = indices.astype(jnp.int32)
-    if resolve_impl(impl) == "xla":
+    if resolve_impl(impl, SPARSE_DISPATCH, dtype=q.dtype, v_dim=int(v_dim),
+                    D=kv.shape[-1]) == "xla":
         b, t, k = indices.shape
         block_t = _chunk(t, b * k * kv.shape[-1], _XLA_GATHER_BUDGET)
         return reference.sparse_attention_fwd_with_lse(
@@ -142,7 +170,7 @@ def dense_causal_attention(q, kv, *, scale: float, v_dim: int, q_offset=0, impl:
 
     Query t sees keys s <= t + q_offset (int or per-row int array [B]). XLA on every backend.
     """
-    resolve_impl(impl)
+    _check_name(impl)
     b, t, h, _ = q.shape
     block_t = _chunk(t, b * h * kv.shape[1], _XLA_LOGITS_BUDGET)
     return reference.dense_causal_attention(q, kv, scale=scale, v_dim=v_dim, q_offset=q_offset,

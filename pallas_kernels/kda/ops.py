@@ -12,12 +12,16 @@ Layouts (flash-linear-attention convention):
 
 Per step:  S <- S * exp(g_t)[:, None];  S <- S + (beta_t k_t)(v_t - k_t^T S)^T;  o_t = (scale q_t)^T S.
 
-impl:
-  "auto"                 the pure-JAX chunked form on CPU, the Pallas kernel on GPU/TPU
-                         (pure JAX there too if K or V is not a power of two);
+impl (the dispatch table `DISPATCH`, `pallas_kernels.dispatch`):
+  "auto"                 the first of "pallas", "chunked" that can take the call: the Pallas
+                         kernels on GPU/TPU when K and V are powers of two and the inputs f32 or
+                         bf16, else the chunked form (CPU: always; the choice and its reason
+                         are logged once);
   "xla" / "chunked"      the pure-JAX chunked form (`reference.kda_chunked`), differentiable;
   "recurrent"            the token-by-token oracle (`reference.kda_recurrent`);
-  "pallas"               the Pallas kernels (forward + custom_vjp backward, also Pallas).
+  "pallas"               the Pallas kernels (forward + custom_vjp backward, also Pallas); a call
+                         they cannot take (K or V not a power of two, other dtypes) raises
+                         `dispatch.UnsupportedImpl` before tracing, saying why.
 kernel / interpret (Pallas only; the rule of `pallas_kernels.backend`): kernel "tpu" (Mosaic,
 chunks walked on the grid) or "gpu" (Triton, chunks walked in-kernel), None -> the running
 platform's (the "tpu" form when interpreting on CPU); interpret None -> interpret unless the
@@ -31,27 +35,34 @@ result does not depend on the chunk size beyond rounding.
 
 from __future__ import annotations
 
-import jax
-
 from pallas_kernels import backend as _backend
+from pallas_kernels import dispatch
 from pallas_kernels.kda import reference
 
 kda_step = reference.kda_step
 
+# What the Pallas kernels can take: Triton tiles K and V (and the chunk) in powers of two, and
+# the kernels are written and tested for f32 and bf16 inputs (pallas_kda.py).
+DISPATCH = dispatch.OpTable(
+    "kda",
+    (dispatch.Impl("pallas",
+                   cannot=(dispatch.powers_of_two("K", "V", what=": the Pallas KDA kernels tile "
+                                                  "K and V in powers of two; use power-of-two "
+                                                  "head dims"),
+                           dispatch.dtypes("float32", "bfloat16")),
+                   auto_skips=(dispatch.pallas_compiles_here,)),
+     dispatch.Impl("chunked"),
+     dispatch.Impl("recurrent")),
+    aliases={"xla": "chunked"},
+    explicit_only=("recurrent",),
+)
 IMPLS = ("auto", "xla", "chunked", "recurrent", "pallas")
+assert set(IMPLS) == set(DISPATCH.names())
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and not n & (n - 1)
-
-
-def _resolve_impl(impl: str, K: int, V: int) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    if impl == "auto":  # the kernels need power-of-two head dims; fall back to pure JAX otherwise
-        accel = jax.default_backend() != "cpu" and _pow2(K) and _pow2(V)
-        return "pallas" if accel else "chunked"
-    return "chunked" if impl == "xla" else impl
+def _resolve_impl(impl: str, K: int, V: int, dtype=None) -> str:
+    """The implementation `kda` runs for head dims K, V (and the input dtype): `DISPATCH`."""
+    return DISPATCH.resolve(impl, K=K, V=V, dtype=dtype)
 
 
 def kda(
@@ -70,7 +81,7 @@ def kda(
     kernel=None,
 ):
     """KDA over a whole sequence. See the module docstring for shapes and `impl`."""
-    impl = _resolve_impl(impl, q.shape[-1], v.shape[-1])
+    impl = _resolve_impl(impl, q.shape[-1], v.shape[-1], q.dtype)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     scale = float(scale)

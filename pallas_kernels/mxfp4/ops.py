@@ -10,8 +10,11 @@
     fake_quant(x, axis=-1) -> dequantize(quantize(x)) with an identity (straight-through) gradient
     check_finite(x), nonfinite_blocks(t)
 
-impl: "auto" = "xla" on CPU, "pallas" on GPU/TPU; "xla" = the pure-JAX reference (dequantize +
-dot / ragged_dot); "pallas" = the kernels. kernel: "tpu" (Mosaic) or "gpu" (Triton) family, None
+impl (dispatch tables `MATMUL_DISPATCH`, `GROUPED_DISPATCH`; `pallas_kernels.dispatch`): "auto" =
+the first of "pallas", "xla" that can take the call ("pallas" on GPU/TPU for f32 / bf16
+activations, "xla" otherwise and on CPU; logged once); "xla" = the pure-JAX reference
+(dequantize + dot / ragged_dot); "pallas" = the kernels (other activation dtypes raise
+`dispatch.UnsupportedImpl` before tracing). kernel: "tpu" (Mosaic) or "gpu" (Triton) family, None
 -> the platform's ("gpu" when interpreting on CPU); interpret=None -> interpret unless the platform
 compiles that family (`pallas_kernels.backend`); `impl="pallas", kernel=K, interpret=False`
 forces the compiled kernel (on a CPU host: lowering only, e.g. under jax.export). Gradients:
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import backend as _backend
+from pallas_kernels import dispatch
 from pallas_kernels.mxfp4 import config as _config
 from pallas_kernels.mxfp4.config import BlockConfig, block_config
 from pallas_kernels.mxfp4.reference import (
@@ -61,16 +65,29 @@ Impl = Literal["auto", "xla", "pallas"]
 KernelBackend = Literal["tpu", "gpu"]
 
 
-def _resolve(impl: str, interpret: bool | None, kernel: str | None):
-    """-> (impl, interpret, kernel) under the rule of `pallas_kernels.backend`.
+def _table(op: str) -> dispatch.OpTable:
+    # The kernels mask or pad every M, N, K (K is a multiple of 32 in any MXFP4 tensor) and take
+    # bf16 / f32 activations (pallas_gpu.py, pallas_tpu.py).
+    return dispatch.OpTable(op, (
+        dispatch.Impl("pallas", cannot=(dispatch.dtypes("float32", "bfloat16"),
+                                        dispatch.multiples_of(32, "K", what=" (one MX block)")),
+                      auto_skips=(dispatch.pallas_compiles_here,)),
+        dispatch.Impl("xla")))
+
+
+MATMUL_DISPATCH = _table("mxfp4.mxfp4_matmul")
+GROUPED_DISPATCH = _table("mxfp4.grouped_mxfp4_matmul")
+
+
+def _resolve(impl: str, interpret: bool | None, kernel: str | None,
+             table: dispatch.OpTable = MATMUL_DISPATCH, **facts):
+    """-> (impl, interpret, kernel): impl from `table` for the facts (dtype, K), kernel and
+    interpret under the rule of `pallas_kernels.backend`.
 
     A compiled (interpret=False) kernel of a family foreign to the running platform is allowed:
     it only lowers (cross-platform `jax.export`); running it fails inside Pallas.
     """
-    if impl == "auto":
-        impl = "xla" if jax.default_backend() == "cpu" else "pallas"
-    if impl not in ("xla", "pallas"):
-        raise ValueError(f"impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    impl = table.resolve(impl, **facts)
     # Off-device (interpret) the Triton-style kernel is the cheaper one to interpret.
     kernel, interpret = _backend.resolve(kernel, interpret, cpu_default="gpu")
     return impl, interpret, kernel
@@ -145,7 +162,8 @@ def mxfp4_matmul(
       [..., N] in x.dtype.
     """
     _check_matmul_shapes(x, w, 2, "mxfp4_matmul")
-    impl, interpret, kernel = _resolve(impl, interpret, kernel)
+    impl, interpret, kernel = _resolve(impl, interpret, kernel, MATMUL_DISPATCH, dtype=x.dtype,
+                                       K=x.shape[-1])
     if impl == "xla":
         return mxfp4_matmul_reference(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
@@ -204,7 +222,8 @@ def grouped_mxfp4_matmul(
       [M, N] in x.dtype.
     """
     _check_matmul_shapes(x, w, 3, "grouped_mxfp4_matmul")
-    impl, interpret, kernel = _resolve(impl, interpret, kernel)
+    impl, interpret, kernel = _resolve(impl, interpret, kernel, GROUPED_DISPATCH,
+                                       dtype=x.dtype, K=x.shape[-1])
     if impl == "xla":
         return grouped_mxfp4_matmul_reference(x, w, group_sizes)
     if x.ndim != 2 or group_sizes.shape != (w.shape[0],):
