@@ -10,7 +10,9 @@
   o_lat = sparse_attention(q=[q_lat; q_pe], kv, top-k indices)   # [B,T,H,L]
   out   = W_o (o_lat W_uv)                                 # W_uv: per head [L] -> [v_head_dim]
 
-The decode cache holds only the latent row kv [B,S,L+r] and the indexer key [B,S,DI] per token.
+The decode cache (DSACache) holds only the latent row kv [B,S,L+r] and the indexer key [B,S,DI]
+per token. Layer kind "D" (`KIND`, model/layers/registry.py): its config section `dsa` is
+`DSAConfig` (validated here, including the kernel choice against the dsa ops' dispatch tables).
 
 Indexer training (DeepSeek-V3.2): `indexer_stage="dense_warmup"` attends densely and trains the
 indexer with KL(p || softmax(I)) over all causal keys, p = head-averaged main attention; the

@@ -9,8 +9,11 @@
   out     = W_o (RMSNorm_head(o) * sigmoid(W_gu W_gd x))
 
 Padding: tokens with valid=False get g=0, beta=0, so they leave the recurrent state untouched
-(rows of different lengths share one call). The decode cache holds the last conv_size-1 conv
-inputs of every row and the [B,H,K,V] f32 state.
+(rows of different lengths share one call). The decode cache (KDACache) holds the last
+conv_size-1 conv inputs of every row and the [B,H,K,V] f32 state.
+
+Layer kind "K" (`KIND`, model/layers/registry.py): its config section `kda` is `KDAConfig`
+(validated here, including the kernel choice against pallas_kernels/kda/ops.py:DISPATCH).
 """
 
 import dataclasses

@@ -225,3 +225,13 @@ def test_planner_reads_the_kinds_cache_axes(toy):
     # tensor=2: the window's channels follow "act_heads" (its declared axes), nothing else splits
     assert decode_state_per_device(cfg, {"tensor": 2}, batch, seq) == window // 2 + lengths
     assert device_slice_cfg(cfg, {"tensor": 2}).shortconv == cfg.shortconv  # nothing to split
+
+
+def test_builtin_cache_axes_match_the_runtime_constraints():
+    """model/sharding.py constrains decode caches by leaf name (its CACHE_AXES); the planner
+    reads each kind's cache_axes: the two must say the same for the built-in kinds."""
+    from model import sharding as shd
+
+    for letter in ("K", "D"):
+        for leaf, axes in registry.get(letter).cache_axes.items():
+            assert shd.CACHE_AXES[leaf] == axes, (letter, leaf)
