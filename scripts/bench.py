@@ -1,7 +1,7 @@
-"""Benchmarks: `python scripts/bench.py NAME [NAME ...] [--json OUT]`.
+"""Benchmarks: `python scripts/bench.py NAME [NAME ...] [--quick] [--json OUT]`.
 
 Every benchmark reports ratios measured side by side in one run (never absolute targets inside
-tests). Each area owns its benchmark next to its code; this file only dispatches:
+tests). The benchmarks live in benchmarks/ (one module per topic); this file only dispatches:
 
   kda      chunked vs recurrent KDA reference (and the Pallas kernel on GPU/TPU)
   dsa      token-sparse vs dense causal attention by length, crossover
@@ -15,22 +15,19 @@ tests). Each area owns its benchmark next to its code; this file only dispatches
 import argparse
 import importlib
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import _common  # noqa: E402,F401  (XLA flags before jax, compilation cache)
+import _common  # XLA flags before jax, compilation cache
 
 _common.setup_jax()
 
 BENCHMARKS = {
-    "kda": "pallas_kernels.kda.bench",
-    "dsa": "pallas_kernels.dsa.bench",
-    "mxfp4": "pallas_kernels.mxfp4.bench",
-    "sandbox": "sandbox.bench",
-    "rl": "rl.bench",
-    "spec": "rl.bench_spec",
-    "moe": "model.bench_moe",
+    "kda": "benchmarks.kda",
+    "dsa": "benchmarks.dsa",
+    "mxfp4": "benchmarks.mxfp4",
+    "sandbox": "benchmarks.sandbox_pool",
+    "rl": "benchmarks.rl_loop",
+    "spec": "benchmarks.speculative",
+    "moe": "benchmarks.moe",
 }
 
 

@@ -2,7 +2,7 @@
 
 A spec is shapes + dtype + causal offset; ``make_args`` builds deterministic inputs. Tests
 (tests/pallas_kernels/test_dsa.py) parametrise over ``TEST_SPECS``; the benchmark
-(pallas_kernels/dsa/bench.py) over ``bench_specs(quick)``.
+(benchmarks/dsa.py) over ``bench_specs(quick)``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""A small version of the load test (sandbox/bench_load.py; 3,000 runs in `python scripts/bench.py
+"""A small version of the load test (benchmarks/sandbox_load.py; 3,000 runs in `python scripts/bench.py
 sandbox`): 120 jobs through the session pool, 8% adversarial (every kind at least once) plus two
 reward hacks, submitted at once; nothing lost or misattributed, every slot clean and up after."""
 
-from sandbox.bench_load import _ADVERSARIAL, run_load
+from benchmarks.sandbox_load import _ADVERSARIAL, run_load
 
 
 def test_mixed_load_loses_and_misattributes_nothing(pool):

@@ -3,7 +3,7 @@
 Side by side in one run, with the same concurrency (W = CPU count):
   plain      trivial Python (`python3 -S -B -c pass`) as a plain, unsandboxed subprocess
   sandbox    the same program through SandboxPool (fully isolated: bwrap, uid, seccomp, cgroups)
-  http       the HTTP server as its own process (sandbox/bench_http.py): p50/p99 at 16 clients
+  http       the HTTP server as its own process (benchmarks/sandbox_http.py): p50/p99 at 16 clients
              next to the pool directly at 16, a 1,000-request burst at 200 clients (lost, 429s
              retried, wall), and how many abandoned requests still executed
   sequential one isolated run at a time (latency without queueing)
@@ -12,10 +12,10 @@ Side by side in one run, with the same concurrency (W = CPU count):
              unisolated slots (isolation="none")
   generated  every demonstration of the generated families (arithmetic, code, terminal) scores 1
   load       3,000 runs (quick: 300) with 1% adversarial programs and two reward hacks mixed in
-             (sandbox/bench_load.py): lost, misattributed, clean and up afterwards
+             (benchmarks/sandbox_load.py): lost, misattributed, clean and up afterwards
   sessions   3-command episodes (open a session, 3 commands, isolated check, close) per second
              through the pool and through the HTTP server, next to the same runs as one
-             run_sequence (sandbox/bench_sessions.py)
+             run_sequence (benchmarks/sandbox_sessions.py)
 Closed loop: W client threads each submit a run and wait for it, so latency excludes queueing;
 runs/s is completed runs over wall time. `cpu_ms_per_run` is the CPU time (all processes of a
 run, user + system, from rusage of a reaped run) so numbers taken on a busy machine can be read as
@@ -30,10 +30,9 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.loadgen import closed_loop as _closed_loop
+
 PLAIN_PY = "/usr/bin/python3"
-
-
-from .loadgen import closed_loop as _closed_loop  # noqa: E402
 
 
 def _cpu_per_sandbox_run(n: int) -> dict:
@@ -78,8 +77,8 @@ print((c1 - c0 + s1 - s0) / n * 1000, (p1 - p0) / n * 1000)
 
 
 def _verify_timed(executor, tasks, completions) -> tuple[float, list]:
-    from . import python_tests
-    from .verifiers import Verifier
+    from sandbox import python_tests
+    from sandbox.verifiers import Verifier
 
     python_tests.COLLECT_CACHE.clear()  # cold: collect runs included
     t0 = time.perf_counter()
@@ -94,11 +93,12 @@ def _humaneval(pool, quick: bool) -> dict:
     same programs and runs as plain subprocesses), W slots each."""
     import warnings
 
-    from .executor import UnisolatedWarning
-    from .pool import SandboxPool
-    from .tasks.loaders import load_humaneval
+    import sandbox.tasks
+    from sandbox.executor import UnisolatedWarning
+    from sandbox.pool import SandboxPool
+    from sandbox.tasks.loaders import load_humaneval
 
-    path = os.path.join(os.path.dirname(__file__), "tasks", "data", "HumanEval.jsonl.gz")
+    path = os.path.join(os.path.dirname(sandbox.tasks.__file__), "data", "HumanEval.jsonl.gz")
     tasks = load_humaneval(path)
     if quick:
         tasks = tasks[:40]
@@ -119,7 +119,7 @@ def _humaneval(pool, quick: bool) -> dict:
 def _generated_demos(pool, quick: bool) -> dict:
     """Every demonstration of the generated task families (all three difficulty levels, train
     and test splits) must score 1.0: no false negatives from the hardened checks."""
-    from .tasks.generators import FAMILIES, make_split
+    from sandbox.tasks.generators import FAMILIES, make_split
 
     n = 30 if quick else 200
     out = {}
@@ -131,10 +131,10 @@ def _generated_demos(pool, quick: bool) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    from .bench_http import run_http
-    from .bench_load import run_load
-    from .bench_sessions import run_sessions
-    from .pool import SandboxPool
+    from benchmarks.sandbox_http import run_http
+    from benchmarks.sandbox_load import run_load
+    from benchmarks.sandbox_sessions import run_sessions
+    from sandbox.pool import SandboxPool
 
     n = 60 if quick else 400
     w = os.cpu_count() or 1

@@ -31,7 +31,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _child(quick: bool) -> dict:
-    sys.path.insert(0, ROOT)
     from model._xla_env import configure_xla_env
 
     configure_xla_env()  # before jax is imported
@@ -118,11 +117,11 @@ def run(quick: bool = False, devices: int = 8) -> dict:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={devices}").strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "model.bench_moe", "--child"] + (["--quick"] if quick else [])
+    # `-m` from the repository root: the child imports benchmarks.moe and the library from there
+    cmd = [sys.executable, "-m", "benchmarks.moe", "--child"] + (["--quick"] if quick else [])
     r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"bench_moe child failed:\n{r.stderr[-6000:]}")
+        raise RuntimeError(f"benchmarks.moe child failed:\n{r.stderr[-6000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     s = out["shape"]
     print(f"MoE layer, {s['tokens']} tokens, d_model {s['d_model']}, {s['experts']} experts "

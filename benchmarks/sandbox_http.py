@@ -1,4 +1,4 @@
-"""HTTP part of the sandbox benchmark (`python scripts/bench.py sandbox`; called by sandbox/bench.py).
+"""HTTP part of the sandbox benchmark (`python scripts/bench.py sandbox`; called by benchmarks/sandbox_pool.py).
 
 The server runs as its own process (`python -m sandbox.server --workers W`), as it would in
 production, so its event loop does not share a GIL with the benchmark's client threads. Measured
@@ -30,10 +30,9 @@ import time
 import urllib.request
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.loadgen import closed_loop
 
-
-from .loadgen import closed_loop  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 def free_port() -> int:
@@ -219,7 +218,7 @@ def run_http(quick: bool = False, workers: int = 2, cwd: str = ROOT, pool=None) 
 
 
 if __name__ == "__main__":
-    # `python -m sandbox.bench_http [--quick] [--with-pool]`: the HTTP part alone.
+    # `python -m benchmarks.sandbox_http [--quick] [--with-pool]`: the HTTP part alone.
     pool = None
     if "--with-pool" in sys.argv:
         from sandbox.pool import SandboxPool

@@ -5,27 +5,21 @@
 and B=1, H=16, K=V=128 at T in {2048, 8192}. For each shape, side by side in one process, f32:
 tokens/s forward and forward+backward (grad of sum(o^2) w.r.t. q, k, v, g, beta) and the ratio
 chunked / recurrent. The recurrent fwd+bwd rematerialises every 64 tokens (a plain scan would keep
-a [B,H,K,V] state per token: 8.6 GB at H=16, T=8192). Best of `reps` runs after a warm-up.
+a [B,H,K,V] state per token: 8.6 GB at H=16, T=8192). Median of `reps` runs after a warm-up
+(pallas_kernels.check.median_seconds, no extra runs beyond `reps`).
 """
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.check import median_seconds
 from pallas_kernels.kda import arg_specs, reference
 
 
-def _best_seconds(fn, args, reps):
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _seconds(fn, args, reps):
+    return median_seconds(fn, *args, reps=reps, budget_s=0.0)
 
 
 def _impls(on_accel: bool):
@@ -64,8 +58,8 @@ def run(quick: bool = False) -> dict:
             f = jax.jit(fwd)
             loss = lambda *xs, fn=fwd_for_grad: jnp.sum(jnp.square(fn(*xs).astype(jnp.float32)))
             fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-            t_f = _best_seconds(f, args, reps)
-            t_fb = _best_seconds(fb, args, max(1, reps - 1))
+            t_f = _seconds(f, args, reps)
+            t_fb = _seconds(fb, args, max(1, reps - 1))
             row[name] = {"fwd_tok_s": spec.tokens / t_f, "fwd_bwd_tok_s": spec.tokens / t_fb,
                          "fwd_s": t_f, "fwd_bwd_s": t_fb}
             print(f"{spec.name:>18} {name:>10} {row[name]['fwd_tok_s']:>12,.0f} "

@@ -1,7 +1,7 @@
 """Load test of the pool with adversarial programs mixed in (issue 13): nothing lost, nothing
 misattributed, every slot clean and up afterwards.
 
-    python -m sandbox.bench_load --runs 3000 --adversarial 0.01      # standalone
+    python -m benchmarks.sandbox_load --runs 3000 --adversarial 0.01      # standalone
     python scripts/bench.py sandbox                                   # 3,000 runs (quick: 300)
 
 Every well-behaved job carries a token of its own (random per job) and must come back "ok" with
@@ -74,7 +74,7 @@ def _normal_job(i: int, rng: random.Random) -> tuple[str, Any, str]:
 
 def _hack_jobs(verifier) -> list:
     """Reward hacks through the verifier: (name, pending, expected score 0)."""
-    from .tasks.generators import make_split
+    from sandbox.tasks.generators import make_split
 
     (code_task, _), = make_split("code", "test", 1, seed=3, difficulty=1)
     (term_task, _), = make_split("terminal", "test", 1, seed=3, difficulty=1)
@@ -88,7 +88,7 @@ def _hack_jobs(verifier) -> list:
 
 def run_load(pool, runs: int = 3000, adversarial: float = 0.01, seed: int = 0) -> dict:
     """The mix described in the module docstring through `pool`; returns the counts."""
-    from .verifiers import Verifier
+    from sandbox.verifiers import Verifier
 
     rng = random.Random(seed)
     n_adv = max(1, round(runs * adversarial))
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    from .pool import SandboxPool
+    from sandbox.pool import SandboxPool
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=3000)

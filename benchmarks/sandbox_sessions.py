@@ -1,7 +1,7 @@
 """Sessions benchmark: 3-command episodes per second, through the pool and through HTTP.
 
     python scripts/bench.py sandbox [--quick]      # part of the sandbox benchmark ("sessions")
-    python -m sandbox.bench_sessions [--quick]     # this part alone
+    python -m benchmarks.sandbox_sessions [--quick]     # this part alone
 
 One episode is what rl.envs.SessionEnv does for a level-1 task: open a session with two files,
 run 3 commands (`cat note.txt`, `cp <named file> out.txt`, `wc -c < out.txt`), the isolated check
@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from .loadgen import closed_loop
+from benchmarks.loadgen import closed_loop
 
 FILES = {"note.txt": "k7qa.txt\n", "k7qa.txt": "payload line\n", "decoy.txt": "nothing\n"}
 COMMANDS = ("cat note.txt", "cp k7qa.txt out.txt", "wc -c < out.txt")
@@ -78,9 +78,9 @@ def _sessions(executor, n: int, threads: int) -> dict[str, Any]:
 
 
 def run_sessions(quick: bool = False, workers: int | None = None, pool=None) -> dict[str, Any]:
-    from .bench_http import start_server, stop_server
-    from .client import SandboxClient
-    from .pool import SandboxPool
+    from benchmarks.sandbox_http import start_server, stop_server
+    from sandbox.client import SandboxClient
+    from sandbox.pool import SandboxPool
 
     w = workers or os.cpu_count() or 1
     n, c = (40, 8) if quick else (300, 16)

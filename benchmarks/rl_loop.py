@@ -5,7 +5,7 @@ Side by side in one run:
   * GRPO train-step time (32 sequences = 8 prompts x 4, prompt 32 + 64 generated tokens);
   * one RL iteration split into generate / score / train, and the fraction of scoring time hidden
     behind generation of the next batch (the loop's lookahead).
-MTP speculative decoding has its own benchmark (`scripts/bench.py spec`, rl/bench_spec.py).
+MTP speculative decoding has its own benchmark (`scripts/bench.py spec`, benchmarks/speculative.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Closed-loop load for the sandbox benchmarks (sandbox/bench*.py): `threads` callers each call
+"""Closed-loop load for the sandbox benchmarks (benchmarks/sandbox_*.py): `threads` callers each call
 fn() again as soon as the previous call returns, until n calls are done."""
 
 from __future__ import annotations

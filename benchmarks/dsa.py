@@ -17,29 +17,24 @@ Two measurements, side by side in one run:
 
 The crossover is the context length where dense / sparse-total crosses 1 (log-linear
 interpolation between measured lengths; "< S_min" if sparse already wins at the smallest).
-Times are the minimum of a few repeats after one warm-up call (shared CPUs are noisy).
+Times are the median of a few repeats after one warm-up call
+(pallas_kernels.check.median_seconds, no extra runs beyond `reps`).
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import jax
 
+from pallas_kernels.check import median_seconds
 from pallas_kernels.dsa import arg_specs, ops
 
 __all__ = ["run"]
 
 
 def _time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return median_seconds(fn, *args, reps=reps, budget_s=0.0)
 
 
 def _crossover(lengths, ratios):
