@@ -18,7 +18,7 @@ Two kinds of reasons:
               expect, e.g. a head dim the Pallas KDA kernels cannot tile);
   auto_skips  it could run but "auto" does not pick it here (e.g. a CPU compiles no Pallas
               kernel, only interprets it, which is slow): an explicit choice still runs it,
-              "auto" moves on and logs at INFO.
+              "auto" moves on and logs at DEBUG.
 "auto" walks the implementations in order, skipping `explicit_only` ones, and takes the first
 with no reason; every (op, choice, reasons) is logged once per process (logger
 "pallas_kernels.dispatch"). Resolution happens in Python while a function is traced, so a jitted
@@ -178,10 +178,12 @@ def _log_once(op: str, chosen: str, skipped: list, platform: str) -> None:
     _LOGGED.add(key)
     why = "; ".join(f"{n} {'cannot' if kind == 'cannot' else 'not picked'}: {r}"
                     for n, kind, r in skipped)
-    # WARNING: an implementation this platform would run was skipped for the call's shape/dtype
+    # WARNING: an implementation this platform would run was skipped for the call's shape/dtype;
+    # otherwise DEBUG (on CPU every script would print one line per op that only says "XLA, the
+    # CPU interprets Pallas": start-up noise)
     soft = {n for n, kind, _ in skipped if kind == "auto_skips"}
     hard = {n for n, kind, _ in skipped if kind == "cannot"}
-    level = logging.WARNING if hard - soft else logging.INFO
+    level = logging.WARNING if hard - soft else logging.DEBUG
     log.log(level, "%s: impl='auto' runs %r on %s%s", op, chosen, platform,
             f" ({why})" if why else "")
 

@@ -2,7 +2,7 @@
 XLA:CPU without LLVM optimisation passes (model/_xla_env.py: compile time dominates here).
 
 Tests stay tiny (2 layers, d_model <= 128, T <= 64) so the whole suite fits in 15 minutes on
-2 CPU cores.
+2 CPU cores, run by pytest-xdist on one worker per core (setup.cfg: `-n auto --dist loadfile`).
 """
 
 import pathlib
@@ -22,6 +22,21 @@ jax.config.update("jax_compilation_cache_dir", str(CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (setup.cfg's addopts; the suite runs under pytest-xdist, one test
+    file per worker at a time, `--dist loadfile`): one per CPU core, at most 4 and at most one per
+    4 GiB of memory (each worker holds its own JAX process, session fixtures and compiled
+    programs). `-n 0` runs everything in this process (for a debugger or `-x` on one file)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gib = 8.0
+    return max(1, min(cores or 1, 4, int(mem_gib // 4)))
 
 
 @pytest.fixture(scope="session")

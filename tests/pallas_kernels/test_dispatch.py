@@ -28,7 +28,7 @@ KDA = kda_ops.DISPATCH
 @pytest.fixture
 def records(caplog):
     dispatch.reset_log()
-    caplog.set_level(logging.INFO, logger="pallas_kernels.dispatch")
+    caplog.set_level(logging.DEBUG, logger="pallas_kernels.dispatch")
     yield caplog
     dispatch.reset_log()
 
@@ -53,13 +53,13 @@ def test_auto_picks_in_order_and_logs_once(records):
     # a different reason is a new line
     assert KDA.resolve("auto", platform="gpu", K=64, V=64, dtype="float16") == "chunked"
     assert "float16" in _dispatch_records(records)[-1].getMessage()
-    # CPU: the kernels could run (interpreted) but auto does not pick them: INFO, not WARNING
+    # CPU: the kernels could run (interpreted) but auto does not pick them: DEBUG, not WARNING
     assert KDA.resolve("auto", platform="cpu", K=64, V=64, dtype="float32") == "chunked"
     last = _dispatch_records(records)[-1]
-    assert last.levelno == logging.INFO and "compiles no Pallas" in last.getMessage()
-    # CPU with an untileable head dim: still only INFO (the platform would not run it anyway)
+    assert last.levelno == logging.DEBUG and "compiles no Pallas" in last.getMessage()
+    # CPU with an untileable head dim: still only DEBUG (the platform would not run it anyway)
     KDA.resolve("auto", platform="cpu", K=48, V=48)
-    assert _dispatch_records(records)[-1].levelno == logging.INFO
+    assert _dispatch_records(records)[-1].levelno == logging.DEBUG
 
 
 def test_auto_never_picks_explicit_only_and_names_are_kept():
