@@ -558,24 +558,25 @@ def batch_sharding(mesh: Mesh, n: int, rules: Rules | None = None) -> NamedShard
     return NamedSharding(mesh, P(batch_axes(mesh, n, rules) or None))
 
 
-# Logical axes of the decode-cache leaves, by leaf name (model/layers: KDA "conv" [B,W,C] and
-# "state" [B,H,K,V] f32; DSA "kv" [B,S,latent] and "k_idx" [B,S,index_head_dim]; "lengths" [B]).
-# The conv window's channels concatenate q, k and v of every head, so they stay whole.
-CACHE_AXES = {"state": ("batch", "act_heads", None, None), "conv": ("batch", None, None),
-              "kv": ("batch", "length", None), "k_idx": ("batch", "length", None),
-              "lengths": ("batch",)}
-
-
 def cache_axes(path) -> tuple:
-    """Logical axes of one cache leaf from its path (its last dict key); unknown leaves are split
-    over the batch only."""
+    """Logical axes of one decode-cache leaf from its path (its last dict key), as the layer kinds
+    declare them (model/layers/registry.py: each kind's `cache_axes`, e.g. KDA "state" [B,H,K,V]
+    heads over "act_heads", DSA "kv" [B,S,latent] over "length"); "lengths" [B] and leaves no kind
+    declares are split over the batch only."""
+    from model.layers import registry  # here, not at import: model.layers imports this module
+
     key = str(getattr(path[-1], "key", "")) if path else ""
-    return CACHE_AXES.get(key, ("batch",))
+    if key == "lengths":
+        return ("batch",)
+    for kind in registry.kinds().values():
+        if key in kind.cache_axes:
+            return tuple(kind.cache_axes[key])
+    return ("batch",)
 
 
 def constrain_cache(cache):
     """`constrain` every leaf of a decode cache (Model.init_cache / init_draft_cache) with its
-    CACHE_AXES: batch over the data axes, KDA state heads over tensor. No-op outside use_mesh."""
+    `cache_axes`: batch over the data axes, KDA state heads over tensor. No-op outside use_mesh."""
     def one(path, x):
         names = cache_axes(path)
         return constrain(x, names + (None,) * (x.ndim - len(names)))

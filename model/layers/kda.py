@@ -214,7 +214,7 @@ def _device_slice(cfg: KDAConfig, heads, kernels: str) -> KDAConfig:
 KIND = LayerKind(
     name="kda", section="kda", layer=KDALayer, config=KDAConfig,
     # the state's heads follow the tensor axis; the conv window's channels concatenate q, k and
-    # v of every head and stay whole (model/sharding.py:CACHE_AXES constrains the same)
+    # v of every head and stay whole (model/sharding.py:cache_axes reads this table)
     cache_axes={"state": ("batch", "act_heads", None, None), "conv": ("batch", None, None)},
     device_slice=_device_slice,
 )

@@ -227,11 +227,19 @@ def test_planner_reads_the_kinds_cache_axes(toy):
     assert device_slice_cfg(cfg, {"tensor": 2}).shortconv == cfg.shortconv  # nothing to split
 
 
-def test_builtin_cache_axes_match_the_runtime_constraints():
-    """model/sharding.py constrains decode caches by leaf name (its CACHE_AXES); the planner
-    reads each kind's cache_axes: the two must say the same for the built-in kinds."""
+def test_runtime_cache_constraints_read_the_kinds_cache_axes(toy):
+    """model/sharding.py constrains each decode-cache leaf with the axes its kind declares (the
+    same table the planner reads): the built-in kinds' leaves, a registered kind's leaf, and
+    "lengths" / undeclared leaves over the batch only."""
+    import jax
+
     from model import sharding as shd
 
-    for letter in ("K", "D"):
-        for leaf, axes in registry.get(letter).cache_axes.items():
-            assert shd.CACHE_AXES[leaf] == axes, (letter, leaf)
+    def path(leaf):
+        return (jax.tree_util.DictKey("layer_0"), jax.tree_util.DictKey(leaf))
+
+    assert shd.cache_axes(path("state")) == ("batch", "act_heads", None, None)
+    assert shd.cache_axes(path("conv")) == ("batch", None, None)
+    assert shd.cache_axes(path("kv")) == shd.cache_axes(path("k_idx")) == ("batch", "length", None)
+    assert shd.cache_axes(path("window")) == ("batch", None, "act_heads")  # the toy kind's leaf
+    assert shd.cache_axes(path("lengths")) == shd.cache_axes(path("unknown")) == ("batch",)
