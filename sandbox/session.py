@@ -174,9 +174,9 @@ def _failed(exc: BaseException) -> Future:
 class Session:
     """One episode's private, limited working directory (see the module docstring).
 
-    `Session(executor=None, files=None, limits=None)` opens a session on `executor` (a
-    SandboxPool, a SandboxClient, or the process-wide default pool); `pool.session(...)` and
-    `client.session(...)` do the same. `files` (relative path -> str/bytes) are placed in /work
+    `Session(executor, files=None, limits=None)` opens a session on `executor` (a SandboxPool
+    or a SandboxClient; for the process-wide default pool, `sandbox.default_pool().session(...)`);
+    `pool.session(...)` and `client.session(...)` do the same. `files` (relative path -> str/bytes) are placed in /work
     first. Methods: submit/run (a command, bash by default, any `sandbox.run` argument plus
     `budget`), submit_check/check (isolated, budget=False), read_files, usage, close.
     """
@@ -184,10 +184,11 @@ class Session:
     def __init__(self, executor=None, *, files: dict[str, str | bytes] | None = None,
                  limits: SessionLimits | dict | None = None, _backend=None) -> None:
         if _backend is None:
-            if executor is None:
-                from .pool import default_pool
-
-                executor = default_pool()
+            if executor is None or not hasattr(executor, "open_session"):
+                raise TypeError(
+                    f"Session needs an executor that opens sessions (a SandboxPool or a "
+                    f"SandboxClient), got {executor!r}; for the process-wide default pool use "
+                    f"sandbox.default_pool().session(...)")
             _backend = executor.open_session(files=files, limits=SessionLimits.coerce(limits))
         self._b = _backend
 
