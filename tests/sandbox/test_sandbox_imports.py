@@ -13,7 +13,6 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-
 def modules(root: str, package: str) -> dict[str, str]:
     """{dotted name: path} of every .py under root/package (package inits by the package name)."""
     out = {}
