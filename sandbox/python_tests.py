@@ -72,6 +72,7 @@ from typing import Any
 
 from . import plaindata
 from .plaindata import key_of
+from .pyparse import parse as parse_python
 from .result import ExecutionResult
 from .tasks.schema import Task
 
@@ -298,7 +299,7 @@ def transform_test(test: str, mode: str) -> tuple[str, int, bool]:
     (mode "verdict"), or has its asserts reduced to evaluating their expressions with errors
     swallowed (mode "collect"). Returns (source, number of cases, whether it defines check).
     Raises SyntaxError or ValueError if the test does not parse."""
-    tree = ast.parse(test)
+    tree = parse_python(test)
     check, host = _check_and_host(tree)
     new, n = [], 0
     any_exc = ast.Name("BaseException", ast.Load())
@@ -459,7 +460,7 @@ def case_count(test: str) -> int:
     """Top-level statements of `check` (or of the test module) that contain an assert: the cases
     (the same rule as the checker harness)."""
     try:
-        tree = ast.parse(test)
+        tree = parse_python(test)
     except (SyntaxError, ValueError):
         return 0
     _, host = _check_and_host(tree)
@@ -470,7 +471,7 @@ def static_calls(test: str, entry: str) -> list | None:
     """The encoded calls of the entry point, in source order, when they can be read off the test
     without running it (see the module docstring); None otherwise."""
     try:
-        tree = ast.parse(test)
+        tree = parse_python(test)
     except (SyntaxError, ValueError):
         return None
     check, host = _check_and_host(tree)
@@ -606,7 +607,7 @@ def checker_prompt(prompt: str, test: str, entry: str) -> str:
         return ""
     try:
         bound = set()
-        for node in ast.parse(prompt).body:
+        for node in parse_python(prompt).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 bound.add(node.name)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -614,7 +615,7 @@ def checker_prompt(prompt: str, test: str, entry: str) -> str:
             else:
                 bound |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
                           and isinstance(n.ctx, ast.Store)}
-        used = {n.id for n in ast.walk(ast.parse(test)) if isinstance(n, ast.Name)}
+        used = {n.id for n in ast.walk(parse_python(test)) if isinstance(n, ast.Name)}
     except (SyntaxError, ValueError):
         return prompt
     return prompt if (bound - {entry}) & used else ""
@@ -624,7 +625,7 @@ def prompt_is_code(task: Task) -> bool:
     if task.meta.get("prompt_is_text") or not task.prompt.strip():
         return False
     try:
-        ast.parse(task.prompt)
+        parse_python(task.prompt)
         return True
     except (SyntaxError, ValueError):
         return False

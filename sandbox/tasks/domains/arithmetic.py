@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...pyparse import parse as parse_python
 from ..schema import Task
 from .base import MAX_COMPLETION_BYTES, OneShotDomain
 
@@ -105,7 +106,7 @@ def _parse_tree(s: str) -> Tree | None:
             return n.value
         raise ValueError
     try:
-        return conv(ast.parse(s.strip(), mode="eval").body)
+        return conv(parse_python(s.strip(), mode="eval").body)
     except (SyntaxError, ValueError, RecursionError):
         return None
 
