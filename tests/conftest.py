@@ -39,6 +39,15 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores or 1, 4, int(mem_gib // 4)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Test files with a `slow` test run first. Under `--dist loadfile` each file is one unit of
+    work, handed to the workers in this order: long units start early, while short ones can still
+    fill the other worker (a long file started last would run alone at the end). Order within a
+    file is kept (a stable sort), so module fixtures are built once."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(scope="session")
 def interpret() -> bool:
     """Pallas kernels run in interpret mode unless a GPU/TPU backend is present."""

@@ -148,6 +148,7 @@ def reference(children) -> pathlib.Path:
 
 
 # =========================================================================== tests (parent side)
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
 def test_sharded_train_step_equals_unsharded(children, reference, mesh):
     """Forward, loss, gradients, router statistics, aux-free bias update and one AdamW step on
@@ -171,6 +172,7 @@ def test_checkpoint_restores_across_meshes(children, reference):
     assert "OK checkpoint" in children.result("checkpoint")
 
 
+@pytest.mark.slow
 def test_two_processes_run_one_sharded_step(children, reference, tmp_path):
     """Two local processes (4 CPU devices each) joined by jax.distributed (gloo collectives)
     run one sharded train step on a (2,1,2,2) mesh spanning both; both agree with the

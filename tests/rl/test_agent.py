@@ -56,6 +56,7 @@ def agent():
                 demo=(ids, target))
 
 
+@pytest.mark.slow
 def test_episodes_are_multi_turn_and_scored_by_the_session_check(agent):
     g = agent["group"]
     assert not g.failed.any(), g.details

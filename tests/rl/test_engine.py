@@ -127,6 +127,7 @@ def grpo_step1(setup):
                                       donate=False)
 
 
+@pytest.mark.slow
 def test_micro_batches_equal_full_batch(setup, grpo_step1, logp_fn):
     # (GSPO's sequence-level ratio and every other preset run under jax.grad in test_algorithms)
     model, variables = setup

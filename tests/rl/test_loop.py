@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DIGIT_CHECK = "import re, sys\nsys.exit(0 if re.search('[0-9]', open('answer.txt').read()) else 1)\n"
 
 
+@pytest.mark.slow
 def test_grpo_raises_reward_on_sandbox_scored_task():
     cfg = ModelConfig.from_dict(models.get_config("test"))
     model = Model(cfg)

@@ -166,6 +166,7 @@ def test_weight_decay_mask_on_reference_tree():
     assert not decays & frozen  # every layer of a kind agrees
 
 
+@pytest.mark.slow
 def test_indexer_warmup_trains_only_the_indexer_and_raises_recall(setup):
     model, variables, tokens, mask = setup
     wmodel = warmup_model(model.cfg)

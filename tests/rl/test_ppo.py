@@ -245,6 +245,7 @@ def test_critic_config_and_missing_critic_errors(ppo):
 DIGIT_CHECK = "import re, sys\nsys.exit(0 if re.search('[0-9]', open('answer.txt').read()) else 1)\n"
 
 
+@pytest.mark.slow
 def test_run_rl_ppo_trains_and_checkpoints_the_critic(ppo, tmp_path):
     config = _config(tmp_path)
     config.tasks.task_file = str(tmp_path / "tasks.jsonl")

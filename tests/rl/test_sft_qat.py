@@ -43,6 +43,7 @@ def _metrics(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_qat_phase_runs_after_sft_and_is_what_rl_starts_from(tmp_path):
     config = _config(tmp_path)
     state = loop.run_sft(config, progress=False)
