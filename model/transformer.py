@@ -226,6 +226,7 @@ def moe_layer_names(cfg: ModelConfig) -> list[str]:
 
 _INIT_PROGRAMS: dict = {}  # (ModelConfig, seq_len) -> jitted init
 _ABSTRACT_INITS: dict = {}  # (ModelConfig, seq_len) -> abstract variables (read-only leaves)
+_RECALL_PROGRAMS: dict = {}  # ModelConfig -> jitted indexer-recall diagnostics
 
 
 def _check_chunk(chunk) -> int:
@@ -370,11 +371,20 @@ class Model:
         the index_topk keys with the highest head-averaged attention that the indexer's top-k
         also selects, averaged over queries with more than index_topk causal keys (fewer keys:
         every key is selected). tokens [B,T]. Returns {layer name: recall, "mean": mean over
-        layers}; NaN where no query qualifies (T <= index_topk)."""
-        _, state = self.net.apply(variables, tokens, valid, None, True,
-                                  mutable=["diagnostics"])
+        layers}; NaN where no query qualifies (T <= index_topk). One compiled program per config
+        (op by op, each call in a fresh process compiled every primitive separately)."""
+        fn = _RECALL_PROGRAMS.get(self.cfg)
+        if fn is None:
+            net = self.net
+
+            def diagnostics(variables, tokens, valid):
+                _, state = net.apply(variables, tokens, valid, None, True,
+                                     mutable=["diagnostics"])
+                return state.get("diagnostics", {})
+
+            fn = _RECALL_PROGRAMS[self.cfg] = jax.jit(diagnostics)
         out = {}
-        for name, layer in state.get("diagnostics", {}).items():
+        for name, layer in fn(variables, tokens, valid).items():
             (hits, n), = layer["attn"]["indexer_recall"]  # sown once per DSA layer
             out[name] = hits / n
         if out:
