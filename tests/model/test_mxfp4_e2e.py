@@ -229,8 +229,13 @@ def test_qat_forward_is_dequantised_forward(base):
     qat = Model(cfg.replace(moe=dataclasses.replace(cfg.moe, qat=True)))
     tokens = _tokens()
     fq = dict(variables, params=quant.fake_quant_experts(variables["params"]))
-    np.testing.assert_array_equal(np.asarray(_fwd(qat)(variables, tokens)),
-                                  np.asarray(_fwd(model)(fq, tokens)))
+    got, want = np.asarray(_fwd(qat)(variables, tokens)), np.asarray(_fwd(model)(fq, tokens))
+    # equal up to f32 rounding: the two programs fuse the quantiser differently (bit-equal with
+    # XLA:CPU's fusion emitters, 2e-6 apart with the elemental emitter the suite compiles with)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    # the tolerance is far below what skipping the quantiser changes
+    plain = np.asarray(_fwd(model)(variables, tokens))
+    assert np.max(np.abs(plain - want)) > 1e-3
 
 
 def test_qat_gradients_pass_straight_through():
