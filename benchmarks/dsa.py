@@ -61,6 +61,19 @@ def _fns(spec, impl):
     return dense, sparse, jax.jit(_select)
 
 
+def _dense_vs_sparse(a, idx, dense, sparse, select, reps) -> dict:
+    """Milliseconds of the dense attention, the sparse attention on the given top-k and the
+    indexer's top-k selection, and the dense / sparse ratios (attention alone and with the
+    indexer)."""
+    r = {"dense_ms": 1e3 * _time(dense, a["q"], a["kv"], reps=reps),
+         "sparse_attn_ms": 1e3 * _time(sparse, a["q"], a["kv"], idx, reps=reps),
+         "indexer_topk_ms": 1e3 * _time(select, a["q_idx"], a["k_idx"], a["w"], reps=reps)}
+    r["sparse_total_ms"] = r["sparse_attn_ms"] + r["indexer_topk_ms"]
+    r["ratio_attn"] = r["dense_ms"] / r["sparse_attn_ms"]
+    r["ratio_total"] = r["dense_ms"] / r["sparse_total_ms"]
+    return r
+
+
 def _per_token(specs, reps, accel, dtype):
     rows = []
     for spec in specs:
@@ -69,12 +82,7 @@ def _per_token(specs, reps, accel, dtype):
         dense, sparse, select = _fns(spec, "xla")
         idx = select(a["q_idx"], a["k_idx"], a["w"])
         r = dict(S=spec.s, t=spec.t)
-        r["dense_ms"] = 1e3 * _time(dense, a["q"], a["kv"], reps=reps)
-        r["sparse_attn_ms"] = 1e3 * _time(sparse, a["q"], a["kv"], idx, reps=reps)
-        r["indexer_topk_ms"] = 1e3 * _time(select, a["q_idx"], a["k_idx"], a["w"], reps=reps)
-        r["sparse_total_ms"] = r["sparse_attn_ms"] + r["indexer_topk_ms"]
-        r["ratio_attn"] = r["dense_ms"] / r["sparse_attn_ms"]
-        r["ratio_total"] = r["dense_ms"] / r["sparse_total_ms"]
+        r.update(_dense_vs_sparse(a, idx, dense, sparse, select, reps))
         if accel:
             _, sparse_p, select_p = _fns(spec, "pallas")
             r["pallas_attn_ms"] = 1e3 * _time(sparse_p, a["q"], a["kv"], idx, reps=reps)
@@ -94,12 +102,7 @@ def _prefill(lengths, reps, dtype):
         dense, sparse, select = _fns(spec, "auto")
         idx = select(a["q_idx"], a["k_idx"], a["w"])
         r = dict(S=s, t=s)
-        r["dense_ms"] = 1e3 * _time(dense, a["q"], a["kv"], reps=reps)
-        r["sparse_attn_ms"] = 1e3 * _time(sparse, a["q"], a["kv"], idx, reps=reps)
-        r["indexer_topk_ms"] = 1e3 * _time(select, a["q_idx"], a["k_idx"], a["w"], reps=reps)
-        r["sparse_total_ms"] = r["sparse_attn_ms"] + r["indexer_topk_ms"]
-        r["ratio_attn"] = r["dense_ms"] / r["sparse_attn_ms"]
-        r["ratio_total"] = r["dense_ms"] / r["sparse_total_ms"]
+        r.update(_dense_vs_sparse(a, idx, dense, sparse, select, reps))
         rows.append(r)
         print(_fmt_row(r, False), flush=True)
     return rows
