@@ -97,11 +97,11 @@ def _iteration_split(model, variables, quick: bool) -> dict:
     from rl.pipeline import RolloutWorker
     from rl.sampler import SamplingConfig
     from sandbox import SandboxPool
-    from sandbox.tasks import generators
+    from sandbox.tasks.sampling import make_split
     from sandbox.verifiers import Verifier
 
     tasks = [t for f in ("arithmetic", "code", "terminal")
-             for t, _ in generators.make_split(f, "train", 16, 0)]
+             for t, _ in make_split(f, "train", 16, 0)]
     tok = ByteTokenizer()
     with SandboxPool(workers=2) as pool:
         w = RolloutWorker(model, tok, SamplingConfig(max_new_tokens=32 if quick else 48),

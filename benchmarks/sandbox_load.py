@@ -74,7 +74,7 @@ def _normal_job(i: int, rng: random.Random) -> tuple[str, Any, str]:
 
 def _hack_jobs(verifier) -> list:
     """Reward hacks through the verifier: (name, pending, expected score 0)."""
-    from sandbox.tasks.generators import make_split
+    from sandbox.tasks.sampling import make_split
 
     (code_task, _), = make_split("code", "test", 1, seed=3, difficulty=1)
     (term_task, _), = make_split("terminal", "test", 1, seed=3, difficulty=1)

@@ -183,8 +183,8 @@ def smoke() -> ml_collections.ConfigDict:
 
 
 def agent() -> ml_collections.ConfigDict:
-    """Multi-step terminal episodes only (sandbox/tasks/multistep.py level 1: the file to copy
-    or count is only named inside another file) on the demo model: SFT on multi-turn
+    """Multi-step terminal episodes only (sandbox/tasks/domains/multistep.py level 1: the file to
+    copy or count is only named inside another file) on the demo model: SFT on multi-turn
     demonstrations (40% well-formed but wrong), then GRPO over episodes played in sandbox
     sessions through Hermes tool calls (rl/agent.py). Run time and results: the README.
         python scripts/demo.py --config configs/rl.py:agent"""

@@ -9,7 +9,6 @@
     splits.py     the split rule (a task's split is a hash of its canonical key)
     sampling.py   make_split / make_mixture of the generated domains, by name
     sft.py        SFT mixing: demonstrations with a share of corrupted ones
-    generators.py, multistep.py   the older module names, re-exporting the above
 
 Names are imported lazily (like the `sandbox` package), so importing sandbox.tasks.schema, as
 sandbox/verifiers.py does, runs none of the loaders (which check tasks with the verifiers).

@@ -28,7 +28,7 @@ from rl.pipeline import build_train_batch
 from rl.sampler import SamplingConfig
 from rl.train_step import make_logp_fn, make_rl_loss
 from sandbox import SandboxPool
-from sandbox.tasks import multistep
+from sandbox.tasks.domains import multistep
 
 WIDTH, TURN = 448, 96
 ENV = EnvConfig(observation_tokens=32, max_turns=4)
@@ -143,7 +143,7 @@ def test_sampler_logprobs_equal_trainer_and_observations_carry_no_loss(agent):
 def test_routing_worker_merges_one_shot_and_agent_rows_in_task_order(agent):
     from rl.agent import RoutingWorker
     from rl.pipeline import RolloutWorker
-    from sandbox.tasks.generators import make_split
+    from sandbox.tasks.sampling import make_split
     from sandbox.verifiers import Verifier
 
     model, variables, tok, task = agent["model"], agent["variables"], agent["tok"], agent["task"]

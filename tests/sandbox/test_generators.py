@@ -1,5 +1,6 @@
-"""Procedural task families (sandbox/tasks/generators.py): demonstrations pass in the sandbox,
-corruptions fail, splits are disjoint and deterministic, byte limits hold, difficulty matters."""
+"""Procedural task families (sandbox/tasks/domains/, drawn by sandbox/tasks/sampling.py):
+demonstrations pass in the sandbox, corruptions fail, splits are disjoint and deterministic, byte
+limits hold, difficulty matters."""
 
 import ast
 import json
@@ -9,24 +10,19 @@ import pytest
 
 from sandbox import Task
 from sandbox.mathverify import MathVerifier
-from sandbox.tasks.generators import (
-    FAMILIES,
-    MAX_COMPLETION_BYTES,
-    MAX_PROMPT_BYTES,
-    corrupt,
-    countdown_ok,
-    load_gsm8k,
-    make_mixture,
-    make_split,
-    read_jsonl,
-    sft_examples,
-    split_of,
-    write_jsonl,
-)
+from sandbox.tasks.domains import DOMAINS, get_domain
+from sandbox.tasks.domains.arithmetic import countdown_ok
+from sandbox.tasks.domains.base import MAX_COMPLETION_BYTES, MAX_PROMPT_BYTES
+from sandbox.tasks.domains.gsm8k import load_gsm8k
+from sandbox.tasks.loaders import read_jsonl, write_jsonl
+from sandbox.tasks.sampling import make_mixture, make_split
 from sandbox.tasks.schema import TaskFormatError
+from sandbox.tasks.sft import corrupt, sft_examples
+from sandbox.tasks.splits import split_of
 from sandbox.verifiers import Verifier
 
-FAMS = sorted(FAMILIES)
+# the generated one-shot domains (multistep is multi-turn; gsm8k is loaded from a file)
+FAMS = sorted(n for n, d in DOMAINS.items() if d.generated and not d.multi_turn)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +40,7 @@ def test_demos_pass_and_corruptions_fail_in_sandbox(verifier, family):
     pairs = [p for d in (1, 2, 3) for p in make_split(family, "train", 4, seed=7, difficulty=d)]
     pairs += [p for d in (1, 2, 3) for p in make_split(family, "test", 2, seed=7, difficulty=d)]
     rng = random.Random(0)
-    wrongs = [FAMILIES[family].corrupt(rng, t, demo) for t, demo in pairs]
+    wrongs = [get_domain(family).corrupt(rng, t, demo) for t, demo in pairs]
     pend = [(verifier.submit(t, demo), verifier.submit(t, w)) for (t, demo), w in zip(pairs, wrongs)]
     for (t, demo), w, (pd, pw) in zip(pairs, wrongs, pend):
         s_demo, d_demo = pd.result()
@@ -61,11 +57,11 @@ def test_demos_pass_and_corruptions_fail_in_sandbox(verifier, family):
 
 
 def test_arithmetic_checks_numbers_operators_and_target(verifier):
-    task, demo = FAMILIES["arithmetic"].build([7, 3, 5], 22, "3*5+7")
+    task, demo = get_domain("arithmetic").build([7, 3, 5], 22, "3*5+7")
     assert task.prompt == "Make 22 from 3 5 7 using + - * and parentheses"
     assert task.meta["difficulty"] == 2 and task.meta["split"] in ("train", "val", "test")
     with pytest.raises(ValueError):
-        FAMILIES["arithmetic"].build([3, 5, 7], 22, "4*5+2")
+        get_domain("arithmetic").build([3, 5, 7], 22, "4*5+2")
     good = ["3*5+7", "7+5*3", "(3*5)+7", " 3 * 5 + 7\n"]
     bad = ["22", "4*5+2",            # reaches 22 with other numbers
            "3*5+7+0", "3*5+7*1",     # an extra number

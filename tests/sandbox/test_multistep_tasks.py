@@ -1,8 +1,8 @@
-"""The multi-step terminal family (sandbox/tasks/multistep.py) and the folder-per-task loader
-(sandbox/tasks/folders.py): splits disjoint and deterministic, levels balanced, sizes for the
-tiny model, answers that cannot be guessed from the prompt, offline demonstrations equal to what
-real sessions print (one task per template, correct and corrupted, judged by the real check),
-the imperfect fraction, and every malformed task folder refused with a message."""
+"""The multi-step terminal family (sandbox/tasks/domains/multistep.py) and the folder-per-task
+loader (sandbox/tasks/folders.py): splits disjoint and deterministic, levels balanced, sizes for
+the tiny model, answers that cannot be guessed from the prompt, offline demonstrations equal to
+what real sessions print (one task per template, correct and corrupted, judged by the real
+check), the imperfect fraction, and every malformed task folder refused with a message."""
 
 import os
 import random
@@ -13,8 +13,9 @@ import pytest
 from rl.envs import EnvConfig, SessionEnv, demo_turns, play
 from rl.tools import format_tool_call
 from sandbox import TaskFormatError
-from sandbox.tasks import multistep
+from sandbox.tasks.domains import multistep
 from sandbox.tasks.folders import load_task_dir
+from sandbox.tasks.sft import sft_episodes
 
 TRAIN = multistep.make_split("train", 240, seed=0)
 
@@ -65,11 +66,11 @@ def test_corruptions_fail_and_the_imperfect_fraction_is_exact():
         _, final = multistep.simulate(t.files, [x["command"] for x in turns])
         assert not multistep.passes(t, final)
         assert [x["command"] for x in turns] != [x["command"] for x in t.meta["demo_turns"]]
-    eps = multistep.sft_episodes(TRAIN[:50], 0.4, seed=1)
+    eps = sft_episodes(TRAIN[:50], 0.4, seed=1)
     assert sum(not ok for _, _, ok in eps) == 20
     assert [t.id for t, _, _ in eps] == [t.id for t in TRAIN[:50]]
     with pytest.raises(ValueError):
-        multistep.sft_episodes(TRAIN[:5], 1.5, seed=0)
+        sft_episodes(TRAIN[:5], 1.5, seed=0)
 
 
 def test_offline_demonstrations_match_real_sessions(pool):
@@ -152,9 +153,11 @@ def test_tasks_are_the_same_in_every_process():
     # once shuffled the random file names differently in every process)
     import subprocess
     import sys
-    code = ("import hashlib, json\nfrom sandbox.tasks import multistep, generators\n"
+    code = ("import hashlib, json\nfrom sandbox.tasks.domains import DOMAINS, multistep\n"
+            "from sandbox.tasks.sampling import make_split\n"
             "ts = multistep.make_split('train', 12, seed=1)\n"
-            "ts += [t for f in generators.FAMILIES for t, _ in generators.make_split(f, 'val', 4, 1)]\n"
+            "fams = [f for f, d in DOMAINS.items() if d.generated and not d.multi_turn]\n"
+            "ts += [t for f in fams for t, _ in make_split(f, 'val', 4, 1)]\n"
             "print(hashlib.sha256(json.dumps([t.to_dict() for t in ts], sort_keys=True)"
             ".encode()).hexdigest())")
     import os

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from sandbox import Task, load_humaneval, load_tasks, python_tests
-from sandbox.tasks.generators import make_split
+from sandbox.tasks.sampling import make_split
 from sandbox.verifiers import Verifier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

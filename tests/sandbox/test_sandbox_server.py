@@ -244,7 +244,7 @@ def test_remote_checks_run_isolated(server):
     # A verifier on a remote fleet judges like a local pool: the check's `isolated` flag crosses
     # HTTP (native /run_sequence and SandboxFusion /run_code), so a package the completion writes
     # into /work cannot hijack the check's interpreter.
-    from sandbox.tasks.generators import make_split
+    from sandbox.tasks.sampling import make_split
     (task, demo), = make_split("terminal", "train", 1, seed=5, difficulty=1)
     hack = "mkdir encodings; printf 'import os\\nos._exit(0)\\n' > encodings/__init__.py"
     with SandboxClient(server.url, max_concurrency=2) as c:

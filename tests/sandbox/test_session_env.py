@@ -26,7 +26,7 @@ from rl.envs import (
     step_batch,
 )
 from rl.tools import format_tool_call
-from sandbox.tasks import multistep
+from sandbox.tasks.domains import multistep
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = multistep.make_split("train", 3, seed=7, difficulty=1)  # copy/count/find: 2 commands
