@@ -1,5 +1,6 @@
 """Shared test setup: a persistent JAX compilation cache under .cache/ (git-ignored), f32 matmuls,
-XLA:CPU without LLVM optimisation passes (model/_xla_env.py: compile time dominates here).
+XLA:CPU without LLVM optimisation passes and with its elemental fusion emitter
+(model/_xla_env.py: compile time dominates here).
 
 Tests stay tiny (2 layers, d_model <= 128, T <= 64) so the whole suite fits in 15 minutes on
 2 CPU cores, run by pytest-xdist on one worker per core (setup.cfg: `-n auto --dist loadfile`).
