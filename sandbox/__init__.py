@@ -9,7 +9,7 @@
 Names are imported lazily, so a pool worker process (which imports sandbox.worker) stays small.
 """
 
-import importlib
+from ._lazy import lazy_exports
 
 _EXPORTS = {
     "SandboxClient": "client", "connect": "client",
@@ -29,15 +29,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'sandbox' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -26,6 +26,15 @@ def _which(path: str, name: str) -> str | None:
     return fallback if os.path.isfile(fallback) and os.access(fallback, os.X_OK) else None
 
 
+# kernel knobs that stop unprivileged user namespaces: (sysctl, blocking value, fix, message);
+# a knob this kernel lacks blocks nothing
+_SYSCTL_PROBLEMS = (
+    ("kernel.unprivileged_userns_clone", "0", "1", "unprivileged user namespaces are disabled"),
+    ("kernel.apparmor_restrict_unprivileged_userns", "1", "0",
+     "AppArmor restricts unprivileged user namespaces"),
+)
+
+
 def check_isolation(cfg: SandboxConfig) -> list[str]:
     """Problems that prevent bubblewrap isolation here (empty when it can be set up)."""
     problems = []
@@ -39,20 +48,13 @@ def check_isolation(cfg: SandboxConfig) -> list[str]:
                                 "sysctl -w user.max_user_namespaces=15000")
     except OSError:
         problems.append("this kernel has no user namespaces (/proc/sys/user/max_user_namespaces)")
-    try:
-        with open("/proc/sys/kernel/unprivileged_userns_clone") as f:
-            if f.read().strip() == "0":
-                problems.append("unprivileged user namespaces are disabled: "
-                                "sysctl -w kernel.unprivileged_userns_clone=1")
-    except OSError:
-        pass
-    try:
-        with open("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") as f:
-            if f.read().strip() == "1":
-                problems.append("AppArmor restricts unprivileged user namespaces: "
-                                "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0")
-    except OSError:
-        pass
+    for key, bad, fix, message in _SYSCTL_PROBLEMS:
+        try:
+            with open("/proc/sys/" + key.replace(".", "/")) as f:
+                if f.read().strip() == bad:
+                    problems.append(f"{message}: sysctl -w {key}={fix}")
+        except OSError:
+            pass
     for tool, name in ((cfg.setpriv, "setpriv (util-linux)"), (cfg.shell, "dash")):
         if tool == cfg.setpriv and os.geteuid() != 0:
             continue

@@ -14,7 +14,7 @@ Names are imported lazily (like the `sandbox` package), so importing sandbox.tas
 sandbox/verifiers.py does, runs none of the loaders (which check tasks with the verifiers).
 """
 
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "Task": "schema", "TaskFormatError": "schema",
@@ -25,15 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'sandbox.tasks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
