@@ -62,13 +62,6 @@ def check_kernel(table, impl: str, field: str, hint: str = "", **facts) -> None:
            f"{table.auto_order()} that can take the call) or 'xla'")
 
 
-def __getattr__(name: str):
-    # KDAConfig / DSAConfig live next to their layers; kept importable from here
-    if name in ("KDAConfig", "DSAConfig"):
-        return registry.get({"KDAConfig": "K", "DSAConfig": "D"}[name]).config
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Sparse feed-forward: routed experts + shared experts; first `first_dense_layers` are dense."""
