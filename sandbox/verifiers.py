@@ -42,18 +42,11 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any, Protocol
 
 from . import python_tests
+from .backend import Executor
 from .result import ExecutionResult
 from .tasks.schema import Task, TaskFormatError
-
-
-class Executor(Protocol):
-    def submit(self, code: str, **kw: Any): ...
-
-    def submit_sequence(self, steps: list[dict]): ...
-
 
 # --------------------------------------------------------------------------------------------
 # helpers
