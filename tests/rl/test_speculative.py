@@ -18,7 +18,8 @@ from configs import models
 from model.config import ModelConfig
 from model.objectives import counting_tokens
 from model.transformer import Model
-from rl.sampler import Sampler, SamplingConfig, pack, verify_draft
+from rl.sampler import Sampler, SamplingConfig, pack
+from rl.speculative import verify_draft
 from rl.train_step import make_logp_fn
 
 
