@@ -50,7 +50,8 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 -> off
     eos_id: int = 2
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # token-id sequences that end a row
-    speculative: str = "none"  # "mtp": draft one token with the MTP head, verify two at once
+    speculative: str = "none"  # "mtp": draft with the MTP head, verify the drafts in one pass
+    draft_tokens: int = 1  # speculative="mtp": tokens drafted per trunk pass (k; verify k + 1)
     # prompt tokens per prefill call through the cache (Model.prefill's chunk); 0 = one shot.
     # Long prompts: attention temporaries grow with prefill_chunk x prompt, not prompt squared.
     prefill_chunk: int = 0
@@ -58,6 +59,8 @@ class SamplingConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be >= 1, got {self.draft_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
