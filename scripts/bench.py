@@ -10,6 +10,8 @@ tests). The benchmarks live in benchmarks/ (one module per topic); this file onl
   rl       sampler with cache vs recompute, train step time, RL iteration split
   spec     MTP speculative vs plain decoding: tokens/s, acceptance, greedy outputs identical
   moe      expert-parallel dispatch vs local dispatch on 8 host devices
+  peer     GRPO iteration split and decode tokens/s vs google-tunix 0.1.7 on matched work
+           (fresh processes per side; the peer's venv: bash scripts/setup_peers.sh)
 """
 
 import argparse
@@ -28,6 +30,7 @@ BENCHMARKS = {
     "rl": "benchmarks.rl_loop",
     "spec": "benchmarks.speculative",
     "moe": "benchmarks.moe",
+    "peer": "benchmarks.grpo_peer",
 }
 
 

@@ -1,0 +1,308 @@
+"""The project's side of the peer benchmark: the matched GRPO work (benchmarks/peers:MATCHED)
+through this project's RL engine, in one fresh process (benchmarks/grpo_peer.py starts it).
+
+    python -m benchmarks.grpo_matched --variant hybrid --steps 2 --reps 2
+    python -m benchmarks.grpo_matched --variant dense --set rl.algo.kl_coef=0.0
+
+Variants (the model; everything else is the same run):
+  hybrid  the `tiny` preset's layout (KDA, KDA, KDA, DSA; sparse MoE after a dense first layer;
+          one MTP module) widened to the peer's size: d_model 256, 4 heads of 64, vocab 512;
+  dense   the same engine with 4 DSA layers in dense-attention mode (indexer warm-up stage, no
+          indexer loss), a dense SwiGLU of 1024 and no MTP: the closest this model gets to the
+          peer's plain transformer.
+
+The run is configs/rl.py:demo with the matched work's fields (rl.prompts_per_batch 8,
+rl.group_size 4, rl.max_prompt_len 32, rl.max_new_tokens 64, rl.temperature 0.9, rl.algo.kl_coef
+0.04, optim: AdamW lr 1e-5, b2 0.999, weight decay 1e-4, no clipping, constant lr) and
+rl.init_from=scratch; `--set a.b=value` overrides any field (as --config.a.b=value does for the
+scripts), so engine options added later can be measured without touching this file. One
+iteration is rl/loop.py:run_rl's (with rl.overlap_scoring off: generate, wait for the scores,
+train): the rollout worker (rl.pipeline.RolloutWorker via rl.loop.make_rollout_worker) generates
+and submits the rewards, rl.loop._train_on builds the batch (rl.pipeline.build_train_batch, with
+rl.loop._RolloutForward's old and reference log-prob passes) and runs the train step
+(rl.train_step.make_train_step), all on the config's mesh (one device). The reward is the matched
+work's host function (even-id fraction) on a thread, in place of the sandbox; its wait is the
+`score` sample. The GRPO part runs first, in a cold process with no persistent compilation cache,
+so its first iteration holds every compile; then the sampler alone (rl.sampler.Sampler, the
+worker's) at 64 and 1 new tokens, batch 32 and 1.
+
+Clock samples (the names tunix_grpo.py uses): iteration, rollout (RolloutWorker.start: prompts
+encoded, generated, texts decoded, rewards submitted), logp_old, logp_ref, train_step, score;
+sampler_b{B}_g{G}. The project's prefill and decode inside a rollout are one compiled program,
+so the driver estimates the in-iteration prefill by the 1-token call (sampler_b32_g1).
+Prints (and with --out writes) one JSON record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import os
+import sys
+import tempfile
+
+from benchmarks.peers import MATCHED, Clock, loadavg
+
+VARIANTS = ("hybrid", "dense")
+
+
+def model_config(variant: str, spec: dict = MATCHED):
+    """The model of a variant at the matched size (an ml_collections.ConfigDict)."""
+    from configs import models
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    c = models.tiny()
+    c.vocab_size = spec["vocab"]
+    c.d_model = 256
+    c.kda.update(dict(num_heads=4, head_dim=64))
+    if variant == "hybrid":
+        c.dsa.update(dict(num_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
+                          qk_rope_head_dim=32, v_head_dim=64))
+        c.moe.update(dict(num_experts=8, num_experts_per_tok=2, expert_dim=64, dense_dim=1024))
+        return c
+    c.name = "dense_matched"
+    c.layer_pattern = "D"
+    c.dsa.update(dict(num_heads=4, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32,
+                      qk_rope_head_dim=32, v_head_dim=64, index_n_heads=1, index_head_dim=16,
+                      index_rope_dim=0, index_topk=spec["prompt_len"] + spec["new_tokens"],
+                      indexer_stage="dense_warmup", indexer_loss_weight=0.0))
+    c.moe.update(dict(num_experts=0, dense_dim=1024, first_dense_layers=0, aux_loss_coef=0.0))
+    c.mtp.depth = 0
+    return c
+
+
+def apply_overrides(config, items) -> None:
+    """`a.b=value` strings onto an ml_collections config, each value cast to the field's type
+    (True/False for booleans)."""
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set wants key=value (e.g. rl.algo.kl_coef=0.0), got {item!r}")
+        node, *path = config, *key.split(".")
+        *parents, last = path
+        for name in parents:
+            node = node[name]
+        if last not in node:
+            raise ValueError(f"--set {item!r}: the config has no field {key!r}")
+        old = node[last]
+        if isinstance(old, bool):
+            if value not in ("True", "False", "true", "false"):
+                raise ValueError(f"--set {item!r}: {key} is a boolean (True or False)")
+            node[last] = value in ("True", "true")
+        elif old is None:
+            node[last] = value
+        else:
+            node[last] = type(old)(value)
+
+
+def run_config(variant: str, overrides=(), spec: dict = MATCHED):
+    """configs/rl.py:demo with the matched work's fields, the variant's model and overrides."""
+    from configs import rl as rl_configs
+
+    c = rl_configs.demo()
+    c.name = f"matched_{variant}"
+    c.workdir = os.path.join(tempfile.gettempdir(), "grpo_matched")
+    c.model = model_config(variant, spec)
+    c.rl.update(dict(prompts_per_batch=spec["prompts"], group_size=spec["group"],
+                     max_prompt_len=spec["prompt_len"], max_new_tokens=spec["new_tokens"],
+                     temperature=spec["temperature"], top_p=spec["top_p"], top_k=0,
+                     init_from="scratch", overlap_scoring=False))
+    c.rl.algo.update(dict(kl_coef=spec["kl_coef"], clip_low=spec["clip"],
+                          clip_high=spec["clip"]))
+    c.optim.update(dict(lr=spec["lr"], warmup_steps=1, final_lr_frac=1.0, b1=spec["b1"],
+                        b2=spec["b2"], eps=spec["eps"], weight_decay=spec["weight_decay"],
+                        clip_norm=0.0))
+    c.eval.every = 0
+    apply_overrides(c, overrides)
+    return c
+
+
+class IdTokenizer:
+    """Token ids written as space-separated text (the peer's prompts); BOS 1, PAD 0, and an
+    end-of-sequence id (-1) that is never sampled, so every row generates max_new_tokens."""
+
+    pad_id, bos_id, eos_id = 0, 1, -1
+
+    def chat_prompt(self, prompt: str) -> str:
+        return prompt
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        return [self.bos_id] * bos + [int(t) for t in text.split()] + [self.eos_id] * eos
+
+    def decode(self, ids, **_) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class EvenFractionReward:
+    """The matched work's reward (fraction of even ids in the completion), scored on a host
+    thread behind the verifier interface the rollout worker submits to."""
+
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    @staticmethod
+    def score(text: str):
+        ids = [int(t) for t in text.split()]
+        return sum(i % 2 == 0 for i in ids) / max(1, len(ids)), {"status": "ok"}
+
+    def submit(self, task, text: str):
+        return self._pool.submit(self.score, text)
+
+    def close(self):
+        self._pool.shutdown()
+
+
+def _prompt_texts(rng, n: int, spec: dict) -> list[str]:
+    ids = rng.integers(3, spec["vocab"], (n, spec["prompt_len"] - 1))  # [n, P-1]
+    return [" ".join(str(int(x)) for x in row) for row in ids]
+
+
+def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
+    """1 + steps iterations of the matched GRPO work; returns facts about the run and what the
+    sampler-alone part needs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model import sharding as shd
+    from rl import loop
+    from rl.algorithms import algo_from_config
+    from rl.train_step import make_logp_fn, make_train_step
+    from sandbox.tasks.schema import Task
+
+    r = config.rl
+    model, algo = loop.rl_model(config), algo_from_config(r.algo)
+    mesh, rules = shd.mesh_from_config(config)
+    on_mesh = dict(mesh=mesh, rules=rules)
+    init_vars = loop._initial_variables(config, model, **on_mesh)
+    state, opt, critic, value_opt = loop.init_rl_state(config, model, algo, init_vars, **on_mesh)
+    if critic is not None:
+        raise ValueError(f"rl.algo {algo.name!r} trains a critic; the matched work is GRPO")
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    sample_model, to_sampler = loop.rollout_policy(config, model, **on_mesh)
+    tok, reward = IdTokenizer(), EvenFractionReward()
+    sampling = loop.rollout_sampling(r, tok.eos_id)
+    rng_np = np.random.default_rng(spec["seed"])
+    batches = [[Task(id=f"b{k}p{i}", family="matched", prompt=text)
+                for i, text in enumerate(_prompt_texts(rng_np, r.prompts_per_batch, spec))]
+               for k in range(1 + steps)]
+    worker = loop.make_rollout_worker(r, sample_model, tok, sampling, reward, None,
+                                      group_size=r.group_size, tasks=batches[0], **on_mesh)
+
+    ref_vars = init_vars if algo.needs_ref else None
+    logp_fn = make_logp_fn(model, sampling, **on_mesh)
+    timed_old, timed_ref = clock.wrap(logp_fn, "logp_old"), clock.wrap(logp_fn, "logp_ref")
+
+    def logp(variables, tokens, mask):  # [N,L] -> [N,L]; which pass it is, by its weights
+        return (timed_ref if variables is ref_vars else timed_old)(variables, tokens, mask)
+
+    forward = loop._RolloutForward(logp_fn=logp, logp_value_fn=None, ref_vars=ref_vars,
+                                   **on_mesh)
+    step_fn = clock.wrap(make_train_step(model, algo, opt, micro_batches=r.micro_batches,
+                                         sampling=sampling, state_shardings=state_sh, **on_mesh),
+                         "train_step")
+    train_on = functools.partial(loop._train_on, algo=algo, width=loop.train_width(r, batches[0]),
+                                 forward=forward, step_fn=step_fn, **on_mesh)
+    start = clock.wrap(worker.start, "rollout", lambda pending: None)
+    p0 = jax.tree.map(jnp.copy, state.params)
+    rng = jax.random.key(config.seed + 1)
+    generated = []
+
+    def iteration(tasks, rng):
+        nonlocal state
+        pending = start(to_sampler(state.variables), tasks, rng, version=int(state.step))
+        group = pending.result()
+        clock.add("score", group.score_wait_s)
+        generated.append(int(group.completion_mask.sum()))
+        state, met, _ = train_on(group, state)
+        return met
+
+    timed_iteration = clock.wrap(iteration, "iteration", lambda met: None)
+    for tasks in batches:
+        rng, sub = jax.random.split(rng)
+        timed_iteration(tasks, sub)
+    reward.close()
+    rows = r.prompts_per_batch * r.group_size
+    change = float(jnp.sqrt(sum(jnp.sum((a - b) ** 2) for a, b in
+                                zip(jax.tree.leaves(p0), jax.tree.leaves(state.params)))))
+    if any(n != rows * r.max_new_tokens for n in generated) or not change > 0:
+        raise RuntimeError(f"generated {generated} tokens per rollout (wanted "
+                           f"{rows * r.max_new_tokens} each) and moved the parameters by "
+                           f"{change}: the work is not the matched work")
+    n_params = int(sum(x.size for x in jax.tree.leaves(state.params)))
+    return {"params": n_params, "param_change_l2": change,
+            "sampler": (worker.sampler, sample_model, sampling, to_sampler(state.variables),
+                        on_mesh)}
+
+
+def sampler_alone(clock: Clock, sampler, sample_model, sampling, variables, on_mesh, reps: int,
+                  spec: dict = MATCHED, batches=(32, 1)) -> None:
+    """1 warm-up + `reps` generate calls per (batch, new tokens) shape, alternating lengths."""
+    import jax
+    import numpy as np
+
+    from rl.sampler import Sampler
+
+    one = Sampler(sample_model, dataclasses.replace(sampling, max_new_tokens=1), **on_mesh)
+    tok = IdTokenizer()
+    rng = np.random.default_rng(spec["seed"] + 1)
+    P = spec["prompt_len"]
+    calls = {}
+    for B in batches:
+        for g, s in ((spec["new_tokens"], sampler), (1, one)):
+            calls[f"sampler_b{B}_g{g}"] = (clock.wrap(s.generate, f"sampler_b{B}_g{g}",
+                                                      lambda out: out.tokens), B, g)
+    for i in range(1 + reps):
+        for name, (call, B, g) in calls.items():
+            n_prompts = max(1, B // spec["group"])
+            rows = [t for t in _prompt_texts(rng, n_prompts, spec) for _ in range(B // n_prompts)]
+            prompts = np.array([tok.encode(t, bos=True) for t in rows], np.int32)  # [B,P]
+            out = call(variables, prompts, np.full((B,), P, np.int32), jax.random.key(i))
+            n = int(np.asarray(out.mask).sum())
+            if n != B * g:
+                raise RuntimeError(f"{name}: {n} tokens generated, expected {B * g}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--variant", default="hybrid", choices=VARIANTS)
+    p.add_argument("--steps", type=int, default=4, help="GRPO iterations after the first")
+    p.add_argument("--reps", type=int, default=3, help="timed sampler calls per shape")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides, e.g. rl.algo.kl_coef=0.0 model.mtp.loss_weight=0.1")
+    p.add_argument("--out", help="also write the JSON record here")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.reps < 1:
+        p.error("--steps and --reps must be >= 1")
+    config = run_config(args.variant, args.set)  # a bad override fails before jax starts
+
+    from model._xla_env import configure_xla_env
+
+    configure_xla_env()  # the scripts' XLA flags (YNN fusions off); no persistent cache
+    import importlib.metadata as md
+
+    import jax
+
+    clock = Clock()
+    jax.monitoring.register_event_duration_secs_listener(clock.listen)
+    rec = {"side": args.variant, "overrides": args.set, "steps": args.steps,
+           "versions": {k: md.version(k) for k in ("jax", "jaxlib", "flax", "optax")},
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_before": loadavg()}
+    out = grpo(clock, config, args.steps)
+    sampler_alone(clock, *out.pop("sampler"), reps=args.reps)
+    rec.update(out, load_after=loadavg(), clock=clock.record(), spec=MATCHED,
+               model=config.model.to_dict())
+    text = json.dumps(rec, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

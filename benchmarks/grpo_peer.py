@@ -1,0 +1,290 @@
+"""`python scripts/bench.py peer`: this project's RL engine against google-tunix 0.1.7 on the same
+GRPO work, side by side, each round in fresh processes (peer first in even rounds, project first
+in odd ones), medians over rounds.
+
+    bash scripts/setup_peers.sh                           # once: the peer's virtual environment
+    python scripts/bench.py peer --quick                  # 1 round, 2 steady iterations
+    python -m benchmarks.grpo_peer --rounds 3 --variants hybrid dense --json runs/peer.json
+    python -m benchmarks.grpo_peer --set model.mtp.loss_weight=0.0   # a project-side override
+
+The peer runs with the python of $PEER_VENVS/tunix (default ~/peer-venvs/tunix) on XLA's default
+flags; the project side (benchmarks/grpo_matched.py) with this interpreter and the scripts' flags;
+neither uses a persistent compilation cache, so each first iteration holds its compiles.
+
+Printed per side (medians over rounds; within a round, steady = the median over the iterations
+after the first): the first iteration; the steady iteration and its split: rollout (prefill =
+the sampler's 1-token call at batch 32, decode = the rest of the rollout), log-prob passes (old,
+reference), train step, scoring wait, other (host work: packing, advantages, transfers); the
+train step's compile seconds; decode tokens/s at batch 32 and 1 (B x 63 / (call at 64 new tokens
+- call at 1), the same definition on both sides); the other processes' CPU load during the steady
+iterations (cores) and the load average before and after. Ratios are project / peer (< 1 is
+faster for seconds, > 1 for tokens/s) and the issue's targets are marked.
+
+Matched (benchmarks/peers:MATCHED): 8 prompts x 4 samples, 32 prompt + exactly 64 generated
+tokens (the end-of-sequence id is never sampled), temperature 0.9, k3 KL 0.04 to a frozen
+reference with one reference forward per batch, GRPO clip 0.2, AdamW lr 1e-5 (weight decay 1e-4,
+no clipping), the reward on the host, f32, jax 0.10.2 on both sides, ~4.46M parameters.
+Not matched: the models (the peer's dense Qwen3-style transformer vs the project's hybrid
+KDA/DSA + MoE + MTP, or its dense variant), the project's extra loss terms (MTP, MoE balance, DSA
+indexer KL; rl.train_indexer), its truncated importance weight against the sampler's log-probs
+(rl.algo.tis_cap) and its one-device mesh programs; tunix skips the old-log-prob forward when a
+batch is used for a single update (its old log-probs are the current ones, stop-gradient) while
+the project's loop runs that pass unless the engine drops it; tunix computes rewards inline,
+the project's rollout worker submits them to a scorer thread (here no sandbox: the reward is a
+host function on both sides). Not measured here: speculative decoding's trunk passes per token
+(`scripts/bench.py spec`) and the KDA kernel against ejkernel (`scripts/bench.py kda`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from benchmarks.peers import MATCHED, loadavg
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PEER_VENVS_ENV = "PEER_VENVS"
+SIDE_TIMEOUT_S = 900
+
+# (metric, better when, issue 19's target on project / peer or None)
+TABLE = (
+    ("first_iteration_s", "lower", 1.0),
+    ("iteration_s", "lower", 1.0),
+    ("rollout_s", "lower", None),
+    ("prefill_s", "lower", None),
+    ("decode_s", "lower", None),
+    ("logp_s", "lower", None),
+    ("logp_old_s", "lower", None),
+    ("logp_ref_s", "lower", None),
+    ("train_step_s", "lower", None),
+    ("score_wait_s", "lower", None),
+    ("other_s", "lower", None),
+    ("train_step_compile_s", "lower", None),
+    ("decode_tok_s_b32", "higher", 2.0),
+    ("decode_tok_s_b1", "higher", None),
+    ("sampler_call_tok_s_b32", "higher", None),
+    ("foreign_cores", "lower", None),
+)
+
+
+class PeerMissing(FileNotFoundError):
+    """The peer's virtual environment is not there."""
+
+
+def peer_python(peer: str = "tunix", venvs: str | None = None) -> str:
+    """The peer's interpreter: $PEER_VENVS/<peer>/bin/python (default ~/peer-venvs)."""
+    venvs = venvs or os.environ.get(PEER_VENVS_ENV) or os.path.expanduser("~/peer-venvs")
+    py = os.path.join(venvs, peer, "bin", "python")
+    if not os.access(py, os.X_OK):
+        raise PeerMissing(
+            f"no {peer} virtual environment at {os.path.join(venvs, peer)} ({py} is missing): "
+            f"create it with `bash scripts/setup_peers.sh {peer}` (or point ${PEER_VENVS_ENV} at "
+            "the directory that holds it)")
+    return py
+
+
+def _child_env(peer: bool) -> dict:
+    """The environment of a side's process: no persistent compilation cache, none of this
+    interpreter's paths; the peer on XLA's default flags (without the project's YNN switch)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    if peer:
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_cpu_experimental_ynn_fusion_type")]
+        env["XLA_FLAGS"] = " ".join(flags)
+        if not flags:
+            del env["XLA_FLAGS"]
+    return env
+
+
+def side_command(side: str, steps: int, reps: int, out: str, overrides=(), venvs=None) -> list:
+    """argv of one side's process ("tunix", or a project variant of benchmarks.grpo_matched)."""
+    if side == "tunix":
+        return [peer_python("tunix", venvs), "-m", "benchmarks.peers.tunix_grpo",
+                "--steps", str(steps), "--reps", str(reps), "--out", out]
+    from benchmarks.grpo_matched import VARIANTS
+
+    if side not in VARIANTS:
+        raise ValueError(f"side must be 'tunix' or one of {VARIANTS}, got {side!r}")
+    cmd = [sys.executable, "-m", "benchmarks.grpo_matched", "--variant", side,
+           "--steps", str(steps), "--reps", str(reps), "--out", out]
+    return cmd + (["--set", *overrides] if overrides else [])
+
+
+def run_side(side: str, steps: int, reps: int, overrides=(), venvs=None) -> dict:
+    """One side in a fresh process; its JSON record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "record.json")
+        cmd = side_command(side, steps, reps, out, overrides, venvs)
+        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(side == "tunix"), text=True,
+                              capture_output=True, timeout=SIDE_TIMEOUT_S)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"{side} run failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                               f"{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _steady(xs: list) -> float:
+    """Median of the samples after the first (the first compiles); the only one if alone."""
+    return statistics.median(xs[1:] if len(xs) > 1 else xs)
+
+
+def summarize(rec: dict, spec: dict = MATCHED) -> dict:
+    """One process's record -> flat seconds / tokens-per-second (see the module docstring)."""
+    s = rec["clock"]["samples"]
+    if len(s.get("iteration", [])) < 2:
+        raise ValueError(f"{rec.get('side')}: a record needs >= 2 iterations (the first compiles)"
+                         f", got {len(s.get('iteration', []))}")
+    G, B = spec["new_tokens"], spec["prompts"] * spec["group"]
+    part = {k: _steady(s[k]) if s.get(k) else 0.0
+            for k in ("rollout", "logp_old", "logp_ref", "train_step", "score")}
+    out = {"first_iteration_s": s["iteration"][0], "iteration_s": _steady(s["iteration"]),
+           "rollout_s": part["rollout"], "logp_old_s": part["logp_old"],
+           "logp_ref_s": part["logp_ref"], "logp_s": part["logp_old"] + part["logp_ref"],
+           "train_step_s": part["train_step"], "score_wait_s": part["score"]}
+    out["other_s"] = out["iteration_s"] - (out["rollout_s"] + out["logp_s"] +
+                                           out["train_step_s"] + out["score_wait_s"])
+    one = s.get(f"sampler_b{B}_g1")
+    out["prefill_s"] = min(_steady(one), out["rollout_s"]) if one else 0.0
+    out["decode_s"] = out["rollout_s"] - out["prefill_s"]
+    for b in (B, 1):
+        full, single = s.get(f"sampler_b{b}_g{G}"), s.get(f"sampler_b{b}_g1")
+        if full and single:
+            dt = _steady(full) - _steady(single)
+            out[f"decode_tok_s_b{b}"] = b * (G - 1) / dt if dt > 0 else None
+            out[f"sampler_call_tok_s_b{b}"] = b * G / _steady(full)
+    if s.get("decode"):  # the peer's own decode function inside the rollout (a cross-check)
+        out["decode_fn_s"] = _steady(s["decode"])
+        out["prefill_fn_s"] = _steady(s["prefill"])
+    out["train_step_compile_s"] = rec["clock"]["compile_s"].get("train_step", 0.0)
+    fc = rec["clock"]["foreign_cores"]["iteration"]
+    out["foreign_cores"] = statistics.median(fc[1:] if len(fc) > 1 else fc)
+    out["params"] = rec["params"]
+    return out
+
+
+def aggregate(summaries: list) -> dict:
+    """Per metric, the median over rounds (None where any round has no value)."""
+    keys = [k for k in summaries[0] if all(k in s for s in summaries)]
+    return {k: (None if any(s[k] is None for s in summaries)
+                else statistics.median(s[k] for s in summaries)) for k in keys}
+
+
+def ratios(project: dict, peer: dict) -> dict:
+    """project / peer per metric both sides have (None where either is missing or 0)."""
+    return {k: (project[k] / peer[k] if project.get(k) is not None and peer.get(k) else None)
+            for k, _, _ in TABLE if k in project and k in peer}
+
+
+def checks(ratio: dict) -> dict:
+    """Issue 19's targets on the ratios: {metric: {"ratio", "target", "met"}}."""
+    out = {}
+    for k, better, target in TABLE:
+        if target is None or ratio.get(k) is None:
+            continue
+        r = ratio[k]
+        out[k] = {"ratio": r, "target": ("<= " if better == "lower" else ">= ") + str(target),
+                  "met": r <= target if better == "lower" else r >= target}
+    return out
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4g}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def report(result: dict) -> str:
+    """The printed table of a run() result."""
+    med, sides = result["median"], result["sides"]
+    variants = [s for s in sides if s != "tunix"]
+    head = f"{'metric (median of ' + str(result['rounds']) + ' rounds)':<34}" + "".join(
+        f"{s:>11}" for s in sides) + "".join(f"{v + '/tunix':>15}" for v in variants)
+    lines = [head]
+    for k, _, target in TABLE:
+        if not any(k in med[s] for s in sides):
+            continue
+        row = f"{k:<34}" + "".join(f"{_fmt(med[s].get(k)):>11}" for s in sides)
+        for v in variants:
+            r = result["ratios"][v].get(k)
+            mark = ""
+            if target is not None and r is not None:
+                mark = " ok" if result["checks"][v][k]["met"] else " !!"
+            row += f"{_fmt(r) + mark:>15}"
+        lines.append(row)
+    lines.append(f"load average before {result['load_before']}, after {result['load_after']}; "
+                 "targets (issue 19): iteration and first iteration <= 1x tunix, decode b32 "
+                 ">= 2x; '!!' = not met")
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, rounds: int | None = None, steps: int | None = None,
+        reps: int | None = None, variants=("hybrid",), overrides=(), venvs=None) -> dict:
+    """N rounds of tunix and each project variant in fresh processes; medians and ratios."""
+    rounds = rounds or (1 if quick else 3)
+    steps = steps or (2 if quick else 3)
+    reps = reps or 2
+    if rounds < 1 or steps < 1 or reps < 1:
+        raise ValueError(f"rounds, steps and reps must be >= 1, got {rounds}, {steps}, {reps}")
+    peer_python("tunix", venvs)  # fail before anything runs
+    sides = ["tunix", *variants]
+    for v in variants:
+        side_command(v, 1, 1, "-")  # an unknown variant fails here
+    result = {"rounds": rounds, "steps": steps, "reps": reps, "sides": sides,
+              "overrides": list(overrides), "spec": MATCHED, "load_before": loadavg(),
+              "per_round": {s: [] for s in sides}, "records": {s: [] for s in sides}}
+    for r in range(rounds):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            rec = run_side(side, steps, reps, overrides, venvs)
+            summary = summarize(rec)
+            summary.update(load_before=rec["load_before"][0], load_after=rec["load_after"][0])
+            result["per_round"][side].append(summary)
+            result["records"][side].append(rec)
+            print(f"  round {r + 1} {side}: iteration {summary['iteration_s']:.3f} s, first "
+                  f"{summary['first_iteration_s']:.2f} s, load {rec['load_before'][0]} -> "
+                  f"{rec['load_after'][0]}", flush=True)
+    result["load_after"] = loadavg()
+    result["median"] = {s: aggregate(result["per_round"][s]) for s in sides}
+    result["ratios"] = {v: ratios(result["median"][v], result["median"]["tunix"])
+                        for v in variants}
+    result["checks"] = {v: checks(result["ratios"][v]) for v in variants}
+    print(report(result), flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    from benchmarks.grpo_matched import VARIANTS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="1 round, 2 steady iterations")
+    p.add_argument("--rounds", type=int, help="alternating rounds (default 3; --quick: 1)")
+    p.add_argument("--steps", type=int, help="steady GRPO iterations per process (default 3)")
+    p.add_argument("--reps", type=int, help="timed sampler calls per shape (default 2)")
+    p.add_argument("--variants", nargs="+", default=["hybrid"], choices=VARIANTS)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="project-side config overrides (benchmarks/grpo_matched.py)")
+    p.add_argument("--json", help="write the result (with every process's record) here")
+    args = p.parse_args(argv)
+    for name in ("rounds", "steps", "reps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    try:
+        result = run(args.quick, args.rounds, args.steps, args.reps, tuple(args.variants),
+                     tuple(args.set))
+    except PeerMissing as e:
+        print(f"grpo_peer: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
