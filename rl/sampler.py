@@ -16,6 +16,20 @@ trainer's log-probs of the same tokens come from one teacher-forced forward
 (`rl.train_step.make_logp_fn`), and the
 gap between them is the sampler/trainer mismatch that TIS corrects.
 
+Prefix sharing (`generate(..., group_size=G)`): rows come in groups of G copies of one prompt
+(GRPO groups, several eval samples per task; checked on the host); each distinct prompt is
+prefilled once and its cache (every leaf of `Model.init_cache`: KDA state and conv window, DSA
+latent and indexer keys, lengths) repeated to its G rows, then decoding runs as above, with the
+same random draws. Row refill (`generate(..., slots=R)`, R < B): the distinct prompts are
+prefilled once into a bank, every row's first token is drawn from its prompt's last logits, and
+R slots decode; when a slot's row ends, the next queued row takes the slot (its prompt's bank
+cache and first token) inside the same compiled while_loop. Outputs stay indexed like the input
+rows, with `finish_order` / `finish_step` giving the completion order. Greedy output of both
+equals the plain sampler's token for token (tests/rl/test_sampler_fast.py); measured by
+`benchmarks/rollouts.py`. On a mesh, sharing needs the distinct prompts to split over the same
+batch axes as the rows (otherwise every row is prefilled, logged once); refill runs on a
+one-process mesh only. `prefill_groups` is the shared prefill for other decoders.
+
 Also here: `pack` (prompt + completion rows for the trainer). Trainer-side log-probs of packed rows:
 `rl.train_step.make_logp_fn`.
 MTP self-speculative decoding (`SamplingConfig(speculative="mtp")`): the first MTP module drafts
@@ -30,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import flax.struct
 import jax
@@ -40,6 +55,14 @@ from model import sharding as shd
 from model.transformer import Model
 
 SPECULATIVE = ("none", "mtp")
+_LOG = logging.getLogger(__name__)
+_LOGGED: set = set()  # messages already logged (each once per process)
+
+
+def _log_once(msg: str):
+    if msg not in _LOGGED:
+        _LOGGED.add(msg)
+        _LOG.warning(msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +108,10 @@ class SampleOutput:
     finished: jax.Array  # [B] bool: ended by EOS or a stop sequence (not by max_new_tokens)
     # speculative="mtp": [drafts verified, drafts accepted] summed over rows (None otherwise)
     draft_stats: jax.Array | None = None
+    # row refill (generate(..., slots=R)): [B] int32 rank of each sequence in completion order
+    # (0 = finished first) and [B] int32 decode-loop step in which it finished (None otherwise)
+    finish_order: jax.Array | None = None
+    finish_step: jax.Array | None = None
 
 
 def truncation_mask(z: jax.Array, top_k: int = 0, top_p: float = 1.0,
@@ -171,10 +198,12 @@ def _hits_stop(buf, t, cfg: SamplingConfig):
     return hit
 
 
-# One compiled program per (model config, sampling config without its temperature, mesh): every
-# Sampler of the same model shares it (the temperature is a traced argument), so greedy eval,
-# sampled eval and RL rollouts of one batch shape compile once per process.
+# One compiled program per (model config, sampling config without its temperature, mesh, mode):
+# every Sampler of the same model shares it (the temperature is a traced argument), so greedy
+# eval, sampled eval and RL rollouts of one batch shape compile once per process. mode:
+# ("plain",), ("shared", G) (prefix sharing) or ("refill", G, R) (row refill into R slots).
 _PROGRAMS: dict = {}
+PLAIN = ("plain",)
 
 
 def _mesh_key(mesh, rules):
@@ -183,25 +212,31 @@ def _mesh_key(mesh, rules):
     return mesh, tuple(sorted(shd._rules(rules).items()))
 
 
-def _program(model: Model, cfg: SamplingConfig, mesh=None, rules=None):
-    key = (model.cfg, dataclasses.replace(cfg, temperature=1.0), _mesh_key(mesh, rules))
+def _program(model: Model, cfg: SamplingConfig, mesh=None, rules=None, mode: tuple = PLAIN):
+    key = (model.cfg, dataclasses.replace(cfg, temperature=1.0), _mesh_key(mesh, rules), mode)
     fn = _PROGRAMS.get(key)
     if fn is None:
         if cfg.speculative == "mtp":
             from rl.speculative import generate_speculative_impl as impl
+        elif mode[0] == "refill":
+            impl = functools.partial(_refill_impl, group=mode[1], slots=mode[2])
         else:
-            impl = _generate_impl
+            impl = functools.partial(_generate_impl, group=mode[1] if mode[0] == "shared" else 1)
         fn = functools.partial(impl, model, key[1])
+        group = 1 if mode == PLAIN else mode[1]
         fn = _PROGRAMS[key] = (jax.jit(fn) if mesh is None else
-                               _mesh_program(fn, model, mesh, rules, cfg.speculative == "mtp"))
+                               _mesh_program(fn, model, mesh, rules, cfg.speculative == "mtp",
+                                             group=group, refill=mode[0] == "refill"))
     return fn
 
 
-def _mesh_program(impl, model: Model, mesh, rules, speculative: bool):
+def _mesh_program(impl, model: Model, mesh, rules, speculative: bool, group: int = 1,
+                  refill: bool = False):
     """The sampler on a mesh (model.sharding.MeshJit): parameters with the model's shardings,
     prompts/lengths and every output row over the batch axes, the decode caches constrained
     likewise inside (`model.sharding.constrain_cache`), the rng key (as raw key data) and the
-    temperature replicated. One program per batch shape."""
+    temperature replicated. One program per batch shape. group > 1 (prefix sharing, row
+    refill): the program takes the distinct prompts [U,P] and returns U * group rows."""
     var_sh = shd.model_shardings(model, mesh, rules)
     rep = shd.replicated(mesh)
 
@@ -214,9 +249,11 @@ def _mesh_program(impl, model: Model, mesh, rules, speculative: bool):
         return shd.variables_shardings(var_sh, variables, mesh), b, b, rep, rep
 
     def outs(variables, prompts, *_):
-        b = shd.batch_sharding(mesh, prompts.shape[0], rules)
+        b = shd.batch_sharding(mesh, prompts.shape[0] * group, rules)
         return SampleOutput(tokens=b, logprobs=b, mask=b, lengths=b, finished=b,
-                            draft_stats=rep if speculative else None)
+                            draft_stats=rep if speculative else None,
+                            finish_order=b if refill else None,
+                            finish_step=b if refill else None)
 
     progs = {t: shd.MeshJit(functools.partial(run, typed=t), mesh, rules, in_shardings=ins,
                             out_shardings=outs, name="sampler") for t in (True, False)}
@@ -229,6 +266,27 @@ def _mesh_program(impl, model: Model, mesh, rules, speculative: bool):
         return progs[typed](variables, prompts, lengths, data, temp)
 
     return call
+
+
+def distinct_prompts(prompts: np.ndarray, lengths: np.ndarray, group_size: int):
+    """Host-side: the first row of each group of group_size consecutive rows, after checking
+    that the rows of a group are the same prompt (same length, same tokens up to it; padding
+    past the length is not compared). prompts [B,P], lengths [B] -> ([B/G,P], [B/G])."""
+    B, P = prompts.shape
+    if B % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the batch of {B} rows: "
+                         "pass rows as whole groups of group_size copies of each prompt")
+    g = prompts.reshape(B // group_size, group_size, P)
+    gl = lengths.reshape(B // group_size, group_size)
+    valid = np.arange(P)[None, None] < gl[..., None]
+    same = np.all(gl == gl[:, :1], axis=1) & np.all((g == g[:, :1]) | ~valid, axis=(1, 2))
+    if not same.all():
+        bad = int(np.argmin(same))
+        raise ValueError(f"group_size={group_size}: rows {bad * group_size}.."
+                         f"{(bad + 1) * group_size - 1} are not copies of one prompt (prefix "
+                         "sharing prefills each group's prompt once); pass each prompt's "
+                         "group_size rows next to each other, or group_size=1")
+    return np.ascontiguousarray(g[:, 0]), np.ascontiguousarray(gl[:, 0])
 
 
 class Sampler:
@@ -246,9 +304,52 @@ class Sampler:
         self.mesh, self.rules = mesh, rules
         self._generate = _program(model, cfg, mesh, rules)
 
-    def generate(self, variables, prompts, prompt_lengths, rng) -> SampleOutput:
+    def _mode(self, n_rows: int, group_size: int, slots: int) -> tuple:
+        """The program for a batch of n_rows (this process's rows) in groups of group_size."""
+        if slots and self.cfg.speculative == "mtp":
+            raise ValueError("row refill (slots > 0) is not implemented for speculative "
+                             "decoding: use slots=0 with speculative='mtp'")
+        if slots and slots < n_rows:
+            if self.mesh is not None and jax.process_count() > 1:
+                raise ValueError("row refill (slots > 0) on a mesh with several processes is "
+                                 "not implemented: use slots=0")
+            if self.mesh is not None and len({shd.batch_axes(self.mesh, n, self.rules) for n in
+                                              (n_rows // group_size, slots, n_rows)}) > 1:
+                raise ValueError(
+                    f"row refill on mesh {dict(self.mesh.shape)}: the {n_rows // group_size} "
+                    f"distinct prompts, the {slots} slots and the {n_rows} rows must split over "
+                    "the same batch axes: choose slots and prompts divisible by the data axes")
+            return ("refill", group_size, slots)
+        if group_size == 1:
+            return PLAIN
+        if self.cfg.speculative == "mtp":
+            _log_once("rl.sampler: prefix sharing is not implemented for speculative decoding; "
+                      "prefilling every row")
+            return PLAIN
+        if self.mesh is not None and (
+                shd.batch_axes(self.mesh, n_rows // group_size, self.rules)
+                != shd.batch_axes(self.mesh, n_rows, self.rules)):
+            _log_once(f"rl.sampler: {n_rows // group_size} distinct prompts do not split over "
+                      f"the batch axes of mesh {dict(self.mesh.shape)} like the {n_rows} rows; "
+                      "prefilling every row (no prefix sharing)")
+            return PLAIN
+        return ("shared", group_size)
+
+    def generate(self, variables, prompts, prompt_lengths, rng, *, group_size: int = 1,
+                 slots: int = 0) -> SampleOutput:
         """prompts [B,P] int32 right-padded, prompt_lengths [B] (>= 1). On a mesh: this
-        process's rows of the global batch."""
+        process's rows of the global batch.
+
+        group_size G > 1 (prefix sharing): rows come in groups of G consecutive copies of one
+        prompt (checked: ValueError otherwise); each distinct prompt is prefilled once and its
+        cache copied to its G rows. Same outputs as G = 1 (the same draws from the same rng),
+        up to float differences between prefill batch shapes.
+        slots R (row refill; 0 or >= B = every row at once): R rows decode at a time; when one
+        finishes, the next queued row starts in its slot from its prompt's prefilled cache
+        (each distinct prompt prefilled once into a bank). Outputs are indexed like the input
+        rows, with finish_order / finish_step (completion order). Greedy output equals the
+        plain sampler's; sampled rows draw from the same distributions with other random
+        numbers past the first token."""
         prompts = np.asarray(prompts, np.int32)
         lengths = np.asarray(prompt_lengths, np.int32)
         if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
@@ -261,19 +362,56 @@ class Sampler:
             raise ValueError(f"prompt width {prompts.shape[1]} + max_new_tokens "
                              f"{self.cfg.max_new_tokens} exceeds model max_seq_len "
                              f"{self.model.cfg.max_seq_len}")
+        for name, v in (("group_size", group_size), ("slots", slots)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (name == "group_size"):
+                raise ValueError(f"{name} must be an int >= {int(name == 'group_size')}, got {v!r}")
+        if group_size > 1 or slots:
+            prompts_u, lengths_u = distinct_prompts(prompts, lengths, group_size)
+        mode = self._mode(prompts.shape[0], group_size, slots)
+        fn = self._generate
+        if mode != PLAIN:
+            prompts, lengths = prompts_u, lengths_u
+            fn = _program(self.model, self.cfg, self.mesh, self.rules, mode)
         if self.mesh is not None:
             prompts, lengths = shd.to_global((prompts, lengths), self.mesh, self.rules)
-        return self._generate(variables, prompts, lengths, rng,
-                              np.float32(self.cfg.temperature))
+        return fn(variables, prompts, lengths, rng, np.float32(self.cfg.temperature))
+
+
+def repeat_rows(tree, group: int):
+    """Each row of every leaf (leading dim = batch) repeated group times, consecutively."""
+    return tree if group == 1 else jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), tree)
+
+
+def prefill_groups(model: Model, cfg: SamplingConfig, variables, prompts, lengths, max_len: int,
+                   group: int = 1):
+    """Prefill each of U distinct prompts once and give each its group rows of decode cache.
+
+    prompts [U,P] right-padded, lengths [U]. Returns (cache for U * group rows (row u * group + j
+    is a copy of prompt u's; constrained to the mesh's cache layout under use_mesh), logits
+    [U,P,V], hidden [U,P,D]) -- logits and hidden per distinct prompt (`repeat_rows` expands
+    them). group 1: the plain sampler's prefill."""
+    U, _ = prompts.shape
+    cache = shd.constrain_cache(model.init_cache(U, max_len))  # no-op without a mesh
+    logits, cache, hidden = model.prefill(variables, prompts, lengths, cache,
+                                          chunk=cfg.prefill_chunk)
+    if group > 1:
+        cache = shd.constrain_cache(repeat_rows(cache, group))
+    return cache, logits, hidden
+
+
+def _last_logits(logits, lengths):
+    """logits [B,T,V] at each row's last prompt position: [B,V]."""
+    return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
 def _generate_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths, rng,
-                   temperature):
-    B, P = prompts.shape
+                   temperature, *, group: int = 1):
+    """prompts [U,P]: the distinct prompts (every row when group == 1); U * group rows out."""
+    U, P = prompts.shape
     G = cfg.max_new_tokens
-    cache = shd.constrain_cache(model.init_cache(B, P + G))  # no-op without a mesh
-    logits, cache, _ = model.prefill(variables, prompts, lengths, cache, chunk=cfg.prefill_chunk)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,V]
+    B = U * group
+    cache, logits, _ = prefill_groups(model, cfg, variables, prompts, lengths, P + G, group)
+    last = repeat_rows(_last_logits(logits, lengths), group)  # [B,V]
     rng, sub = jax.random.split(rng)
     tok, lp = _sample(last, sub, cfg, temperature)
     buf = jnp.zeros((B, G), jnp.int32).at[:, 0].set(tok)
@@ -303,6 +441,94 @@ def _generate_impl(model: Model, cfg: SamplingConfig, variables, prompts, length
     mask = jnp.arange(G)[None] < n_gen[:, None]
     return SampleOutput(tokens=jnp.where(mask, buf, 0), logprobs=jnp.where(mask, lps, 0.0),
                         mask=mask, lengths=n_gen, finished=done)
+
+
+def _refill_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths, rng,
+                 temperature, *, group: int, slots: int):
+    """Row refill: N = U * group sequences (sequence i continues prompt i // group) through R =
+    slots decode rows, all inside one while_loop of fixed shapes.
+
+    The U distinct prompts are prefilled once into a bank ([U] rows of cache) and every
+    sequence's first token is drawn from its prompt's last logits up front (the same draws as
+    the plain sampler's first token). A slot holds one sequence; each step decodes the live
+    slots, writes their tokens at the sequence's row of the [N,G] outputs, and a slot whose
+    sequence ended (EOS, stop sequence, max_new_tokens) records it (length, finished, order,
+    step) and takes the next queued sequence: its prompt's bank cache and its first token. The
+    loop ends when every slot is idle."""
+    U, P = prompts.shape
+    G = cfg.max_new_tokens
+    N, R = U * group, slots
+    bank, logits, _ = prefill_groups(model, cfg, variables, prompts, lengths, P + G)  # [U] rows
+    last = repeat_rows(_last_logits(logits, lengths), group)  # [N,V]
+    rng, sub = jax.random.split(rng)
+    tok0, lp0 = _sample(last, sub, cfg, temperature)  # [N] each sequence's first token
+    buf = jnp.zeros((N, G), jnp.int32).at[:, 0].set(tok0)
+    lps = jnp.zeros((N, G), jnp.float32).at[:, 0].set(lp0)
+    hit0 = (tok0 == cfg.eos_id) | _hits_stop(buf, 0, cfg)  # [N] ended by its first token
+    done0 = hit0 | (G == 1)
+    prompt_of = jnp.arange(N) // group  # [N]
+
+    def load(sid):  # bank rows for sequences sid [R] (clipped into range)
+        return jax.tree.map(lambda b: b[prompt_of[jnp.clip(sid, 0, N - 1)]], bank)
+
+    sid = jnp.arange(R, dtype=jnp.int32)  # [R] sequence in each slot (-1: idle)
+    cache = shd.constrain_cache(load(sid))
+    carry = dict(step=jnp.int32(0), nxt=jnp.int32(R), count=jnp.int32(0), sid=sid,
+                 tok=tok0[:R], n_gen=jnp.ones((R,), jnp.int32), sdone=done0[:R],
+                 shit=hit0[:R], cache=cache, buf=buf, lps=lps, rng=rng,
+                 lengths=jnp.zeros((N,), jnp.int32), finished=jnp.zeros((N,), bool),
+                 order=jnp.full((N,), -1, jnp.int32), fstep=jnp.full((N,), -1, jnp.int32))
+
+    def cond(c):
+        return jnp.any(c["sid"] >= 0)
+
+    def body(c):
+        c = dict(c)
+        live = c["sid"] >= 0
+        active = live & ~c["sdone"]
+        logits, cache, _ = model.decode_step(variables, c["tok"], c["cache"], active)
+        rng, sub = jax.random.split(c["rng"])
+        nt, lp = _sample(logits, sub, cfg, temperature)
+        row = jnp.where(active, c["sid"], N)  # N: out of range, the write is dropped
+        buf = c["buf"].at[row, c["n_gen"]].set(nt, mode="drop")
+        lps = c["lps"].at[row, c["n_gen"]].set(lp, mode="drop")
+        n_gen = c["n_gen"] + active.astype(jnp.int32)
+        hit = active & ((nt == cfg.eos_id)
+                        | _hits_stop(buf[jnp.maximum(c["sid"], 0)], n_gen - 1, cfg))
+        shit = c["shit"] | hit
+        sdone = c["sdone"] | hit | (active & (n_gen >= G))
+        ended = live & sdone  # record, then refill or idle these slots
+        rank = jnp.cumsum(ended.astype(jnp.int32)) - 1
+        rec = jnp.where(ended, c["sid"], N)
+        c["lengths"] = c["lengths"].at[rec].set(n_gen, mode="drop")
+        c["finished"] = c["finished"].at[rec].set(shit, mode="drop")
+        c["order"] = c["order"].at[rec].set(c["count"] + rank, mode="drop")
+        c["fstep"] = c["fstep"].at[rec].set(c["step"], mode="drop")
+        new = c["nxt"] + rank  # [R] the queued sequence an ended slot takes
+        refill = ended & (new < N)
+        newc = jnp.clip(new, 0, N - 1)
+        cache = jax.lax.cond(
+            jnp.any(refill),
+            lambda cc: jax.tree.map(
+                lambda b, x: jnp.where(refill.reshape((R,) + (1,) * (x.ndim - 1)), b, x),
+                load(newc), cc),
+            lambda cc: cc, cache)
+        c.update(
+            step=c["step"] + 1, nxt=c["nxt"] + jnp.sum(refill, dtype=jnp.int32),
+            count=c["count"] + jnp.sum(ended, dtype=jnp.int32),
+            sid=jnp.where(ended, jnp.where(refill, new, -1), c["sid"]),
+            tok=jnp.where(refill, tok0[newc], jnp.where(active, nt, c["tok"])),
+            n_gen=jnp.where(refill, 1, n_gen), sdone=jnp.where(refill, done0[newc], sdone),
+            shit=jnp.where(refill, hit0[newc], shit), cache=shd.constrain_cache(cache),
+            buf=buf, lps=lps, rng=rng)
+        return c
+
+    c = jax.lax.while_loop(cond, body, carry)
+    mask = jnp.arange(G)[None] < c["lengths"][:, None]
+    return SampleOutput(tokens=jnp.where(mask, c["buf"], 0),
+                        logprobs=jnp.where(mask, c["lps"], 0.0), mask=mask,
+                        lengths=c["lengths"], finished=c["finished"],
+                        finish_order=c["order"], finish_step=c["fstep"])
 
 
 def pack(prompts, prompt_lengths, completions, completion_mask, width: int | None = None,

@@ -1,0 +1,139 @@
+"""`python scripts/bench.py rollouts [--quick]`: prefix sharing and row refill in the plain
+sampler (rl/sampler.py) against the plain sampler, on the demo model's shapes (CPU).
+
+Side by side in one process, alternating rounds, medians of the per-round times:
+  * RL rollouts: 8 prompts x 4 samples (32 rows), prompts right-padded to 72 tokens, 48 new
+    tokens at temperature 1: plain (every row prefilled), shared (each prompt prefilled once,
+    `group_size=4`), refill (`slots=R`, shared prefill into a prompt bank) for a few R;
+  * evaluation: 32 distinct prompts, greedy: plain vs refill.
+Reported per variant: seconds per generate call (median), generated tokens/s (real tokens, not
+padding), decode-loop steps of the refill variants, and the ratio to plain.
+
+Model: configs/models.py "demo". Full mode loads the demo RL checkpoint when one exists
+(`ROLLOUTS_WORKDIR`, default /tmp/fresh26/runs/demo; realistic EOS lengths) and uses the demo's
+real task prompts; quick mode (and a missing checkpoint) uses random init, where rows rarely
+end before max_new_tokens, so refill cannot gain there. Not covered: the mesh sampler, MTP
+speculative decoding (benchmarks/speculative.py).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+
+WORKDIR = os.environ.get("ROLLOUTS_WORKDIR", "/tmp/fresh26/runs/demo")
+
+
+def _setup(quick: bool):
+    from configs import rl as rl_configs
+    from model.config import ModelConfig
+    from model.tokenizer import load_tokenizer
+    from model.transformer import Model
+    from rl.loop import load_rl_variables, load_task_splits
+    from rl.pipeline import encode_prompts
+
+    config = rl_configs.demo()
+    model = Model(ModelConfig.from_dict(config.model))
+    tok = load_tokenizer(config.tokenizer)
+    source = "random init"
+    variables = None
+    if not quick and os.path.isdir(os.path.join(WORKDIR, "rl", "checkpoints")):
+        config.workdir = WORKDIR
+        variables = load_rl_variables(config, model)
+        source = f"RL checkpoint {WORKDIR}"
+    if variables is None:
+        variables = model.init(jax.random.key(0))
+    config.tasks.update(dict(train_per_family=16, val_per_family=16, test_per_family=16))
+    tasks = [t for t, _ in load_task_splits(config)["val"]]
+    rng = np.random.default_rng(0)
+    picks = [tasks[i] for i in rng.permutation(len(tasks))[:32]]
+    prompts, lens = encode_prompts(tok, [t.prompt for t in picks], config.rl.max_prompt_len)
+    return config, model, tok, variables, source, prompts, lens
+
+
+def _rounds(variants: dict, rounds: int) -> dict:
+    """variants: name -> fn() returning a SampleOutput. One warm call each (compile), then
+    `rounds` rounds calling every variant in turn (the order rotates per round)."""
+    names = list(variants)
+    times = {n: [] for n in names}
+    outs = {}
+    compile_s = {}
+    for n in names:
+        t = time.perf_counter()
+        outs[n] = jax.block_until_ready(variants[n]())
+        compile_s[n] = time.perf_counter() - t
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t = time.perf_counter()
+            outs[n] = jax.block_until_ready(variants[n]())
+            times[n].append(time.perf_counter() - t)
+    res = {}
+    base = statistics.median(times[names[0]])
+    for n in names:
+        o, med = outs[n], statistics.median(times[n])
+        tokens = int(np.asarray(o.mask).sum())
+        res[n] = {"s": round(med, 4), "min_s": round(min(times[n]), 4), "tokens": tokens, "tok_per_s": round(tokens / med, 1),
+                  "first_call_s": round(compile_s[n], 2), "speedup_vs_plain": round(base / med, 3)}
+        if o.finish_step is not None:
+            res[n]["decode_steps"] = int(np.asarray(o.finish_step).max()) + 1
+    return res
+
+
+def run(quick: bool = False) -> dict:
+    from rl.sampler import Sampler, SamplingConfig
+
+    config, model, tok, variables, source, prompts, lens = _setup(quick)
+    r = config.rl
+    G, n_prompts = int(r.group_size), int(r.prompts_per_batch)
+    rounds = 3 if quick else 5
+    out = {"model": "demo", "variables": source, "rounds": rounds,
+           "load_before": os.getloadavg()}
+    rows_p = np.repeat(prompts[:n_prompts], G, axis=0)  # [32,72] groups of G copies
+    rows_l = np.repeat(lens[:n_prompts], G)
+    sampling = SamplingConfig(max_new_tokens=int(r.max_new_tokens), temperature=1.0,
+                              eos_id=tok.eos_id)
+    s = Sampler(model, sampling)
+    keys = iter(jax.random.split(jax.random.key(0), 10_000))
+    N = len(rows_p)
+    slot_choices = (N // 2,) if quick else (N // 2, 3 * N // 4)
+    variants = {"plain": lambda: s.generate(variables, rows_p, rows_l, next(keys)),
+                "shared": lambda: s.generate(variables, rows_p, rows_l, next(keys),
+                                             group_size=G)}
+    for R in slot_choices:
+        variants[f"refill_{R}"] = (lambda R=R: s.generate(variables, rows_p, rows_l, next(keys),
+                                                          group_size=G, slots=R))
+    print(f"rollouts: {n_prompts} prompts x {G} samples, prompt width {prompts.shape[1]}, "
+          f"{r.max_new_tokens} new tokens, {source}", flush=True)
+    out["rollouts"] = _rounds(variants, rounds)
+    for n, v in out["rollouts"].items():
+        print(f"  {n:>12}: {v}", flush=True)
+    # exactness: the same rng through plain and shared (same draws when the logits agree)
+    k = jax.random.key(123)
+    a = s.generate(variables, rows_p, rows_l, k)
+    b = s.generate(variables, rows_p, rows_l, k, group_size=G)
+    out["shared_vs_plain"] = {
+        "tokens_equal": bool(np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))),
+        "logp_max_abs_diff": float(np.max(np.abs(np.asarray(a.logprobs)
+                                                 - np.asarray(b.logprobs))))}
+    print(f"  shared vs plain, same rng: {out['shared_vs_plain']}", flush=True)
+
+    greedy = Sampler(model, SamplingConfig(max_new_tokens=int(r.max_new_tokens),
+                                           temperature=0.0, eos_id=tok.eos_id))
+    ev = {"plain": lambda: greedy.generate(variables, prompts, lens, next(keys))}
+    for R in slot_choices:
+        ev[f"refill_{R}"] = (lambda R=R: greedy.generate(variables, prompts, lens, next(keys),
+                                                         slots=R))
+    print(f"eval: {len(prompts)} distinct prompts, greedy", flush=True)
+    out["eval"] = _rounds(ev, rounds)
+    for n, v in out["eval"].items():
+        print(f"  {n:>12}: {v}", flush=True)
+    out["load_after"] = os.getloadavg()
+    return out
+
+
+if __name__ == "__main__":
+    run(quick=True)

@@ -1,0 +1,118 @@
+"""Prefix sharing and row refill in the plain sampler (rl/sampler.py) on the 2-layer test model
+(KDA + DSA + MoE + MTP): greedy rollouts equal the plain sampler's token for token (groups of
+different prompt lengths, early EOS), sampled ones have the trainer's log-probs (2e-4), the
+identical-rows check rejects bad groups, and the refill completion order is consistent.
+Not covered here: the mesh sampler (prefix sharing on a mesh runs in tests/rl/test_sharded_rl.py
+only through the unshared path; its fallback is a host-side rule in Sampler._mode)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import models
+from model.config import ModelConfig
+from model.transformer import Model
+from rl.sampler import Sampler, SamplingConfig, pack
+from rl.train_step import make_logp_fn
+
+N_NEW, GROUP = 8, 3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = ModelConfig.from_dict(models.get_config("test"))
+    model = Model(cfg)
+    return model, model.init(jax.random.key(0))
+
+
+def _groups():
+    """4 distinct prompts of lengths 5, 3, 2, 4, each repeated GROUP times (12 rows)."""
+    p = np.array([[1, 40, 41, 42, 43], [1, 50, 51, 0, 0], [1, 60, 0, 0, 0], [1, 70, 71, 72, 0]],
+                 np.int32)
+    lens = np.array([5, 3, 2, 4], np.int32)
+    return np.repeat(p, GROUP, axis=0), np.repeat(lens, GROUP)
+
+
+def _greedy_eos(model, variables):
+    """A greedy config whose EOS id is a token some rows emit early (so rows end at different
+    steps), and the plain sampler's output under it."""
+    prompts, lens = _groups()
+    probe = Sampler(model, SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=-1))
+    ref = np.asarray(probe.generate(variables, prompts, lens, jax.random.key(0)).tokens)
+    eos = int(ref[GROUP, 2])  # the 3rd token of prompt 1's rows
+    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=eos)
+    return cfg, Sampler(model, cfg).generate(variables, prompts, lens, jax.random.key(0))
+
+
+def _assert_same(a, b):
+    for f in ("tokens", "mask", "lengths", "finished"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
+
+
+def test_greedy_prefix_sharing_and_refill_equal_plain(setup):
+    model, variables = setup
+    prompts, lens = _groups()
+    cfg, plain = _greedy_eos(model, variables)
+    lengths = np.asarray(plain.lengths)
+    assert lengths.min() < N_NEW and np.asarray(plain.finished).any()  # early EOS happened
+    assert lengths.max() == N_NEW and len(set(lengths.tolist())) > 1
+    sampler = Sampler(model, cfg)
+    shared = sampler.generate(variables, prompts, lens, jax.random.key(0), group_size=GROUP)
+    _assert_same(shared, plain)
+    for slots, group in ((5, GROUP), (4, 1)):  # refill with a prompt bank, and without groups
+        out = sampler.generate(variables, prompts, lens, jax.random.key(0), group_size=group,
+                               slots=slots)
+        _assert_same(out, plain)
+        order, step = np.asarray(out.finish_order), np.asarray(out.finish_step)
+        np.testing.assert_array_equal(np.sort(order), np.arange(len(prompts)))  # a permutation
+        assert np.all(np.diff(step[np.argsort(order)]) >= 0)  # order follows the finish steps
+        # the first `slots` rows start at step 0; a row of n tokens needs n - 1 decode steps
+        # (its first token comes from the prefill), so it ends in step n - 2
+        np.testing.assert_array_equal(step[:slots], np.maximum(lengths[:slots] - 2, 0))
+        # never more than `slots` rows decode at once: the steps needed cover the tokens
+        assert (step.max() + 1) * slots >= (lengths - 1).sum()
+        assert step.max() + 1 < (lengths - 1).sum()  # and they overlap
+
+
+def test_sampled_sharing_and_refill_match_trainer_logprobs(setup):
+    model, variables = setup
+    prompts, lens = _groups()
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=N_NEW, temperature=1.0, eos_id=-1))
+    plain = sampler.generate(variables, prompts, lens, jax.random.key(7))
+    shared = sampler.generate(variables, prompts, lens, jax.random.key(7), group_size=GROUP)
+    refill = sampler.generate(variables, prompts, lens, jax.random.key(7), group_size=GROUP,
+                              slots=5)
+    # sharing draws from the same rng as the plain sampler: the same tokens
+    np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(plain.tokens))
+    # refill: the same first tokens (drawn up front), other draws later
+    np.testing.assert_array_equal(np.asarray(refill.tokens)[:, 0], np.asarray(plain.tokens)[:, 0])
+    assert not np.array_equal(np.asarray(refill.tokens), np.asarray(plain.tokens))
+    logp_fn = make_logp_fn(model)
+    for out in (shared, refill):
+        tokens, mask, rollout = pack(prompts, lens, out.tokens, out.mask, extras=(out.logprobs,))
+        trainer = logp_fn(variables, jnp.asarray(tokens), jnp.asarray(mask))
+        np.testing.assert_allclose(np.asarray(trainer)[mask], rollout[mask], atol=2e-4)
+
+
+def test_group_check_rejects_rows_that_are_not_copies(setup):
+    model, variables = setup
+    prompts, lens = _groups()
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=-1))
+    bad = prompts.copy()
+    bad[4, 1] = 99  # row 4 of group 1 differs from its group's prompt
+    with pytest.raises(ValueError, match="rows 3..5 are not copies"):
+        sampler.generate(variables, bad, lens, jax.random.key(0), group_size=GROUP)
+    short = lens.copy()
+    short[0] = 4  # same tokens, another length
+    with pytest.raises(ValueError, match="rows 0..2 are not copies"):
+        sampler.generate(variables, prompts, short, jax.random.key(0), group_size=GROUP, slots=4)
+    with pytest.raises(ValueError, match="does not divide the batch of 12"):
+        sampler.generate(variables, prompts, lens, jax.random.key(0), group_size=5)
+    with pytest.raises(ValueError, match="slots must be an int >= 0"):
+        sampler.generate(variables, prompts, lens, jax.random.key(0), slots=-1)
+    # padding past a row's length is not part of its prompt: rows still share
+    pad = prompts.copy()
+    pad[GROUP * 2 + 1, 3] = 77  # prompt 2 has length 2
+    out = sampler.generate(variables, pad, lens, jax.random.key(0), group_size=GROUP)
+    assert out.tokens.shape == (12, N_NEW)
