@@ -9,7 +9,7 @@ Public entry points live on `Model`, a thin stateless facade over the Linen modu
     logits, cache, hidden = model.prefill(variables, tokens, lengths, cache)  # right-padded
     logits, cache, hidden = model.prefill(variables, tokens, lengths, cache, chunk=1024)  # long
     logits, cache, hidden = model.decode_step(variables, next_tokens, cache)  # [B] -> [B,V]
-    logits, steps, hidden = model.verify(variables, tokens_2, cache)   # [B,T] -> [B,T,V]
+    logits, steps, hidden = model.verify(variables, tokens_k1, cache)  # [B,T] -> [B,T,V]
     cache = model.commit(steps, n_keep)                                # keep n_keep[b] tokens
 
 Every block (trunk and MTP) runs under the rematerialisation policy `cfg.remat` ("none", "full",
@@ -24,9 +24,10 @@ cache, ...)}, each layer's built by its kind's init_cache (its `LayerCache`: mod
 KDACache holds a conv window and a [B,H,K,V] f32 state, dsa.py DSACache the latent KV and indexer
 keys for every position < max_len).
 
-MTP speculative decoding (rl/sampler.py) uses `verify` (a few tokens at once; KDA layers return
-their state after each prefix) + `commit` (keep n tokens per row) on this cache, and
-`mtp_draft` over a separate cache for the first MTP module (`init_draft_cache`).
+MTP speculative decoding (rl/speculative.py) uses `verify` (k + 1 tokens at once; KDA layers
+return their state and conv window after each prefix 0..k) + `commit` (keep n tokens per row) on
+this cache, and `mtp_draft` over a separate cache for the first MTP module (`init_draft_cache`),
+applied recursively to its own hidden output for drafts beyond the first.
 """
 
 from __future__ import annotations
@@ -202,9 +203,11 @@ class Transformer(nn.Module):
     def mtp_draft(self, hidden, next_tokens, valid, cache):
         """The first MTP module over its own cache (speculative drafting).
 
-        hidden [B,T,D] trunk outputs at positions cache["lengths"] + t, next_tokens [B,T] the
+        hidden [B,T,D] trunk outputs at positions cache["lengths"] + t (or, to draft further
+        ahead, this module's own output `h` at the previous position), next_tokens [B,T] the
         tokens that follow them, valid [B,T]. Returns (logits [B,T,V] for the token after
-        next_tokens, new cache with lengths advanced by the valid count)."""
+        next_tokens, new cache with lengths advanced by the valid count, h [B,T,D] the MTP
+        block's output before its norm)."""
         B, T = next_tokens.shape
         offset = cache["lengths"]
         positions = offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B,T]
@@ -213,7 +216,7 @@ class Transformer(nn.Module):
                                       offset=offset)
         logits = self.embed.decode(self.mtp_norms[0](h))
         return logits, {**cache, "lengths": offset + jnp.sum(valid, axis=1).astype(jnp.int32),
-                        "mtp": mc}
+                        "mtp": mc}, h
 
 
 def moe_layer_names(cfg: ModelConfig) -> list[str]:
@@ -355,7 +358,9 @@ class Model:
                 "layers": layers}
 
     def mtp_draft(self, variables, hidden, next_tokens, valid, draft_cache):
-        """See `Transformer.mtp_draft`: MTP-1 logits [B,T,V] and the advanced draft cache."""
+        """See `Transformer.mtp_draft`: (MTP-1 logits [B,T,V], the advanced draft cache, the
+        MTP block's hidden output [B,T,D]). Multi-token drafts (rl/speculative.py) feed that
+        hidden output back with the drafted token to draft the next one."""
         return self.net.apply(variables, hidden, next_tokens, valid, draft_cache,
                               method=Transformer.mtp_draft)
 
