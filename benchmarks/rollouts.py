@@ -89,7 +89,7 @@ def run(quick: bool = False) -> dict:
     config, model, tok, variables, source, prompts, lens = _setup(quick)
     r = config.rl
     G, n_prompts = int(r.group_size), int(r.prompts_per_batch)
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 11
     out = {"model": "demo", "variables": source, "rounds": rounds,
            "load_before": os.getloadavg()}
     rows_p = np.repeat(prompts[:n_prompts], G, axis=0)  # [32,72] groups of G copies

@@ -35,13 +35,15 @@ def _groups():
 
 
 def _greedy_eos(model, variables):
-    """A greedy config whose EOS id is a token some rows emit early (so rows end at different
-    steps), and the plain sampler's output under it."""
+    """A greedy config whose EOS id and stop sequence are tokens some rows emit early (so rows
+    end at different steps), and the plain sampler's output under it."""
     prompts, lens = _groups()
     probe = Sampler(model, SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=-1))
     ref = np.asarray(probe.generate(variables, prompts, lens, jax.random.key(0)).tokens)
     eos = int(ref[GROUP, 2])  # the 3rd token of prompt 1's rows
-    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=eos)
+    stop = tuple(int(x) for x in ref[3 * GROUP, 3:5])  # tokens 4-5 of prompt 3's rows
+    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=eos,
+                         stop_sequences=(stop,))
     return cfg, Sampler(model, cfg).generate(variables, prompts, lens, jax.random.key(0))
 
 
@@ -55,7 +57,8 @@ def test_greedy_prefix_sharing_and_refill_equal_plain(setup):
     prompts, lens = _groups()
     cfg, plain = _greedy_eos(model, variables)
     lengths = np.asarray(plain.lengths)
-    assert lengths.min() < N_NEW and np.asarray(plain.finished).any()  # early EOS happened
+    assert lengths[GROUP] <= 3 and lengths[3 * GROUP] <= 5  # EOS and the stop sequence hit
+    assert np.asarray(plain.finished)[[GROUP, 3 * GROUP]].all()
     assert lengths.max() == N_NEW and len(set(lengths.tolist())) > 1
     sampler = Sampler(model, cfg)
     shared = sampler.generate(variables, prompts, lens, jax.random.key(0), group_size=GROUP)
