@@ -2,7 +2,11 @@
 
 Side by side in one run:
   * decode tokens/s with the KV/state cache vs recomputing the full prefix every step (ratio);
-  * GRPO train-step time (32 sequences = 8 prompts x 4, prompt 32 + 64 generated tokens);
+  * GRPO train-step time (32 sequences = 8 prompts x 4, prompt 32 + 64 generated tokens), side
+    by side: with old log-probs from a separate pass, with old = the step's own log-probs (no
+    old pass: rl.old_logp_pass="auto"), and with the MTP forward skipped (rl.mtp_loss_weight=0);
+  * the DSA layer's training attention by length: token-sparse gather vs masked-dense vs dense
+    (`dsa_paths`, the measurement behind model/layers/dsa.py's sparse_path rule);
   * one RL iteration split into generate / score / train, and the fraction of scoring time hidden
     behind generation of the next batch (the loop's lookahead).
 MTP speculative decoding has its own benchmark (`scripts/bench.py spec`, benchmarks/speculative.py).
@@ -33,7 +37,7 @@ def run(quick: bool = False) -> dict:
     from model.transformer import Model
     from rl.algorithms import get_algorithm
     from rl.sampler import Sampler, SamplingConfig, pack
-    from rl.train_step import init_train_state, make_logp_fn, make_optimizer, make_train_step
+    from rl.train_step import init_train_state, make_logp_fn, make_optimizer
 
     cfg = ModelConfig.from_dict(models.get_config("test" if quick else "tiny"))
     model = Model(cfg)
@@ -75,19 +79,95 @@ def run(quick: bool = False) -> dict:
     opt = make_optimizer(ml_collections.ConfigDict(dict(
         lr=1e-4, warmup_steps=1, total_steps=10, final_lr_frac=0.1, weight_decay=0.0, b1=0.9,
         b2=0.99, eps=1e-8, clip_norm=1.0)))
-    step = make_train_step(model, algo, opt, donate=False)
     state = init_train_state(variables, opt)
     batch = {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask),
              "advantages": jnp.asarray(np.random.default_rng(0).normal(size=(B, 1)), jnp.float32),
-             "old_logp": logp, "ref_logp": logp}
-    res["train_step_s"] = _timeit(lambda: step(state, batch)[1]["loss"])
+             "old_logp": logp, "ref_logp": logp, "rollout_logp": jnp.asarray(rollout)}
+    # the step's variants side by side (alternating, medians): the default (old log-probs from
+    # a separate pass, the model's MTP weight), old = the step's own log-probs (no old pass,
+    # rl.old_logp_pass="auto"), and the MTP forward skipped (rl.mtp_loss_weight=0)
+    fused = {k: v for k, v in batch.items() if k != "old_logp"}
+    variants = {"train_step_s": (dict(), batch),
+                "train_step_old_current_s": (dict(old_logp="current"), fused)}
+    if cfg.mtp.depth:
+        variants["train_step_no_mtp_s"] = (dict(old_logp="current", mtp_loss_weight=0.0), fused)
+    res.update(_alternating({k: _step_call(model, algo, opt, state, kw, b)
+                             for k, (kw, b) in variants.items()}))
     logp_fn = make_logp_fn(model)
     res["logp_pass_s"] = _timeit(lambda: logp_fn(variables, batch["tokens"], batch["loss_mask"]))
+    # old + ref passes with the default step; the ref pass alone without the old one
     res["rl_iteration_s_estimate"] = (t_cache + res["train_step_s"] + 2 * res["logp_pass_s"])
+    res["rl_iteration_s_estimate_no_old_pass"] = (t_cache + res["train_step_old_current_s"]
+                                                  + res["logp_pass_s"])
     res.update(_iteration_split(model, variables, quick))
+    res.update(dsa_paths(quick))
     for k, v in res.items():
         print(f"  {k:<28} {v:.4g}" if isinstance(v, float) else f"  {k:<28} {v}")
     return res
+
+
+def _step_call(model, algo, opt, state, kw, batch):
+    """A compiled (warmed) call of make_train_step(**kw) on batch (state not donated)."""
+    from rl.train_step import make_train_step
+
+    step = make_train_step(model, algo, opt, donate=False, **kw)
+    fn = lambda: step(state, batch)[1]["loss"]  # noqa: E731
+    jax.block_until_ready(fn())
+    return fn
+
+
+def _alternating(fns: dict, rounds: int = 3) -> dict:
+    """Median seconds of each warmed call, timed in alternation (rounds x each): side by side
+    under the same foreign load."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - t)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def dsa_paths(quick: bool = False) -> dict:
+    """The DSA layer's training attention, forward+backward, by key count S (T = S queries):
+    the token-sparse gather (select_topk + sparse_attention, XLA on CPU), the masked-dense
+    scores over the same selection (model/layers/dsa.py: masked_dense_attention) and dense
+    causal attention (equal to both while S <= top-k), at the bench hybrid's DSA shapes (B32
+    H4 D160 top-k 64). What model/layers/dsa.py's sparse_path rule (MASKED_DENSE_MAX_RATIO)
+    rests on; prints ms and gather / masked."""
+    from model.layers import dsa as dsa_layer
+    from pallas_kernels.dsa import ops as dsa_ops
+
+    B, H, L, R, K = (8, 2, 32, 16, 16) if quick else (32, 4, 128, 32, 64)
+    D, out = L + R, {}
+    for S in ([K, 2 * K, 4 * K] if quick else [K // 2, K, 3 * K // 2, 2 * K, 4 * K, 8 * K]):
+        ks = jax.random.split(jax.random.key(S), 4)
+        q, kv = jax.random.normal(ks[0], (B, S, H, D)), jax.random.normal(ks[1], (B, S, D))
+        sc, g = jax.random.normal(ks[2], (B, S, S)), jax.random.normal(ks[3], (B, S, H, L))
+        causal = dsa_layer.causal_mask(S, S, jnp.zeros((B,), jnp.int32))
+
+        def gather(q, kv, sc):
+            idx = dsa_ops.select_topk(sc, K)
+            return dsa_ops.sparse_attention(q, kv, idx, scale=D ** -0.5, v_dim=L)
+
+        def masked(q, kv, sc):
+            m = causal & dsa_layer.selected_key_mask(dsa_ops.select_topk(sc, K), S)
+            return dsa_layer.masked_dense_attention(q, kv, m, D ** -0.5, L)
+
+        def dense(q, kv, sc):
+            return dsa_ops.dense_causal_attention(q, kv, scale=D ** -0.5, v_dim=L)
+
+        fns = {}
+        for name, f in (("gather", gather), ("masked", masked), ("dense", dense)):
+            fb = jax.jit(jax.grad(lambda q, kv, f=f: jnp.sum(f(q, kv, sc) * g), argnums=(0, 1)))
+            jax.block_until_ready(fb(q, kv))
+            fns[name] = lambda fb=fb: fb(q, kv)
+        t = _alternating(fns)
+        out[S] = {**{k + "_ms": 1e3 * v for k, v in t.items()},
+                  "gather_over_masked": t["gather"] / t["masked"]}
+        print(f"  dsa S={S:<5} (top-k {K}) " + "  ".join(f"{k} {v:.3g}" for k, v in
+                                                        out[S].items()))
+    return {"dsa_paths": out}
 
 
 def _iteration_split(model, variables, quick: bool) -> dict:

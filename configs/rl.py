@@ -105,6 +105,14 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # matmul) while the trainer keeps bf16/f32 (or QAT: model.moe.qat=True) experts; the
     # sampler/trainer log-prob gap is logged and corrected by TIS (rl.algo.tis_cap, required)
     c.rl.rollout_experts = "bf16"
+    # the MTP term's weight in the RL step: None (default) keeps model.mtp.loss_weight (the SFT
+    # objective's); 0 skips the MTP forward in the RL step (about a third of the hybrid's
+    # step time, benchmarks/rl_loop.py), leaving the MTP block as SFT trained it
+    c.rl.mtp_loss_weight = ml_collections.config_dict.placeholder(float)
+    # the separate old-log-prob forward: "auto" skips it when the batch serves one on-policy
+    # update and nothing needs old log-probs before the advantages (old = the step's own
+    # log-probs, stop-gradient: the same numbers); "always" runs it (rl/loop.py)
+    c.rl.old_logp_pass = "auto"
     # the trainer's log-probs use rl.temperature / top_k / top_p (the sampler's distribution);
     # rl.train_indexer=False sets the indexer KL weight to 0 for RL (the indexer stays frozen)
     # rl.speculative="mtp": rollouts and evals draft with the MTP head and verify two tokens per

@@ -352,11 +352,24 @@ def shard_params(variables, mesh: Mesh, rules: Rules | None = None, *, abstract=
     return jax.device_put(variables, shardings)
 
 
+_SHARDED_INITS: dict = {}  # (ModelConfig, mesh, rules) -> jitted init with out_shardings
+
+
 def init_sharded(model, rng: jax.Array, mesh: Mesh, rules: Rules | None = None):
     """model.init(rng) computed directly into its shardings (no unsharded copy anywhere). The
-    values do not depend on the mesh (jax_threefry_partitionable, the default)."""
+    values do not depend on the mesh (jax_threefry_partitionable, the default).
+
+    Compiles once: on a one-device mesh the model's own init program (Model.init, shared with
+    every other Model.init call) is placed on the mesh's device; on a larger mesh one program
+    with out_shardings per (config, mesh, rules), cached."""
     shardings = model_shardings(model, mesh, rules)
-    return jax.jit(model.init, out_shardings=shardings)(rng)
+    if mesh.size == 1:
+        return jax.device_put(model.init(rng), shardings)
+    key = (model.cfg, mesh, None if rules is None else repr(sorted(dict(rules).items())))
+    fn = _SHARDED_INITS.get(key)
+    if fn is None:
+        fn = _SHARDED_INITS[key] = jax.jit(model.init, out_shardings=shardings)
+    return fn(rng)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

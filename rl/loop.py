@@ -14,9 +14,12 @@ resume). `resume=True` picks up at the last good checkpoint and continues exactl
 order, same rng stream).
 
 RL iteration (one batch of lookahead when rl.overlap_scoring): generate batch i+1 while the
-sandbox scores batch i; then old/ref log-probs (and, for algorithms with a critic such as PPO, the
-value head's old values from the same forward), advantages (GAE with returns for PPO; KL folded
-into the rewards when kl_placement="reward"), one jit train step on batch i. The critic's params
+sandbox scores batch i; then the reference log-probs and, where the advantages need them first
+(algorithms with a critic such as PPO: the value head's old values from the same forward; KL
+folded into the rewards when kl_placement="reward") or rl.old_logp_pass="always", the old
+log-probs in a separate forward (otherwise the train step's own log-probs, stop-gradient, are the
+old ones: the same numbers, one forward less; old_logp_source); advantages (GAE with returns for
+PPO); one jit train step on batch i (its MTP term weighted by rl.mtp_loss_weight when set). The critic's params
 and optimizer state live in the train state and are checkpointed with it.
 Timings per iteration are split into generate / score-wait / train, and the fraction of scoring
 time hidden behind generation is logged (score_hidden_frac).
@@ -719,21 +722,49 @@ class _RolloutForward:
     ref_vars: dict | None  # None when the algorithm needs no reference
     mesh: object = None
     rules: object = None
+    old_logp: bool = True  # False: the train step takes old log-probs itself (old_logp_source)
 
     def at(self, state):
-        """The forward under `state`'s policy: (tokens, mask) -> {"old_logp", ...} rows."""
+        """The forward under `state`'s policy: (tokens, mask) -> {"old_logp", ...} rows (no
+        old_logp when self.old_logp is False; None when there is nothing to compute)."""
+        if not self.old_logp and self.logp_value_fn is None and self.ref_vars is None:
+            return None
+
         def forward(tokens, mask):
             gt, gm = shd.to_global((np.asarray(tokens), np.asarray(mask)), self.mesh, self.rules)
             out = {}
             if self.logp_value_fn is not None:
                 out["old_logp"], out["old_values"] = self.logp_value_fn(
                     state.variables, state.value_params, gt, gm)
-            else:
+            elif self.old_logp:
                 out["old_logp"] = self.logp_fn(state.variables, gt, gm)
             if self.ref_vars is not None:
                 out["ref_logp"] = self.logp_fn(self.ref_vars, gt, gm)
             return shd.host_rows(out)
         return forward
+
+
+def reference_variables(init_vars: dict, state) -> dict:
+    """The frozen reference policy's variables with exactly the tree structure of
+    state.variables ({"params", "router_state"}, an empty router state included), so the
+    log-prob forward compiled for the policy serves the reference without a recompile."""
+    missing = set(state.variables) - set(init_vars) - {"router_state"}
+    if missing:
+        raise ValueError(f"the reference variables lack {sorted(missing)}")
+    return {k: init_vars.get(k, {}) for k in state.variables}
+
+
+def old_logp_source(r, algo) -> str:
+    """make_train_step's old_logp from the RL section (config.rl.old_logp_pass): "current" (no
+    separate old-log-prob forward: the step's own log-probs, stop-gradient, are the proximal
+    policy's) when the pass is "auto", every batch serves exactly one update (the loop's only
+    mode: micro-batches accumulate into one optimizer step) and nothing needs old log-probs
+    before the advantages (a critic's values, KL in the reward); "batch" otherwise."""
+    mode = r.get("old_logp_pass", "auto")
+    if mode not in ("auto", "always"):
+        raise ValueError(f"rl.old_logp_pass must be 'auto' or 'always', got {mode!r}")
+    needs_before = algo.needs_values or algo.kl_placement == "reward"
+    return "current" if mode == "auto" and not needs_before else "batch"
 
 
 def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, mesh, rules):
@@ -745,6 +776,10 @@ def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, m
     met["staleness"] = int(state.step) - group.policy_version  # updates behind
     state, tmet = step_fn(state, shd.to_global(batch, mesh, rules))
     met.update({k: float(v) for k, v in jax.device_get(tmet).items()})
+    if "old_logp" not in batch and "logp_gap_abs" in met:
+        # no separate forward: the step's own log-probs (the same parameters) give the gap
+        met["logp_gap/sampler_trainer_mean"] = met["logp_gap_abs"]
+        met["logp_gap/sampler_trainer_max"] = met["logp_gap_max"]
     return state, met, time.perf_counter() - t0
 
 
@@ -778,9 +813,6 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     default in configs/rl.py) corrects for it. `pool`: a sandbox executor to score with (default:
     one opened from config.sandbox and closed at the end); on_eval(step, results) after each
     evaluation."""
-    if "mtp_loss_weight" in config.rl:
-        raise ValueError("rl.mtp_loss_weight was removed: the MTP weight is "
-                         "model.mtp.loss_weight, shared by SFT and RL")
     r, e = config.rl, config.eval
     model, tok, algo = rl_model(config), load_tokenizer(config.tokenizer), algo_from_config(r.algo)
     workdir = os.path.join(config.workdir, "rl")
@@ -820,14 +852,17 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
                                                          mesh, rules), to_sampler)
 
     # training: the rollout-time forward and the update, both jit programs on the mesh
+    old_src = old_logp_source(r, algo)
     forward = _RolloutForward(
         logp_fn=make_logp_fn(model, sampling, **on_mesh),
         logp_value_fn=(make_logp_value_fn(model, critic, sampling, **on_mesh)
                        if critic is not None else None),
-        ref_vars=init_vars if algo.needs_ref else None, **on_mesh)
+        ref_vars=reference_variables(init_vars, state) if algo.needs_ref else None,
+        old_logp=old_src == "batch", **on_mesh)
     step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
                               sampling=sampling, critic=critic, value_optimizer=value_opt,
-                              state_shardings=state_sh, **on_mesh)
+                              state_shardings=state_sh, old_logp=old_src,
+                              mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
     train_on = functools.partial(_train_on, algo=algo, width=train_width(r, train_tasks),
                                  forward=forward, step_fn=step_fn, **on_mesh)
     writer = MetricsWriter(workdir, config=config) if _primary() else None

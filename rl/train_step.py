@@ -344,14 +344,50 @@ def _sampling_entropy(logp_all, mask):
     return jnp.where(mask, ent, 0.0)
 
 
+OLD_LOGP_SOURCES = ("batch", "current")
+MAX_METRICS = ("logp_gap_max",)  # combined over micro-batches by max (the rest: mean)
+
+
+def check_old_logp(algo: AlgoConfig, old_logp: str):
+    """Validate make_train_step's `old_logp`: "batch" (the batch holds old_logp from a separate
+    forward) or "current" (the step takes old = stop_gradient of its own log-probs; exact for a
+    single update per batch at the current parameters, and impossible for algorithms that need
+    old log-probs before the advantages: a critic's values or KL folded into the reward)."""
+    if old_logp not in OLD_LOGP_SOURCES:
+        raise ValueError(f"old_logp must be one of {OLD_LOGP_SOURCES}, got {old_logp!r}")
+    if old_logp == "current" and (algo.needs_values or algo.kl_placement == "reward"):
+        raise ValueError(f"algorithm {algo.name!r} needs old log-probs before its advantages "
+                         "(critic values or KL in the reward): old_logp='current' cannot serve "
+                         "it; use old_logp='batch' (rl.old_logp_pass='always')")
+
+
+def rl_mtp_weight(cfg, mtp_loss_weight=None) -> float:
+    """The MTP loss weight the RL step trains with: mtp_loss_weight when given (rl.mtp_loss_weight;
+    0 skips the MTP forward entirely), else the model's own mtp.loss_weight (shared with SFT)."""
+    w = cfg.mtp.loss_weight if mtp_loss_weight is None else float(mtp_loss_weight)
+    if w < 0:
+        raise ValueError(f"the MTP loss weight must be >= 0, got {w}")
+    return w if cfg.mtp.depth > 0 else 0.0
+
+
+def _with_mtp_weight(cfg, w: float):
+    """cfg with mtp.loss_weight = w (the auxiliary terms read it from the config)."""
+    if w == cfg.mtp.loss_weight:
+        return cfg
+    import dataclasses
+    return cfg.replace(mtp=dataclasses.replace(cfg.mtp, loss_weight=w))
+
+
 def make_rl_loss(model: Model, algo: AlgoConfig, *, micro_batches: int = 1,
-                 sampling: SamplingConfig | None = None, critic: CriticConfig | None = None):
+                 sampling: SamplingConfig | None = None, critic: CriticConfig | None = None,
+                 old_logp: str = "batch", mtp_loss_weight=None):
     """The RL objective of one micro-batch, as make_train_step differentiates it:
     loss(trainable=(params, value_params or None), router_state, mb, counts, tcounts) ->
     (loss, (metrics, expert_counts, values)) with loss = rl_loss(...) + auxiliary_losses(...);
     counts = rl.losses.agg_counts(full-batch mask), tcounts = model.objectives.target_counts
-    (full-batch mask, depth of the MTP terms)."""
-    cfg = model.cfg
+    (full-batch mask, depth of the MTP terms). old_logp / mtp_loss_weight: see make_train_step."""
+    check_old_logp(algo, old_logp)
+    cfg = _with_mtp_weight(model.cfg, rl_mtp_weight(model.cfg, mtp_loss_weight))
     with_mtp = cfg.mtp.depth > 0 and cfg.mtp.loss_weight > 0
     with_critic = algo.needs_values
     if with_critic:
@@ -366,8 +402,11 @@ def make_rl_loss(model: Model, algo: AlgoConfig, *, micro_batches: int = 1,
         logp = _pad_left(lp)
         entropy = _pad_left(_sampling_entropy(logp_all, mask[:, 1:]))
         values = token_values(critic, value_params, out.hidden) if with_critic else None  # [n,L]
+        # the proximal policy: the batch's separate forward, or (one update per batch) these
+        # very log-probs at the current parameters, as constants
+        old = jax.lax.stop_gradient(logp) if old_logp == "current" else mb["old_logp"]
         loss, met = rl_loss(
-            logp, mb["old_logp"], mb["advantages"], mask, cfg=algo,
+            logp, old, mb["advantages"], mask, cfg=algo,
             ref_logp=mb.get("ref_logp"), entropy=entropy,
             values=values, old_values=mb["old_values"] if with_critic else None,
             returns=mb["returns"] if with_critic else None,
@@ -383,10 +422,11 @@ def make_rl_loss(model: Model, algo: AlgoConfig, *, micro_batches: int = 1,
         for k, v in aux_met.items():  # per-micro shares -> batch value after averaging
             met[k] = v * micro_batches
         met["aux_loss"] = aux * micro_batches
-        if "rollout_logp" in mb:
-            m = mask.astype(jnp.float32)
-            met["logp_gap_abs"] = jnp.sum(jnp.abs(logp - mb["rollout_logp"]) * m) / jnp.maximum(
-                jnp.sum(m), 1.0)
+        if "rollout_logp" in mb:  # sampler vs trainer log-probs at the current parameters
+            gap = jnp.where(mask, jnp.abs(logp - mb["rollout_logp"]), 0.0)
+            # a token mean over the whole batch once micro-batches are averaged; max over them
+            met["logp_gap_abs"] = jnp.sum(gap) / jnp.maximum(counts.num_tokens, 1.0) * micro_batches
+            met["logp_gap_max"] = jax.lax.stop_gradient(jnp.max(gap))
         if out.router is not None:
             met["router_max_vio"] = jnp.mean(out.router["max_vio"])
             # assignments dropped by capacity (dispatch="capacity", or per-shard capacity under
@@ -406,7 +446,8 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
                     micro_batches: int = 1, sampling: SamplingConfig | None = None,
                     donate: bool = True, critic: CriticConfig | None = None,
                     value_optimizer: optax.GradientTransformation | None = None,
-                    mtp_loss_weight=None, mesh=None, rules=None, state_shardings=None):
+                    mtp_loss_weight=None, old_logp: str = "batch", mesh=None, rules=None,
+                    state_shardings=None):
     """The RL update: rl_loss (policy + KL + entropy [+ value]) + the model's auxiliary terms
     (model.objectives.auxiliary_losses: MTP, MoE balance, DSA indexer KL, each weighted by its
     model-config field, exactly as in SFT).
@@ -424,11 +465,20 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
     model.sharding.MeshJit: traced under use_mesh (activation constraints, expert-parallel MoE),
     the state in and out with `state_shardings` (default train_state_shardings of the state's
     kind) and donated, the batch's rows over the batch axes (a global batch: see
-    model.sharding.to_global), metrics replicated (reduced over the whole global batch)."""
-    if mtp_loss_weight is not None:
-        raise ValueError("make_train_step(mtp_loss_weight=...) was removed: the MTP weight is "
-                         "model.mtp.loss_weight, shared by SFT and RL (model/objectives.py)")
-    cfg = model.cfg
+    model.sharding.to_global), metrics replicated (reduced over the whole global batch).
+
+    old_logp: "batch" (default): the proximal policy's log-probs come in batch["old_logp"] (a
+    separate forward, make_logp_fn). "current": the batch is used for exactly this one update,
+    so old = stop_gradient of the step's own log-probs (the same numbers the separate forward
+    gives at these parameters; the ratio is exactly 1 and the forward is saved); the batch must
+    not hold old_logp, and algorithms that need old log-probs before their advantages (a
+    critic, KL in the reward) are rejected. The sampler/trainer gap is then read from the
+    step's metrics (logp_gap_abs: token mean, logp_gap_max).
+
+    mtp_loss_weight: the MTP term's weight in this step (rl.mtp_loss_weight); None keeps the
+    model's mtp.loss_weight (the SFT objective's); 0 skips the MTP forward entirely (the MTP
+    block then gets no gradient and its router bias does not move)."""
+    cfg = _with_mtp_weight(model.cfg, rl_mtp_weight(model.cfg, mtp_loss_weight))
     with_mtp = cfg.mtp.depth > 0 and cfg.mtp.loss_weight > 0
     with_critic = algo.needs_values
     if with_critic:
@@ -438,7 +488,7 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
         raise ValueError("RL needs a sampling temperature > 0 (greedy rollouts have no "
                          "log-probs to train on): set rl.temperature")
     micro_loss = make_rl_loss(model, algo, micro_batches=micro_batches, sampling=sampling,
-                              critic=critic)
+                              critic=critic, old_logp=old_logp, mtp_loss_weight=mtp_loss_weight)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -457,6 +507,12 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
                 raise ValueError(f"algorithm {algo.name!r} needs batch {missing} [N,L] (rollout "
                                  "values and the estimator's returns, see "
                                  "rl.pipeline.build_train_batch)")
+        if old_logp == "current" and "old_logp" in batch:
+            raise ValueError("make_train_step(old_logp='current') computes old log-probs itself, "
+                             "but the batch holds old_logp: drop it, or use old_logp='batch'")
+        if old_logp == "batch" and "old_logp" not in batch:
+            raise ValueError("the batch has no old_logp: pass the rollout-time forward to "
+                             "build_train_batch, or make the step with old_logp='current'")
         counts = losses.agg_counts(mask)
         tcounts = objectives.target_counts(mask, cfg.mtp.depth if with_mtp else 0)
         n_targets = jnp.sum(mask.astype(jnp.float32))
@@ -467,8 +523,9 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
             (loss, (met, ce, vals)), g = grad_fn(trainable, state.router_state, mb, counts,
                                                  tcounts)
             g_acc, l_acc, m_acc, c_acc = acc
-            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
-                    jax.tree.map(jnp.add, m_acc, met), c_acc + ce), vals
+            met = {k: (jnp.maximum if k in MAX_METRICS else jnp.add)(m_acc[k], v)
+                   for k, v in met.items()}
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss, met, c_acc + ce), vals
 
         mb0 = jax.tree.map(lambda x: x[0], mbs)
         (_, (met_shape, ce_shape, _)), _ = jax.eval_shape(
@@ -477,7 +534,7 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
         init = (zeros(trainable), jnp.zeros((), jnp.float32), zeros(met_shape),
                 zeros(ce_shape))
         (grads, loss, met, expert_counts), vals = jax.lax.scan(body, init, mbs)
-        met = jax.tree.map(lambda x: x / micro_batches, met)
+        met = {k: v if k in MAX_METRICS else v / micro_batches for k, v in met.items()}
         p_grads, v_grads = grads
 
         gnorm = optax.tree.norm(p_grads)

@@ -204,6 +204,64 @@ def topk_recall(p, scores, key_mask, valid_q, k: int) -> tuple[jax.Array, jax.Ar
             jnp.sum(eligible).astype(jnp.float32))
 
 
+def selected_key_mask(idx: jax.Array, S: int) -> jax.Array:
+    """[B,T,S] bool: key s is one of query t's top-k indices idx [B,T,K] (-1 slots select
+    nothing)."""
+    B, T, _ = idx.shape
+    bi = jnp.arange(B)[:, None, None]
+    ti = jnp.arange(T)[None, :, None]
+    sel = jnp.zeros((B, T, S + 1), bool).at[bi, ti, jnp.where(idx >= 0, idx, S)].set(True)
+    return sel[..., :S]
+
+
+def masked_dense_attention(q, kv, key_mask, scale, v_dim: int) -> jax.Array:
+    """Softmax attention of q [B,T,H,D] over kv [B,S,D] restricted to key_mask [B,T,S] (values
+    kv[..., :v_dim]; f32 softmax; a query with no key outputs 0) -> [B,T,H,v_dim] in q's dtype.
+    With key_mask = causal & the top-k selection it equals sparse_attention over those indices
+    (the same keys, the same softmax): the dense form of the token-sparse path."""
+    f32 = jnp.float32
+    logits = jnp.einsum("bthd,bsd->bths", q.astype(f32), kv.astype(f32)) * scale
+    m4 = key_mask[:, :, None, :]  # [B,T,1,S]
+    logits = jnp.where(m4, logits, -jnp.inf)
+    mx = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    p = jnp.where(m4, jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bths,bsv->bthv", p, kv[..., :v_dim].astype(f32))
+    return (o / jnp.where(den > 0, den, 1.0)).astype(q.dtype)
+
+
+# Training-path choice between the token-sparse gather and its dense equivalents (see
+# `sparse_path`). Measured fwd+bwd on CPU (XLA gather path; benchmarks/rl_loop.py dsa_paths) at
+# the bench hybrid's shapes (B32 H4 D160 top-k 64) and the demo's (B32 H2 D64 top-k 32): the
+# gather is 3-10x slower than masked-dense scores at S = 1.5-4 x top-k and still slower at 8 x
+# top-k, so masked-dense is used up to 8 x top-k; its [B,T,H,S] scores are bounded by
+# MASKED_DENSE_MAX_SCORES elements (f32: 256 MiB; the indexer KL's target already holds scores
+# of that size in training).
+MASKED_DENSE_MAX_RATIO = 8
+MASKED_DENSE_MAX_SCORES = 1 << 26
+
+
+def sparse_path(S: int, topk: int, impl: str, dtype, v_dim: int, D: int,
+                n_scores: int = 0) -> str:
+    """How the sparse stage's training forward (no cache: T = S queries over S causal keys)
+    attends:
+      "dense"   top-k covers every causal key (S <= topk): the selection is every key, so dense
+                causal attention is the same computation, without top-k or gather;
+      "masked"  dense scores restricted to causal & the top-k selection (the same keys and
+                softmax as the gather) while S <= MASKED_DENSE_MAX_RATIO * topk, the scores
+                (n_scores = B*T*H*S elements) fit MASKED_DENSE_MAX_SCORES, and the gather would
+                run on XLA (the Pallas kernels keep the sparse path);
+      "sparse"  the token-sparse gather otherwise."""
+    if S <= topk:
+        return "dense"
+    resolved = dsa_ops.resolve_impl(impl, dsa_ops.SPARSE_DISPATCH, dtype=dtype,
+                                    v_dim=int(v_dim), D=int(D))
+    if (resolved == "xla" and S <= MASKED_DENSE_MAX_RATIO * topk
+            and n_scores <= MASKED_DENSE_MAX_SCORES):
+        return "masked"
+    return "sparse"
+
+
 def head_mean_attention(q, kv, key_mask, scale) -> jax.Array:
     """Head-averaged softmax attention [B,T,S] of q [B,T,H,D] over kv [B,S,D] within key_mask."""
     logits = jnp.einsum("bthd,bsd->bhts", q.astype(jnp.float32), kv.astype(jnp.float32)) * scale
@@ -280,24 +338,31 @@ class DSALayer(nn.Module):
         scores = dsa_ops.indexer_scores(q_idx, k_idx.astype(q_idx.dtype), w_idx, impl=c.impl)
         S = kv.shape[1]
         dense_stage = c.indexer_stage == "dense_warmup"
-        if dense_stage:
+        # the training forward (no cache) picks the cheapest of the equal computations
+        path = ("dense" if dense_stage else "sparse" if cache is not None else
+                sparse_path(S, c.index_topk, c.impl, q_full.dtype, L, kv.shape[-1],
+                            n_scores=B * T * H * S))
+        sel_mask = None  # [B,T,S] causal & selected keys (the masked and sparse paths)
+        if path == "dense":  # dense warm-up, or top-k covers every causal key
             o_lat = dsa_ops.dense_causal_attention(q_full, kv.astype(q_full.dtype), scale=scale,
                                                    v_dim=L, q_offset=q_offset)
         else:
             idx = dsa_ops.select_topk(scores, c.index_topk, q_offset=q_offset)  # [B,T,k]
-            o_lat = dsa_ops.sparse_attention(q_full, kv.astype(q_full.dtype), idx, scale=scale,
-                                             v_dim=L, impl=c.impl)
+            if path == "masked" or (cache is None and c.indexer_loss_weight > 0):
+                sel_mask = causal_mask(T, S, q_offset) & selected_key_mask(idx, S)
+            if path == "masked":
+                o_lat = masked_dense_attention(q_full, kv.astype(q_full.dtype), sel_mask, scale,
+                                               L)
+            else:
+                o_lat = dsa_ops.sparse_attention(q_full, kv.astype(q_full.dtype), idx,
+                                                 scale=scale, v_dim=L, impl=c.impl)
         o = jnp.einsum("bthl,hlv->bthv", o_lat, w_uv.astype(o_lat.dtype))  # [B,T,H,v]
         out = dense(self.d_model, ("heads", "embed"), "out", **kw)(o.reshape(B, T, -1))
 
         aux = {}
         if cache is None and c.indexer_loss_weight > 0:
-            key_mask = causal_mask(T, S, q_offset)
-            if not dense_stage:
-                bi = jnp.arange(B)[:, None, None]
-                ti = jnp.arange(T)[None, :, None]
-                sel = jnp.zeros((B, T, S + 1), bool).at[bi, ti, jnp.where(idx >= 0, idx, S)].set(True)
-                key_mask = key_mask & sel[..., :S]
+            # KL over the attended keys: every causal key (dense paths), else the selection
+            key_mask = causal_mask(T, S, q_offset) if sel_mask is None else sel_mask
             aux["indexer_kl"] = indexer_kl(jax.lax.stop_gradient(q_full),
                                            jax.lax.stop_gradient(kv), scores, key_mask, valid,
                                            scale)

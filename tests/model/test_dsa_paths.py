@@ -1,0 +1,94 @@
+"""The DSA layer's training forward picks among equal computations by length
+(model/layers/dsa.py: sparse_path): dense causal attention when top-k covers every causal key,
+masked-dense scores (causal & the top-k selection) while that is cheaper than the gather, the
+token-sparse gather otherwise.
+
+Covered: the rule's choices; masked_dense_attention equals sparse_attention on the same indices
+(values and gradients), dense equals sparse when S <= top-k; the whole layer (output, indexer KL
+and parameter gradients) on each path equals the token-sparse path forced by monkeypatching the
+rule, at lengths below top-k, between top-k and the masked limit, and past it.
+Not covered: the timings (benchmarks/dsa.py measures the crossover).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.layers import dsa
+from pallas_kernels.dsa import ops as dsa_ops
+
+K = 8  # top-k of the layer tests
+
+
+def test_rule_by_length():
+    f32 = jnp.float32
+    assert dsa.sparse_path(K, K, "auto", f32, 16, 24) == "dense"
+    assert dsa.sparse_path(3, K, "auto", f32, 16, 24) == "dense"
+    assert dsa.sparse_path(K + 1, K, "auto", f32, 16, 24) == "masked"
+    assert dsa.sparse_path(dsa.MASKED_DENSE_MAX_RATIO * K, K, "auto", f32, 16, 24) == "masked"
+    assert dsa.sparse_path(dsa.MASKED_DENSE_MAX_RATIO * K + 1, K, "auto", f32, 16, 24) == "sparse"
+    big = dsa.MASKED_DENSE_MAX_SCORES + 1  # the scores would not fit: the gather's chunks do
+    assert dsa.sparse_path(2 * K, K, "auto", f32, 16, 24, n_scores=big) == "sparse"
+
+
+def test_masked_dense_equals_sparse_gather():
+    B, S, H, D, V, k = 2, 20, 2, 12, 8, 6
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (B, S, H, D))
+    kv = jax.random.normal(ks[1], (B, S, D))
+    scores = jax.random.normal(ks[2], (B, S, S))
+    g = jax.random.normal(ks[3], (B, S, H, V))
+    idx = dsa_ops.select_topk(scores, k)
+    mask = dsa.causal_mask(S, S, jnp.zeros((B,), jnp.int32)) & dsa.selected_key_mask(idx, S)
+    assert int(mask.sum()) == int((idx >= 0).sum())  # the mask holds exactly the selection
+
+    def sparse(q, kv):
+        return jnp.sum(dsa_ops.sparse_attention(q, kv, idx, scale=0.3, v_dim=V) * g)
+
+    def masked(q, kv):
+        return jnp.sum(dsa.masked_dense_attention(q, kv, mask, 0.3, V) * g)
+
+    assert float(jnp.abs(dsa.masked_dense_attention(q, kv, mask, 0.3, V)).mean()) > 0.1
+    for a, b in zip(jax.jit(jax.value_and_grad(masked, (0, 1)))(q, kv),
+                    jax.jit(jax.value_and_grad(sparse, (0, 1)))(q, kv)):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    # S <= top-k: the selection is every causal key, so dense causal attention is the same
+    idx_all = dsa_ops.select_topk(scores, S)
+    np.testing.assert_allclose(
+        np.asarray(dsa_ops.dense_causal_attention(q, kv, scale=0.3, v_dim=V)),
+        np.asarray(dsa_ops.sparse_attention(q, kv, idx_all, scale=0.3, v_dim=V)),
+        rtol=1e-5, atol=1e-6)
+
+
+def _layer():
+    cfg = dsa.DSAConfig(num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=8,
+                        index_rope_dim=4, index_topk=K, indexer_loss_weight=1.0)
+    return dsa.DSALayer(cfg=cfg, d_model=24)
+
+
+@pytest.mark.parametrize("T,path", [(6, "dense"), (3 * K, "masked"),
+                                    (dsa.MASKED_DENSE_MAX_RATIO * K + 3, "sparse")])
+def test_layer_paths_equal_the_sparse_gather(T, path, monkeypatch):
+    layer = _layer()
+    B = 2
+    x = jax.random.normal(jax.random.key(1), (B, T, 24))
+    valid = jnp.arange(T)[None] < jnp.array([[T], [T - 2]])
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    params = layer.init(jax.random.key(0), x, valid=valid, positions=pos)
+    assert dsa.sparse_path(T, K, "auto", jnp.float32, 16, 24) == path
+
+    def loss(p):
+        out, _, aux = layer.apply(p, x, valid=valid, positions=pos)
+        return jnp.sum(out * jnp.cos(jnp.arange(24.0))) + aux["indexer_kl"], (out, aux)
+
+    (l_rule, (o_rule, a_rule)), g_rule = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    monkeypatch.setattr(dsa, "sparse_path", lambda *a, **k: "sparse")
+    (l_sp, (o_sp, a_sp)), g_sp = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    np.testing.assert_allclose(np.asarray(o_rule), np.asarray(o_sp), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(a_rule["indexer_kl"]), float(a_sp["indexer_kl"]),
+                               rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(g_rule), jax.tree.leaves(g_sp)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

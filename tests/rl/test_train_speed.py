@@ -1,0 +1,232 @@
+"""The RL train step's speed choices keep its numbers (rl/train_step.py, rl/loop.py,
+rl/pipeline.py; issue 19 item 4).
+
+Covered: old_logp="current" (no separate old-log-prob forward: old = stop_gradient of the step's
+own log-probs) gives the loss, gradients, metrics and the updated parameters of the separate
+pass (old_logp="batch"), with micro-batches and a sampling temperature, and the step's
+sampler/trainer gap metrics equal build_train_batch's; the loop keeps the pass where old
+log-probs are needed before the advantages (critic, KL in the reward) or when asked to
+(rl.old_logp_pass="always"), and the step rejects a batch that contradicts its mode;
+rl.mtp_loss_weight scales exactly the MTP term and 0 drops it; the jitted prepare_advantages
+equals the eager one; the reference variables share the policy's tree (one log-prob compile).
+Not covered: the timings (benchmarks/rl_loop.py and the peer bench measure them).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import models
+from model.config import ModelConfig
+from model.transformer import Model
+from rl import losses
+from rl.algorithms import get_algorithm, prepare_advantages
+from rl.loop import old_logp_source, reference_variables
+from rl.pipeline import _prepare_advantages_jit
+from rl.sampler import SamplingConfig
+from rl.train_step import (
+    check_old_logp,
+    init_train_state,
+    make_logp_fn,
+    make_optimizer,
+    make_rl_loss,
+    make_train_step,
+)
+
+N, L, P = 4, 24, 8
+
+
+def _batch(model, variables, sampling, seed=1):
+    """A packed batch with completions of different lengths, rollout log-probs off the
+    trainer's (a real gap) and a reference off the policy (a real KL)."""
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(3, 200, (N, L)), jnp.int32)
+    mask = np.zeros((N, L), bool)
+    for i, end in enumerate((L, L - 3, L - 9, 14)):
+        mask[i, P:end] = True
+    mask = jnp.asarray(mask)
+    old = make_logp_fn(model, sampling)(variables, tokens, mask)
+    noise = lambda s: jnp.asarray(rng.normal(0, s, (N, L)), jnp.float32)
+    return {"tokens": tokens, "loss_mask": mask,
+            "advantages": jnp.asarray(rng.normal(size=(N, 1)), jnp.float32),
+            "rollout_logp": jnp.where(mask, old + noise(0.05), 0.0),
+            "ref_logp": jnp.where(mask, old + noise(0.1), 0.0)}, old
+
+
+def _opt():
+    return make_optimizer(ml_collections.ConfigDict(dict(
+        lr=1e-2, warmup_steps=1, total_steps=10, final_lr_frac=1.0, weight_decay=0.0, b1=0.9,
+        b2=0.99, eps=1e-8, clip_norm=1.0)))
+
+
+def test_current_old_logp_equals_the_separate_pass(small_lm):
+    model, variables = small_lm
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.7, top_k=20)
+    algo = get_algorithm("grpo", kl_placement="loss", kl_coef=0.05, tis_cap=2.0)
+    batch, old = _batch(model, variables, sampling)
+    counts = losses.agg_counts(batch["loss_mask"])
+    tcounts = {"next": jnp.sum(batch["loss_mask"][:, 1:]).astype(jnp.float32),
+               "mtp": jnp.zeros((0,), jnp.float32)}
+    trainable = (variables["params"], None)
+    rs = variables.get("router_state", {})
+
+    def value_and_grad(mode, mb):
+        fn = make_rl_loss(model, algo, sampling=sampling, old_logp=mode)
+        return jax.jit(jax.value_and_grad(fn, has_aux=True))(trainable, rs, mb, counts, tcounts)
+
+    (l_b, (m_b, _, _)), g_b = value_and_grad("batch", {**batch, "old_logp": old})
+    (l_c, (m_c, _, _)), g_c = value_and_grad("current", batch)
+    assert abs(float(m_b["tis_weight_mean"]) - 1.0) > 1e-3  # the TIS weight is in play
+    np.testing.assert_allclose(float(l_c), float(l_b), rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_b)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    for k in ("pg_loss", "kl_loss", "tis_weight_mean", "logp_gap_abs", "logp_gap_max"):
+        np.testing.assert_allclose(float(m_c[k]), float(m_b[k]), rtol=1e-5, atol=1e-7)
+
+    # the whole step (2 micro-batches, one update): same parameters after it, and the step's gap
+    # metrics are the separate pass's (what build_train_batch logs)
+    opt = _opt()
+    out = {}
+    for mode, b in (("batch", {**batch, "old_logp": old}), ("current", batch)):
+        step = make_train_step(model, algo, opt, micro_batches=2, sampling=sampling,
+                               donate=False, old_logp=mode)
+        out[mode] = step(init_train_state(variables, opt), b)
+    (s_b, met_b), (s_c, met_c) = out["batch"], out["current"]
+    for a, b in zip(jax.tree.leaves(s_c.params), jax.tree.leaves(s_b.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    m = np.asarray(batch["loss_mask"])
+    gap = np.abs(np.asarray(old) - np.asarray(batch["rollout_logp"]))[m]
+    assert float(met_c["logp_gap_abs"]) == pytest.approx(float(gap.mean()), rel=1e-4)
+    assert float(met_c["logp_gap_max"]) == pytest.approx(float(gap.max()), rel=1e-4)
+
+    # a batch that contradicts the step's mode is an error, not silently used or dropped
+    with pytest.raises(ValueError, match="holds old_logp"):
+        make_train_step(model, algo, opt, donate=False, old_logp="current")(
+            init_train_state(variables, opt), {**batch, "old_logp": old})
+    with pytest.raises(ValueError, match="has no old_logp"):
+        make_train_step(model, algo, opt, donate=False)(init_train_state(variables, opt), batch)
+
+
+def test_old_logp_pass_kept_where_old_is_needed_before_the_advantages():
+    r = ml_collections.ConfigDict(dict(old_logp_pass="auto"))
+    assert old_logp_source(r, get_algorithm("grpo")) == "current"
+    assert old_logp_source(r, get_algorithm("dapo", max_len=48, overlong_cache_len=8)) == "current"
+    for name in ("ppo", "rloo"):  # critic values / KL in the reward need old first
+        algo = get_algorithm(name, kl_placement="reward")
+        assert old_logp_source(r, algo) == "batch"
+        with pytest.raises(ValueError, match="before its advantages"):
+            check_old_logp(algo, "current")
+    always = ml_collections.ConfigDict(dict(old_logp_pass="always"))
+    assert old_logp_source(always, get_algorithm("grpo")) == "batch"
+    with pytest.raises(ValueError, match="old_logp_pass"):
+        old_logp_source(ml_collections.ConfigDict(dict(old_logp_pass="never")),
+                        get_algorithm("grpo"))
+    with pytest.raises(ValueError, match="old_logp must be"):
+        check_old_logp(get_algorithm("grpo"), "fused")
+
+
+def test_rl_mtp_loss_weight_scales_only_the_mtp_term():
+    c = models.get_config("test")
+    c.num_layers, c.layer_pattern, c.d_model = 1, "K", 32
+    c.moe.num_experts, c.moe.dense_dim = 0, 32
+    c.mtp.update(dict(depth=1, loss_weight=0.3, layer_kind="K"))
+    model = Model(ModelConfig.from_dict(c))
+    variables = model.init(jax.random.key(0))
+    batch, old = _batch(model, variables, None)
+    batch["old_logp"] = old
+    algo = get_algorithm("grpo", kl_placement="loss", kl_coef=0.05)
+    counts = losses.agg_counts(batch["loss_mask"])
+    m = batch["loss_mask"].astype(jnp.float32)
+    tcounts = {"next": jnp.sum(m[:, 1:]), "mtp": jnp.stack([jnp.sum(m[:, 2:])])}
+    no_mtp = dict(tcounts, mtp=jnp.zeros((0,), jnp.float32))
+    res = {}
+    for w in (None, 0.5, 0.0):
+        fn = make_rl_loss(model, algo, mtp_loss_weight=w)
+        res[w] = jax.jit(fn)((variables["params"], None), variables.get("router_state", {}), batch,
+                             counts, no_mtp if w == 0.0 else tcounts)
+    (l0, (m0, _, _)), (l5, (m5, _, _)), (ld, (md, _, _)) = res[0.0], res[0.5], res[None]
+    assert "mtp_ce" not in m0 and float(m5["mtp_ce"]) > 1.0
+    np.testing.assert_allclose(float(l5) - float(l0), 0.5 * float(m5["mtp_ce"]), rtol=1e-4)
+    np.testing.assert_allclose(float(ld) - float(l0), 0.3 * float(md["mtp_ce"]), rtol=1e-4)
+    with pytest.raises(ValueError, match=">= 0"):
+        make_rl_loss(model, algo, mtp_loss_weight=-1.0)
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("dapo", dict(max_len=20, overlong_cache_len=4)),  # dynamic sampling + overlong shaping
+    ("rloo", dict(kl_placement="reward")),  # KL folded into token rewards
+])
+def test_jitted_prepare_advantages_equals_eager(name, extra):
+    algo = get_algorithm(name, **extra)
+    rng = np.random.default_rng(0)
+    rewards = rng.integers(0, 2, 8).astype(np.float32)
+    rewards[:4] = 1.0  # group 0: all equal (dynamic sampling drops it)
+    mask = np.zeros((8, 24), bool)
+    for i in range(8):
+        mask[i, 4:4 + int(rng.integers(1, 20))] = True
+    kw = dict(group_ids=np.repeat(np.arange(2), 4), lengths=mask.sum(1))
+    if algo.kl_placement == "reward":
+        kw["kl"] = np.where(mask, rng.normal(0, 0.1, mask.shape), 0.0).astype(np.float32)
+    eager = prepare_advantages(algo, jnp.asarray(rewards), jnp.asarray(mask),
+                               **{k: jnp.asarray(v) for k, v in kw.items()})
+    jitted = _prepare_advantages_jit(algo, rewards, mask, **kw)
+    for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert np.asarray(eager.keep).sum() < 8 if name == "dapo" else True
+
+
+def test_reference_variables_share_the_policy_tree(small_lm):
+    model, variables = small_lm
+    state = init_train_state(variables, _opt())
+    ref = reference_variables({"params": variables["params"]}, state)  # no router_state key
+    assert jax.tree.structure(ref) == jax.tree.structure(state.variables)
+    logp_fn = make_logp_fn(model)
+    tokens = jnp.full((2, 8), 5, jnp.int32)
+    mask = jnp.ones((2, 8), bool)
+    logp_fn(state.variables, tokens, mask)
+    logp_fn(ref, tokens, mask)
+    assert logp_fn._cache_size() == 1  # one program for the policy and the reference
+    with pytest.raises(ValueError, match="lack"):
+        reference_variables({}, state)
+
+
+def test_host_digests_equal_the_device_program():
+    from rl import checkpoint as ck
+
+    rng = np.random.default_rng(0)
+    xs = [jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
+          jnp.asarray(rng.normal(size=(7,)), jnp.bfloat16),
+          jnp.asarray(rng.integers(-100, 100, (2, 3, 4)), jnp.int8),
+          jnp.asarray(rng.integers(0, 2, (5,)), bool),
+          jnp.asarray(rng.normal(size=(4, 4)), jnp.float16),
+          jnp.asarray(rng.integers(0, 255, (9,)), jnp.uint8),
+          jnp.asarray(12345, jnp.int32),                  # 0-d
+          np.arange(6, dtype=np.int64).reshape(2, 3)]    # numpy, canonicalised like jnp
+    device = [np.asarray(d) for d in jax.device_get(ck._tree_digests(list(xs)))]
+    for x, d in zip(xs, device):
+        w = ck._host_words(x)
+        assert w is not None, x.dtype
+        np.testing.assert_array_equal(ck._host_digest(w), d)
+    assert ck._host_words(jax.random.key(0)) is None  # keys: the device program
+    assert ck._host_words(jnp.asarray([1, 2], jnp.int4)) is None  # sub-byte: widened on device
+    got = ck._digests(xs + [jax.random.key(3)])  # mixed: host and device, order kept
+    for a, b in zip(got[:-1], device):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got[-1], np.asarray(ck._tree_digests([jax.random.key(3)])[0]))
+
+
+def test_init_sharded_on_one_device_reuses_the_model_init_program(small_lm):
+    from model import sharding as shd
+    from model.transformer import _INIT_PROGRAMS
+
+    model, variables = small_lm
+    mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    v = shd.init_sharded(model, jax.random.key(0), mesh)
+    for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(variables)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = shd.model_shardings(model, mesh)
+    for a, s in zip(jax.tree.leaves(v), jax.tree.leaves(want)):
+        assert a.sharding.is_equivalent_to(s, a.ndim)
+    assert _INIT_PROGRAMS[(model.cfg, 8)]._cache_size() == 1  # one init compile for both
