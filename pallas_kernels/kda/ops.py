@@ -17,7 +17,12 @@ impl (the dispatch table `DISPATCH`, `pallas_kernels.dispatch`):
                          kernels on GPU/TPU when K and V are powers of two and the inputs f32 or
                          bf16, else the chunked form (CPU: always; the choice and its reason
                          are logged once);
-  "xla" / "chunked"      the pure-JAX chunked form (`reference.kda_chunked`), differentiable;
+  "xla" / "chunked"      the pure-JAX chunked form (`reference.kda_chunked`), differentiable
+                         by plain autodiff;
+  "chunked_vjp"          the same forward with a hand-written backward (`chunked_vjp.py`:
+                         jax.custom_vjp over the chunk terms, only the state entering each scan
+                         step kept for reverse mode); explicit only, so "auto" keeps today's
+                         autodiff gradients (the two agree to f32 rounding, ~1e-6 relative);
   "recurrent"            the token-by-token oracle (`reference.kda_recurrent`);
   "pallas"               the Pallas kernels (forward + custom_vjp backward, also Pallas); a call
                          they cannot take (K or V not a power of two, other dtypes) raises
@@ -29,7 +34,7 @@ platform compiles that family. `impl="pallas", kernel="gpu", interpret=False` fo
 Triton kernels (on a CPU host: lowering only, e.g. under jax.export for "cuda").
 All implementations accept any T (not only multiples of chunk_size) and are differentiable
 w.r.t. q, k, v, g, beta and initial_state. `chunk_size` is the Pallas kernels' chunk; the pure-JAX
-chunked path uses min(chunk_size, reference.CPU_CHUNK) (32: measured fastest on XLA:CPU). The
+chunked paths use min(chunk_size, reference.CPU_CHUNK) (32: measured fastest on XLA:CPU). The
 result does not depend on the chunk size beyond rounding.
 """
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 from pallas_kernels import backend as _backend
 from pallas_kernels import dispatch
 from pallas_kernels.kda import reference
+from pallas_kernels.kda.chunked_vjp import kda_chunked_vjp
 
 kda_step = reference.kda_step
 
@@ -52,11 +58,12 @@ DISPATCH = dispatch.OpTable(
                            dispatch.dtypes("float32", "bfloat16")),
                    auto_skips=(dispatch.pallas_compiles_here,)),
      dispatch.Impl("chunked"),
+     dispatch.Impl("chunked_vjp"),
      dispatch.Impl("recurrent")),
     aliases={"xla": "chunked"},
-    explicit_only=("recurrent",),
+    explicit_only=("chunked_vjp", "recurrent"),
 )
-IMPLS = ("auto", "xla", "chunked", "recurrent", "pallas")
+IMPLS = ("auto", "xla", "chunked", "chunked_vjp", "recurrent", "pallas")
 assert set(IMPLS) == set(DISPATCH.names())
 
 
@@ -90,8 +97,9 @@ def kda(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state,
         )
-    if impl == "chunked":
-        return reference.kda_chunked(
+    if impl in ("chunked", "chunked_vjp"):
+        chunked = kda_chunked_vjp if impl == "chunked_vjp" else reference.kda_chunked
+        return chunked(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state,
             chunk_size=min(chunk_size, reference.CPU_CHUNK),

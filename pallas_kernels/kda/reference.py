@@ -47,6 +47,7 @@ jax.vjp by plain autodiff. Not covered: variable-length packed sequences (cu_seq
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,31 @@ def _neumann_inverse(L):
     return T
 
 
+class ChunkParts(NamedTuple):
+    """`chunk_terms` and the intermediates its hand-written backward (`chunked_vjp.py`) reuses.
+
+    A_qk [X,C,C], w [X,C,K], u [X,C,V], qg [X,C,K], kd [X,C,K], decay [X,K]: as `chunk_terms`;
+    A_kk [X,C,C] the strictly-lower k_i.(k_j e^(G_i-G_j)) without beta; Tinv [X,C,C] the
+    inverse of I + beta A_kk; eG [X,C,K] e^(G_i); eGc [X,C,K] e^(G_C - G_j); band_dec: per
+    offset d = 1..c-1 the base-block decays exp(G_i - G_(i-d)) [X,nb,c-d,K]; levels: per tree
+    join of blocks of size s = c, 2c, .. the pair (Rs5, Rc5) [X,np,2,s,K], the decay from each
+    block's start to i and from j to its end.
+    """
+
+    A_qk: jax.Array
+    w: jax.Array
+    u: jax.Array
+    qg: jax.Array
+    kd: jax.Array
+    decay: jax.Array
+    A_kk: jax.Array
+    Tinv: jax.Array
+    eG: jax.Array
+    eGc: jax.Array
+    band_dec: tuple
+    levels: tuple
+
+
 def chunk_terms(q, k, v, g, beta, c):
     """Everything of one chunk that does not depend on the incoming state.
 
@@ -186,6 +212,11 @@ def chunk_terms(q, k, v, g, beta, c):
     overflows and underflow only hits values that are below 1e-38 anyway. The inverse
     (I + A_kk)^-1 is assembled along the same tree: inv([[A, 0], [B, D]]) = [[A', 0], [-D'BA', D']].
     """
+    return chunk_parts(q, k, v, g, beta, c)[:6]
+
+
+def chunk_parts(q, k, v, g, beta, c) -> ChunkParts:
+    """`chunk_terms` with its intermediates (`ChunkParts`): the same operations, the same numbers."""
     X, C, K = q.shape
     nb = C // c
     gb = g.reshape(X, nb, c, K)
@@ -204,10 +235,12 @@ def chunk_terms(q, k, v, g, beta, c):
     rowdot = lambda a, b: (a * b) @ ones_k  # sum over K as a GEMV: faster than reduce on XLA:CPU
     cols = [rowdot(Z, kb[:, None])]
     win = None
+    band_dec, levels = [], []
     for d in range(1, c):
         # win[i] = sum_{s in (i-d, i]} g_s for rows i = d..c-1, built one term at a time.
         win = gb[:, :, d:, :] if d == 1 else win[:, :, 1:, :] + gb[:, :, 1 : c - d + 1, :]
         dec = jnp.exp(win)  # [X,nb,c-d,K] exp(G_i - G_{i-d}), exponent <= 0
+        band_dec.append(dec)
         s = rowdot(Z[:, :, :, d:, :], (kb[:, :, : c - d, :] * dec)[:, None])
         cols.append(jnp.pad(s, [(0, 0), (0, 0), (0, 0), (d, 0)]))
     band = jnp.stack(cols, axis=-1)  # [X,2,nb,c(i),c(d)]
@@ -223,6 +256,7 @@ def chunk_terms(q, k, v, g, beta, c):
     while s < C:  # join sibling blocks of size s
         np_ = C // (2 * s)
         Rs5, Rc5 = Rs.reshape(X, np_, 2, s, K), Rcs.reshape(X, np_, 2, s, K)
+        levels.append((Rs5, Rc5))
         t2 = tot.reshape(X, np_, 2, K)
         Z6 = Zr.reshape(X, 2, np_, 2, s, K)
         k5 = kb.reshape(X, np_, 2, s, K)
@@ -249,11 +283,15 @@ def chunk_terms(q, k, v, g, beta, c):
 
     A_qk = A[:, 0, 0]  # [X,C,C]
     eG = Rs.reshape(X, C, K)  # e^(G_i)
-    kd = k * Rcs.reshape(X, C, K)  # k_j e^(G_C - G_j)
+    eGc = Rcs.reshape(X, C, K)  # e^(G_C - G_j)
+    kd = k * eGc  # k_j e^(G_C - G_j)
     decay = tot.reshape(X, K)  # e^(G_C)
     rhs = jnp.concatenate([k * eG, v], axis=-1) * beta[:, :, None]
-    wu = jnp.einsum("xij,xjd->xid", Tinv.reshape(X, C, C), rhs, precision=_HI)  # [X,C,K+V]
-    return A_qk, wu[..., :K], wu[..., K:], q * eG, kd, decay
+    Tinv = Tinv.reshape(X, C, C)
+    wu = jnp.einsum("xij,xjd->xid", Tinv, rhs, precision=_HI)  # [X,C,K+V]
+    A_kk = A[:, 1, 0] * (jnp.arange(C)[:, None] > jnp.arange(C)[None, :]).astype(q.dtype)
+    return ChunkParts(A_qk, wu[..., :K], wu[..., K:], q * eG, kd, decay, A_kk, Tinv, eG, eGc,
+                      tuple(band_dec), tuple(levels))
 
 
 @functools.partial(

@@ -63,9 +63,11 @@ def test_auto_picks_in_order_and_logs_once(records):
 
 
 def test_auto_never_picks_explicit_only_and_names_are_kept():
-    assert kda_ops.IMPLS == ("auto", "xla", "chunked", "recurrent", "pallas")
+    assert kda_ops.IMPLS == ("auto", "xla", "chunked", "chunked_vjp", "recurrent", "pallas")
     assert set(KDA.names()) == set(kda_ops.IMPLS)
-    assert KDA.auto_order() == ["pallas", "chunked"]  # the recurrent oracle only on request
+    # the recurrent oracle and the hand-written-backward chunked form only on request
+    assert KDA.auto_order() == ["pallas", "chunked"]
+    assert KDA.resolve("chunked_vjp", K=48, V=48) == "chunked_vjp"
     assert KDA.canonical("xla") == "chunked" and KDA.resolve("recurrent", K=48, V=48) == \
         "recurrent"
     for table in (dsa_ops.INDEXER_DISPATCH, dsa_ops.SPARSE_DISPATCH, mx_ops.MATMUL_DISPATCH,
