@@ -19,14 +19,16 @@ scripts), so engine options added later can be measured without touching this fi
 iteration is rl/loop.py:run_rl's (with rl.overlap_scoring off: generate, wait for the scores,
 train): the rollout worker (rl.pipeline.RolloutWorker via rl.loop.make_rollout_worker) generates
 and submits the rewards, rl.loop._train_on builds the batch (rl.pipeline.build_train_batch, with
-rl.loop._RolloutForward's old and reference log-prob passes) and runs the train step
-(rl.train_step.make_train_step), all on the config's mesh (one device). The reward is the matched
+rl.loop._RolloutForward's reference log-prob pass, and the old one where rl.old_logp_pass needs
+it) and runs the train step (rl.train_step.make_train_step), all on the config's mesh (one
+device), wired as rl.loop.run_rl wires them (mirrored here: keep the two in step). The reward is the matched
 work's host function (even-id fraction) on a thread, in place of the sandbox; its wait is the
 `score` sample. The GRPO part runs first, in a cold process with no persistent compilation cache,
-so its first iteration holds every compile; then the sampler alone (rl.sampler.Sampler, the
-worker's) at 64 and 1 new tokens, batch 32 and 1.
+so its first iteration holds every compile; then the sampler alone (the rollout worker's
+generate) at 64 and 1 new tokens, batch 32 (8 prompts x 4) and 1.
 
-Clock samples (the names tunix_grpo.py uses): iteration, rollout (RolloutWorker.start: prompts
+Clock samples (the names tunix_grpo.py uses): setup (model, train state, reference, rollout
+worker and programs built), iteration, rollout (RolloutWorker.start: prompts
 encoded, generated, texts decoded, rewards submitted), logp_old, logp_ref, train_step, score;
 sampler_b{B}_g{G}. The project's prefill and decode inside a rollout are one compiled program,
 so the driver estimates the in-iteration prefill by the 1-token call (sampler_b32_g1).
@@ -37,12 +39,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import functools
 import json
 import os
 import sys
 import tempfile
+import time
 
 from benchmarks.peers import MATCHED, Clock, loadavg
 
@@ -77,7 +79,7 @@ def model_config(variant: str, spec: dict = MATCHED):
 
 def apply_overrides(config, items) -> None:
     """`a.b=value` strings onto an ml_collections config, each value cast to the field's type
-    (True/False for booleans)."""
+    (True/False for booleans; a placeholder's declared type)."""
     for item in items or ():
         key, sep, value = item.partition("=")
         if not sep:
@@ -93,8 +95,12 @@ def apply_overrides(config, items) -> None:
             if value not in ("True", "False", "true", "false"):
                 raise ValueError(f"--set {item!r}: {key} is a boolean (True or False)")
             node[last] = value in ("True", "true")
-        elif old is None:
-            node[last] = value
+        elif old is None:  # a typed placeholder (e.g. rl.mtp_loss_weight) or an untyped None
+            try:
+                kind = node.get_ref(last).get_type()
+            except ValueError:
+                kind = str
+            node[last] = kind(value)
         else:
             node[last] = type(old)(value)
 
@@ -165,7 +171,6 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
     """1 + steps iterations of the matched GRPO work; returns facts about the run and what the
     sampler-alone part needs."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from model import sharding as shd
@@ -174,6 +179,7 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
     from rl.train_step import make_logp_fn, make_train_step
     from sandbox.tasks.schema import Task
 
+    t_start = time.perf_counter()  # setup: model, state, workers (compiles booked to "setup")
     r = config.rl
     model, algo = loop.rl_model(config), algo_from_config(r.algo)
     mesh, rules = shd.mesh_from_config(config)
@@ -193,7 +199,10 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
     worker = loop.make_rollout_worker(r, sample_model, tok, sampling, reward, None,
                                       group_size=r.group_size, tasks=batches[0], **on_mesh)
 
-    ref_vars = init_vars if algo.needs_ref else None
+    # the trainer as run_rl wires it: the reference tree shaped like the policy's, the separate
+    # old-log-prob pass only where rl.old_logp_pass needs it, rl.mtp_loss_weight
+    old_src = loop.old_logp_source(r, algo)
+    ref_vars = loop.reference_variables(init_vars, state) if algo.needs_ref else None
     logp_fn = make_logp_fn(model, sampling, **on_mesh)
     timed_old, timed_ref = clock.wrap(logp_fn, "logp_old"), clock.wrap(logp_fn, "logp_ref")
 
@@ -201,14 +210,17 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
         return (timed_ref if variables is ref_vars else timed_old)(variables, tokens, mask)
 
     forward = loop._RolloutForward(logp_fn=logp, logp_value_fn=None, ref_vars=ref_vars,
-                                   **on_mesh)
+                                   old_logp=old_src == "batch", **on_mesh)
     step_fn = clock.wrap(make_train_step(model, algo, opt, micro_batches=r.micro_batches,
-                                         sampling=sampling, state_shardings=state_sh, **on_mesh),
+                                         sampling=sampling, state_shardings=state_sh,
+                                         old_logp=old_src,
+                                         mtp_loss_weight=r.get("mtp_loss_weight", None),
+                                         **on_mesh),
                          "train_step")
     train_on = functools.partial(loop._train_on, algo=algo, width=loop.train_width(r, batches[0]),
                                  forward=forward, step_fn=step_fn, **on_mesh)
     start = clock.wrap(worker.start, "rollout", lambda pending: None)
-    p0 = jax.tree.map(jnp.copy, state.params)
+    p0 = jax.tree.map(lambda x: np.array(x, copy=True), state.params)  # host copies
     rng = jax.random.key(config.seed + 1)
     generated = []
 
@@ -222,47 +234,55 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
         return met
 
     timed_iteration = clock.wrap(iteration, "iteration", lambda met: None)
+    jax.block_until_ready((state, ref_vars))
+    clock.add("setup", time.perf_counter() - t_start)
     for tasks in batches:
         rng, sub = jax.random.split(rng)
         timed_iteration(tasks, sub)
     reward.close()
+    clock.phase = "after_grpo"
     rows = r.prompts_per_batch * r.group_size
-    change = float(jnp.sqrt(sum(jnp.sum((a - b) ** 2) for a, b in
-                                zip(jax.tree.leaves(p0), jax.tree.leaves(state.params)))))
+    change = float(np.sqrt(sum(np.sum((np.asarray(a) - np.asarray(b)) ** 2) for a, b in
+                               zip(jax.tree.leaves(p0), jax.tree.leaves(state.params)))))
     if any(n != rows * r.max_new_tokens for n in generated) or not change > 0:
         raise RuntimeError(f"generated {generated} tokens per rollout (wanted "
                            f"{rows * r.max_new_tokens} each) and moved the parameters by "
                            f"{change}: the work is not the matched work")
     n_params = int(sum(x.size for x in jax.tree.leaves(state.params)))
     return {"params": n_params, "param_change_l2": change,
-            "sampler": (worker.sampler, sample_model, sampling, to_sampler(state.variables),
-                        on_mesh)}
+            "sampler": (worker, sample_model, to_sampler(state.variables), on_mesh)}
 
 
-def sampler_alone(clock: Clock, sampler, sample_model, sampling, variables, on_mesh, reps: int,
+def sampler_alone(clock: Clock, config, worker, sample_model, variables, on_mesh, reps: int,
                   spec: dict = MATCHED, batches=(32, 1)) -> None:
-    """1 warm-up + `reps` generate calls per (batch, new tokens) shape, alternating lengths."""
+    """1 warm-up + `reps` RolloutWorker.generate calls per (batch, new tokens) shape, the two
+    lengths alternating: the rollout's own path (prompts encoded, generated as the worker does,
+    e.g. with its prefix sharing or row refill, texts decoded), without the reward."""
     import jax
+    import ml_collections
     import numpy as np
 
-    from rl.sampler import Sampler
+    from rl import loop
+    from sandbox.tasks.schema import Task
 
-    one = Sampler(sample_model, dataclasses.replace(sampling, max_new_tokens=1), **on_mesh)
+    r1 = ml_collections.ConfigDict(config.rl.to_dict())
+    r1.max_new_tokens = 1
     tok = IdTokenizer()
+    one = loop.make_rollout_worker(r1, sample_model, tok, loop.rollout_sampling(r1, tok.eos_id),
+                                   None, None, group_size=config.rl.group_size, **on_mesh)
     rng = np.random.default_rng(spec["seed"] + 1)
-    P = spec["prompt_len"]
     calls = {}
     for B in batches:
-        for g, s in ((spec["new_tokens"], sampler), (1, one)):
-            calls[f"sampler_b{B}_g{g}"] = (clock.wrap(s.generate, f"sampler_b{B}_g{g}",
-                                                      lambda out: out.tokens), B, g)
+        for g, w in ((spec["new_tokens"], worker), (1, one)):
+            calls[f"sampler_b{B}_g{g}"] = (clock.wrap(w.generate, f"sampler_b{B}_g{g}",
+                                                      lambda group: None), B, g)
     for i in range(1 + reps):
         for name, (call, B, g) in calls.items():
-            n_prompts = max(1, B // spec["group"])
-            rows = [t for t in _prompt_texts(rng, n_prompts, spec) for _ in range(B // n_prompts)]
-            prompts = np.array([tok.encode(t, bos=True) for t in rows], np.int32)  # [B,P]
-            out = call(variables, prompts, np.full((B,), P, np.int32), jax.random.key(i))
-            n = int(np.asarray(out.mask).sum())
+            group = min(B, spec["group"])
+            tasks = [Task(id=f"s{i}p{j}", family="matched", prompt=text)
+                     for j, text in enumerate(_prompt_texts(rng, B // group, spec))]
+            out = call(variables, tasks, jax.random.key(i), group_size=group)
+            n = int(out.completion_mask.sum())
             if n != B * g:
                 raise RuntimeError(f"{name}: {n} tokens generated, expected {B * g}")
 
@@ -271,13 +291,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--variant", default="hybrid", choices=VARIANTS)
     p.add_argument("--steps", type=int, default=4, help="GRPO iterations after the first")
-    p.add_argument("--reps", type=int, default=3, help="timed sampler calls per shape")
+    p.add_argument("--reps", type=int, default=3,
+                   help="timed sampler calls per shape (0: no sampler-alone part)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="config overrides, e.g. rl.algo.kl_coef=0.0 model.mtp.loss_weight=0.1")
     p.add_argument("--out", help="also write the JSON record here")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.reps < 1:
-        p.error("--steps and --reps must be >= 1")
+    if args.steps < 1 or args.reps < 0:
+        p.error("--steps must be >= 1 and --reps >= 0")
     config = run_config(args.variant, args.set)  # a bad override fails before jax starts
 
     from model._xla_env import configure_xla_env
@@ -293,7 +314,9 @@ def main(argv=None) -> int:
            "versions": {k: md.version(k) for k in ("jax", "jaxlib", "flax", "optax")},
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_before": loadavg()}
     out = grpo(clock, config, args.steps)
-    sampler_alone(clock, *out.pop("sampler"), reps=args.reps)
+    sampler = out.pop("sampler")
+    if args.reps:
+        sampler_alone(clock, config, *sampler, reps=args.reps)
     rec.update(out, load_after=loadavg(), clock=clock.record(), spec=MATCHED,
                model=config.model.to_dict())
     text = json.dumps(rec, default=str)

@@ -12,27 +12,30 @@ flags; the project side (benchmarks/grpo_matched.py) with this interpreter and t
 neither uses a persistent compilation cache, so each first iteration holds its compiles.
 
 Printed per side (medians over rounds; within a round, steady = the median over the iterations
-after the first): the first iteration; the steady iteration and its split: rollout (prefill =
-the sampler's 1-token call at batch 32, decode = the rest of the rollout), log-prob passes (old,
-reference), train step, scoring wait, other (host work: packing, advantages, transfers); the
-train step's compile seconds; decode tokens/s at batch 32 and 1 (B x 63 / (call at 64 new tokens
-- call at 1), the same definition on both sides); the other processes' CPU load during the steady
-iterations (cores) and the load average before and after. Ratios are project / peer (< 1 is
-faster for seconds, > 1 for tokens/s) and the issue's targets are marked.
+after the first): the set-up before the first iteration (models, train state, programs built)
+and its compile seconds; the first iteration; the steady iteration and its split: rollout
+(prefill = the same rollout call at 1 new token, batch 32; decode = the rest of the rollout),
+log-prob passes (old, reference), train step, scoring wait, other (host work: packing,
+advantages, transfers); the train step's compile seconds; decode tokens/s at batch 32 and 1
+(B x 63 / (call at 64 new tokens - call at 1), the same definition on both sides); the other
+processes' CPU load during the steady iterations (cores) and the load average before and after.
+Ratios are project / peer (< 1 is faster for seconds, > 1 for tokens/s); the issue's targets
+are marked.
 
 Matched (benchmarks/peers:MATCHED): 8 prompts x 4 samples, 32 prompt + exactly 64 generated
 tokens (the end-of-sequence id is never sampled), temperature 0.9, k3 KL 0.04 to a frozen
 reference with one reference forward per batch, GRPO clip 0.2, AdamW lr 1e-5 (weight decay 1e-4,
-no clipping), the reward on the host, f32, jax 0.10.2 on both sides, ~4.46M parameters.
+no clipping), the reward on the host, f32, jax 0.10.2 on both sides, ~4.46M parameters. Both
+skip the separate old-log-prob forward when a batch serves a single update (the old log-probs
+are the step's own, stop-gradient; in the project rl.old_logp_pass="auto", and
+`--set rl.old_logp_pass=always` times the pass).
 Not matched: the models (the peer's dense Qwen3-style transformer vs the project's hybrid
 KDA/DSA + MoE + MTP, or its dense variant), the project's extra loss terms (MTP, MoE balance, DSA
-indexer KL; rl.train_indexer), its truncated importance weight against the sampler's log-probs
-(rl.algo.tis_cap) and its one-device mesh programs; tunix skips the old-log-prob forward when a
-batch is used for a single update (its old log-probs are the current ones, stop-gradient) while
-the project's loop runs that pass unless the engine drops it; tunix computes rewards inline,
-the project's rollout worker submits them to a scorer thread (here no sandbox: the reward is a
-host function on both sides). Not measured here: speculative decoding's trunk passes per token
-(`scripts/bench.py spec`) and the KDA kernel against ejkernel (`scripts/bench.py kda`).
+indexer KL), its truncated importance weight against the sampler's log-probs (rl.algo.tis_cap)
+and its one-device mesh programs; tunix computes the rewards inline, the project's rollout
+worker submits them to a scorer thread (no sandbox on either side: the reward is a host
+function). Not measured here: speculative decoding's trunk passes per token (`scripts/bench.py
+spec`) and the KDA kernel against ejkernel.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ SIDE_TIMEOUT_S = 900
 
 # (metric, better when, issue 19's target on project / peer or None)
 TABLE = (
+    ("setup_s", "lower", None),
+    ("setup_compile_s", "lower", None),
     ("first_iteration_s", "lower", 1.0),
     ("iteration_s", "lower", 1.0),
     ("rollout_s", "lower", None),
@@ -151,8 +156,9 @@ def summarize(rec: dict, spec: dict = MATCHED) -> dict:
     out["other_s"] = out["iteration_s"] - (out["rollout_s"] + out["logp_s"] +
                                            out["train_step_s"] + out["score_wait_s"])
     one = s.get(f"sampler_b{B}_g1")
-    out["prefill_s"] = min(_steady(one), out["rollout_s"]) if one else 0.0
-    out["decode_s"] = out["rollout_s"] - out["prefill_s"]
+    if one:  # a round without the sampler-alone part has no prefill estimate
+        out["prefill_s"] = min(_steady(one), out["rollout_s"])
+        out["decode_s"] = out["rollout_s"] - out["prefill_s"]
     for b in (B, 1):
         full, single = s.get(f"sampler_b{b}_g{G}"), s.get(f"sampler_b{b}_g1")
         if full and single:
@@ -163,6 +169,9 @@ def summarize(rec: dict, spec: dict = MATCHED) -> dict:
         out["decode_fn_s"] = _steady(s["decode"])
         out["prefill_fn_s"] = _steady(s["prefill"])
     out["train_step_compile_s"] = rec["clock"]["compile_s"].get("train_step", 0.0)
+    if s.get("setup"):
+        out["setup_s"] = s["setup"][0]
+        out["setup_compile_s"] = rec["clock"]["compile_s"].get("setup", 0.0)
     fc = rec["clock"]["foreign_cores"]["iteration"]
     out["foreign_cores"] = statistics.median(fc[1:] if len(fc) > 1 else fc)
     out["params"] = rec["params"]
@@ -170,10 +179,14 @@ def summarize(rec: dict, spec: dict = MATCHED) -> dict:
 
 
 def aggregate(summaries: list) -> dict:
-    """Per metric, the median over rounds (None where any round has no value)."""
-    keys = [k for k in summaries[0] if all(k in s for s in summaries)]
-    return {k: (None if any(s[k] is None for s in summaries)
-                else statistics.median(s[k] for s in summaries)) for k in keys}
+    """Per metric, the median over the rounds that measured it (None where one of them has no
+    value, e.g. a decode rate whose two calls were too close to tell apart)."""
+    keys = list(dict.fromkeys(k for s in summaries for k in s))
+    out = {}
+    for k in keys:
+        vals = [s[k] for s in summaries if k in s]
+        out[k] = None if any(v is None for v in vals) else statistics.median(vals)
+    return out
 
 
 def ratios(project: dict, peer: dict) -> dict:
@@ -204,7 +217,8 @@ def report(result: dict) -> str:
     """The printed table of a run() result."""
     med, sides = result["median"], result["sides"]
     variants = [s for s in sides if s != "tunix"]
-    head = f"{'metric (median of ' + str(result['rounds']) + ' rounds)':<34}" + "".join(
+    n = result["rounds"]
+    head = f"{'metric (median of ' + str(n) + ' rounds)':<34}" + "".join(
         f"{s:>11}" for s in sides) + "".join(f"{v + '/tunix':>15}" for v in variants)
     lines = [head]
     for k, _, target in TABLE:
@@ -218,6 +232,9 @@ def report(result: dict) -> str:
                 mark = " ok" if result["checks"][v][k]["met"] else " !!"
             row += f"{_fmt(r) + mark:>15}"
         lines.append(row)
+    if result.get("sampler_rounds", n) < n:
+        lines.append(f"prefill, decode and the sampler rates: the first {result['sampler_rounds']}"
+                     " round(s) only")
     lines.append(f"load average before {result['load_before']}, after {result['load_after']}; "
                  "targets (issue 19): iteration and first iteration <= 1x tunix, decode b32 "
                  ">= 2x; '!!' = not met")
@@ -225,23 +242,29 @@ def report(result: dict) -> str:
 
 
 def run(quick: bool = False, rounds: int | None = None, steps: int | None = None,
-        reps: int | None = None, variants=("hybrid",), overrides=(), venvs=None) -> dict:
-    """N rounds of tunix and each project variant in fresh processes; medians and ratios."""
-    rounds = rounds or (1 if quick else 3)
-    steps = steps or (2 if quick else 3)
-    reps = reps or 2
-    if rounds < 1 or steps < 1 or reps < 1:
-        raise ValueError(f"rounds, steps and reps must be >= 1, got {rounds}, {steps}, {reps}")
+        reps: int | None = None, variants=("hybrid",), overrides=(), venvs=None,
+        sampler_rounds: int | None = None) -> dict:
+    """N rounds of tunix and each project variant in fresh processes; medians and ratios. The
+    sampler-alone part (decode tokens/s) runs in the first `sampler_rounds` rounds (default:
+    all)."""
+    rounds = (1 if quick else 3) if rounds is None else rounds
+    steps = (2 if quick else 3) if steps is None else steps
+    reps = (2 if quick else 3) if reps is None else reps
+    sampler_rounds = rounds if sampler_rounds is None else sampler_rounds
+    if rounds < 1 or steps < 1 or reps < 1 or not 1 <= sampler_rounds <= rounds:
+        raise ValueError(f"rounds, steps and reps must be >= 1 and sampler_rounds in 1..rounds, "
+                         f"got {rounds}, {steps}, {reps}, {sampler_rounds}")
     peer_python("tunix", venvs)  # fail before anything runs
     sides = ["tunix", *variants]
     for v in variants:
         side_command(v, 1, 1, "-")  # an unknown variant fails here
-    result = {"rounds": rounds, "steps": steps, "reps": reps, "sides": sides,
-              "overrides": list(overrides), "spec": MATCHED, "load_before": loadavg(),
-              "per_round": {s: [] for s in sides}, "records": {s: [] for s in sides}}
+    result = {"rounds": rounds, "steps": steps, "reps": reps, "sampler_rounds": sampler_rounds,
+              "sides": sides, "overrides": list(overrides), "spec": MATCHED,
+              "load_before": loadavg(), "per_round": {s: [] for s in sides},
+              "records": {s: [] for s in sides}}
     for r in range(rounds):
         for side in (sides if r % 2 == 0 else sides[::-1]):
-            rec = run_side(side, steps, reps, overrides, venvs)
+            rec = run_side(side, steps, reps if r < sampler_rounds else 0, overrides, venvs)
             summary = summarize(rec)
             summary.update(load_before=rec["load_before"][0], load_after=rec["load_after"][0])
             result["per_round"][side].append(summary)
@@ -265,22 +288,25 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="1 round, 2 steady iterations")
     p.add_argument("--rounds", type=int, help="alternating rounds (default 3; --quick: 1)")
     p.add_argument("--steps", type=int, help="steady GRPO iterations per process (default 3)")
-    p.add_argument("--reps", type=int, help="timed sampler calls per shape (default 2)")
+    p.add_argument("--reps", type=int, help="timed sampler calls per shape (default 3; --quick: 2)")
+    p.add_argument("--sampler-rounds", type=int,
+                   help="rounds that also time the sampler alone (default: every round)")
     p.add_argument("--variants", nargs="+", default=["hybrid"], choices=VARIANTS)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="project-side config overrides (benchmarks/grpo_matched.py)")
     p.add_argument("--json", help="write the result (with every process's record) here")
     args = p.parse_args(argv)
-    for name in ("rounds", "steps", "reps"):
+    for name in ("rounds", "steps", "reps", "sampler_rounds"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         result = run(args.quick, args.rounds, args.steps, args.reps, tuple(args.variants),
-                     tuple(args.set))
+                     tuple(args.set), sampler_rounds=args.sampler_rounds)
     except PeerMissing as e:
         print(f"grpo_peer: {e}", file=sys.stderr)
         return 2
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
     return 0

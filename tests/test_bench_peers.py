@@ -83,14 +83,17 @@ def test_side_commands_and_arguments(tmp_path):
     assert cmd[-2:] == ["--set", "rl.algo.kl_coef=0.0"]
     with pytest.raises(ValueError, match="side must be 'tunix' or one of"):
         grpo_peer.side_command("qwen", 1, 1, "o.json")
-    with pytest.raises(ValueError, match="rounds, steps and reps must be >= 1"):
-        grpo_peer.run(rounds=1, steps=-1, venvs=str(tmp_path))
-    for bad in (["--rounds", "0"], ["--variants", "qwen"], ["--reps", "-2"]):
+    for bad in (dict(steps=0), dict(reps=-1), dict(rounds=2, sampler_rounds=3)):
+        with pytest.raises(ValueError, match="rounds, steps and reps must be >= 1"):
+            grpo_peer.run(venvs=str(tmp_path), **bad)
+    for bad in (["--rounds", "0"], ["--variants", "qwen"], ["--reps", "-2"],
+                ["--sampler-rounds", "0"]):
         with pytest.raises(SystemExit) as e:
             grpo_peer.main(bad)
         assert e.value.code == 2
-    with pytest.raises(SystemExit):
-        grpo_matched.main(["--steps", "0"])
+    for bad in (["--steps", "0"], ["--reps", "-1"], ["--variant", "qwen"]):
+        with pytest.raises(SystemExit):
+            grpo_matched.main(bad)
     for bad in (["--set", "rl.nope=1"], ["--set", "rl.steps"]):
         with pytest.raises(ValueError):  # before jax starts
             grpo_matched.main(bad)
@@ -98,7 +101,8 @@ def test_side_commands_and_arguments(tmp_path):
 
 def test_run_config_holds_the_matched_work_and_overrides():
     c = grpo_matched.run_config("hybrid", ["rl.algo.kl_coef=0.0", "rl.overlap_scoring=True",
-                                           "model.mtp.loss_weight=0.1"])
+                                           "model.mtp.loss_weight=0.1", "rl.old_logp_pass=always",
+                                           "rl.mtp_loss_weight=0.0"])
     assert (c.rl.prompts_per_batch, c.rl.group_size, c.rl.max_prompt_len,
             c.rl.max_new_tokens) == (8, 4, 32, 64)
     assert (c.rl.temperature, c.rl.top_p, c.rl.init_from) == (0.9, 1.0, "scratch")
@@ -106,6 +110,7 @@ def test_run_config_holds_the_matched_work_and_overrides():
         1e-5, 0.999, 1e-4, 0.0)
     assert c.rl.algo.kl_coef == 0.0 and c.rl.overlap_scoring is True
     assert c.model.mtp.loss_weight == 0.1 and c.model.layer_pattern == "KKKD"
+    assert c.rl.old_logp_pass == "always" and c.rl.mtp_loss_weight == 0.0  # a None placeholder
     assert grpo_matched.run_config("dense").rl.algo.kl_coef == 0.04
     dense = grpo_matched.model_config("dense")
     assert (dense.layer_pattern, dense.mtp.depth, dense.moe.num_experts) == ("D", 0, 0)
@@ -137,11 +142,22 @@ def test_split_medians_and_ratios_of_recorded_runs():
     assert t["train_step_compile_s"] == 17.59 and h["train_step_compile_s"] == 91.71
     assert h["logp_s"] == pytest.approx((1.2405 + 1.1807) / 2 + (1.2718 + 1.1479) / 2)
     assert h["foreign_cores"] == pytest.approx(1.6015)
+    assert "setup_s" not in t  # recorded before the set-up sample existed
+    rec = {**RECORDED["tunix"], "clock": {**RECORDED["tunix"]["clock"]}}
+    rec["clock"]["samples"] = {**rec["clock"]["samples"], "setup": [12.5]}
+    rec["clock"]["compile_s"] = {**rec["clock"]["compile_s"], "setup": 9.8}
+    with_setup = grpo_peer.summarize(rec)
+    assert (with_setup["setup_s"], with_setup["setup_compile_s"]) == (12.5, 9.8)
 
     # medians over rounds, ratios project / peer and the targets
     slower = dict(h, iteration_s=h["iteration_s"] * 3)
     med = grpo_peer.aggregate([h, slower, dict(h, decode_tok_s_b1=None)])
     assert med["iteration_s"] == h["iteration_s"] and med["decode_tok_s_b1"] is None
+    no_sampler = {k: v for k, v in slower.items() if "decode" not in k and "prefill" not in k}
+    med = grpo_peer.aggregate([no_sampler, dict(h, decode_tok_s_b32=1.0), h])
+    assert med["iteration_s"] == h["iteration_s"]  # the rounds without a sampler part count
+    assert med["rollout_s"] == h["rollout_s"] and "prefill_s" not in no_sampler
+    assert med["decode_tok_s_b32"] == pytest.approx((1.0 + h["decode_tok_s_b32"]) / 2)
     r = grpo_peer.ratios(h, t)
     assert r["iteration_s"] == pytest.approx(h["iteration_s"] / t["iteration_s"])
     assert r["logp_old_s"] is None  # the peer has no such pass

@@ -1,9 +1,9 @@
 """The peers' side of the side-by-side benchmarks: the matched work and the timing helpers both
 sides share.
 
-The scripts in this package (tunix_grpo.py, tunix_sampler.py) run with the PEER's python, in its
-own virtual environment (scripts/setup_peers.sh), as `python -m benchmarks.peers.<script>` from
-the repository root; the project never imports them. This file therefore imports nothing but the
+The scripts in this package run with the PEER's python, in its own virtual environment
+(scripts/setup_peers.sh), as `python -m benchmarks.peers.<script>` from the repository root; the
+project never imports them. This file therefore imports nothing but the
 standard library (jax only inside `Clock.wrap`, where both sides have it), so the project's
 driver (benchmarks/grpo_peer.py) and its project-side twin (benchmarks/grpo_matched.py) read the
 same MATCHED work and measure it with the same clock.

@@ -9,7 +9,7 @@ GRPOLearner.train runs 1 + steps iterations (the first compiles) of tunix's own 
 with the vanilla engine on the actor's weights, reference log-probs (beta 0.04), the reward
 function on the host, GRPO advantages, one AdamW update (num_iterations 1). The GRPO part runs
 first, in a cold process, so its first iteration holds every compile. Clock samples (the same
-names the project side uses): iteration (tunix's _run_global_step), rollout (RLCluster.generate),
+names the project side uses): setup (models, cluster and learner built), iteration (tunix's _run_global_step), rollout (RLCluster.generate),
 prefill / decode (the sampler's compiled functions inside it), logp_ref, logp_old (tunix skips
 this pass when each batch is used for one update: old = the current log-probs, stop-gradient),
 score (the reward function: synchronous in tunix), train_step (the jitted update, blocked on the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from benchmarks.peers import MATCHED, Clock, loadavg
 from benchmarks.peers.tunix_sampler import (
@@ -56,7 +57,6 @@ class _TimedStep:
 
 def grpo(clock: Clock, spec: dict, steps: int) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
@@ -64,6 +64,7 @@ def grpo(clock: Clock, spec: dict, steps: int) -> dict:
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
 
+    t_start = time.perf_counter()  # setup: models, cluster, learner (compiles booked to "setup")
     P, G = spec["prompt_len"], spec["new_tokens"]
     rows = spec["prompts"] * spec["group"]
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -121,11 +122,13 @@ def grpo(clock: Clock, spec: dict, steps: int) -> dict:
         for _ in range(1 + steps):
             yield {"prompts": np.array(prompt_texts(rng, spec["prompts"], spec))}
 
-    before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    before = jax.tree.map(lambda x: np.array(x, copy=True), nnx.state(model, nnx.Param))
+    clock.add("setup", time.perf_counter() - t_start)
     learner.train(batches())
+    clock.phase = "after_grpo"
     after = nnx.state(model, nnx.Param)
-    change = float(jnp.sqrt(sum(jnp.sum((a - b) ** 2) for a, b in
-                                zip(jax.tree.leaves(before), jax.tree.leaves(after)))))
+    change = float(np.sqrt(sum(np.sum((np.asarray(a) - np.asarray(b)) ** 2) for a, b in
+                               zip(jax.tree.leaves(before), jax.tree.leaves(after)))))
     n_iter = len(clock.samples.get("iteration", []))
     if n_iter != 1 + steps or any(n != rows * G for n in generated) or not change > 0:
         raise RuntimeError(f"tunix ran {n_iter} iterations (wanted {1 + steps}), generated "
@@ -137,11 +140,12 @@ def grpo(clock: Clock, spec: dict, steps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=4, help="GRPO iterations after the first")
-    p.add_argument("--reps", type=int, default=3, help="timed sampler calls per shape")
+    p.add_argument("--reps", type=int, default=3,
+                   help="timed sampler calls per shape (0: no sampler-alone part)")
     p.add_argument("--out", help="also write the JSON record here")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.reps < 1:
-        p.error("--steps and --reps must be >= 1")
+    if args.steps < 1 or args.reps < 0:
+        p.error("--steps must be >= 1 and --reps >= 0")
     import os
 
     import jax
@@ -151,7 +155,8 @@ def main(argv=None) -> int:
     rec = {"side": "tunix", "versions": versions(), "load_before": loadavg(),
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "steps": args.steps}
     rec.update(grpo(clock, MATCHED, args.steps))
-    measure(clock, MATCHED, args.reps)
+    if args.reps:
+        measure(clock, MATCHED, args.reps)
     rec.update(load_after=loadavg(), clock=clock.record(), spec=MATCHED)
     text = json.dumps(rec)
     if args.out:
