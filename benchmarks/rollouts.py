@@ -133,7 +133,3 @@ def run(quick: bool = False) -> dict:
         print(f"  {n:>12}: {v}", flush=True)
     out["load_after"] = os.getloadavg()
     return out
-
-
-if __name__ == "__main__":
-    run(quick=True)

@@ -313,8 +313,8 @@ class Sampler:
             if self.mesh is not None and jax.process_count() > 1:
                 raise ValueError("row refill (slots > 0) on a mesh with several processes is "
                                  "not implemented: use slots=0")
-            if self.mesh is not None and len({shd.batch_axes(self.mesh, n, self.rules) for n in
-                                              (n_rows // group_size, slots, n_rows)}) > 1:
+            if self.mesh is not None and not (self._same_layout(n_rows // group_size, n_rows)
+                                              and self._same_layout(slots, n_rows)):
                 raise ValueError(
                     f"row refill on mesh {dict(self.mesh.shape)}: the {n_rows // group_size} "
                     f"distinct prompts, the {slots} slots and the {n_rows} rows must split over "
@@ -326,14 +326,24 @@ class Sampler:
             _log_once("rl.sampler: prefix sharing is not implemented for speculative decoding; "
                       "prefilling every row")
             return PLAIN
-        if self.mesh is not None and (
-                shd.batch_axes(self.mesh, n_rows // group_size, self.rules)
-                != shd.batch_axes(self.mesh, n_rows, self.rules)):
+        if self.mesh is not None and not self._same_layout(n_rows // group_size, n_rows):
             _log_once(f"rl.sampler: {n_rows // group_size} distinct prompts do not split over "
                       f"the batch axes of mesh {dict(self.mesh.shape)} like the {n_rows} rows; "
                       "prefilling every row (no prefix sharing)")
             return PLAIN
         return ("shared", group_size)
+
+    def _same_layout(self, n_prompts: int, n_rows: int) -> bool:
+        """Whether this process's n_prompts distinct prompts and its n_rows rows map onto the
+        mesh alike: the same batch axes, and (several processes) the same share per process,
+        so that prompt u's rows stay with the devices that prefill it."""
+        try:
+            gp = shd.global_rows(n_prompts, self.mesh, self.rules)
+            gr = shd.global_rows(n_rows, self.mesh, self.rules)
+        except ValueError:
+            return False
+        return (gp * n_rows == gr * n_prompts and shd.batch_axes(self.mesh, gp, self.rules)
+                == shd.batch_axes(self.mesh, gr, self.rules))
 
     def generate(self, variables, prompts, prompt_lengths, rng, *, group_size: int = 1,
                  slots: int = 0) -> SampleOutput:
