@@ -119,3 +119,31 @@ def test_group_check_rejects_rows_that_are_not_copies(setup):
     pad[GROUP * 2 + 1, 3] = 77  # prompt 2 has length 2
     out = sampler.generate(variables, pad, lens, jax.random.key(0), group_size=GROUP)
     assert out.tokens.shape == (12, N_NEW)
+
+
+def test_rollout_worker_refill_keeps_task_order(setup):
+    """RolloutWorker (rl/pipeline.py) with row refill (over a shared-prefill bank) returns the
+    plain worker's greedy completions, in task order, padded batches included (pad_to). (The
+    worker's default prefix sharing runs in tests/rl/test_loop.py.)"""
+    from model.tokenizer import load_tokenizer
+    from rl.pipeline import RolloutWorker
+    from sandbox.tasks.sampling import make_split
+
+    model, variables = setup
+    tok = load_tokenizer("byte")
+    tasks = [t for t, _ in make_split("arithmetic", "val", 2, seed=0)]
+    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=0.0, eos_id=tok.eos_id)
+    width = 4 + max(len(tok.encode(tok.chat_prompt(t.prompt), bos=True)) for t in tasks)
+
+    def worker(**kw):
+        return RolloutWorker(model, tok, cfg, None, group_size=2, max_prompt_len=width, **kw)
+
+    plain = worker(share_prefix=False).generate(variables, tasks, jax.random.key(0), pad_to=3)
+    g = worker(slots=3).generate(variables, tasks, jax.random.key(0), pad_to=3)
+    assert [t.prompt for t in g.tasks] == [t.prompt for t in plain.tasks]
+    np.testing.assert_array_equal(g.group_ids, plain.group_ids)
+    np.testing.assert_array_equal(g.completions, plain.completions)
+    np.testing.assert_array_equal(g.completion_mask, plain.completion_mask)
+    assert g.texts == plain.texts and len(g.texts) == 4 and g.completion_mask.any()
+    with pytest.raises(ValueError, match="slots must be an int >= 0"):
+        worker(slots=-2)
