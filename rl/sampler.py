@@ -28,7 +28,9 @@ rows, with `finish_order` / `finish_step` giving the completion order. Greedy ou
 equals the plain sampler's token for token (tests/rl/test_sampler_fast.py); measured by
 `benchmarks/rollouts.py`. On a mesh, sharing needs the distinct prompts to split over the same
 batch axes as the rows (otherwise every row is prefilled, logged once); refill runs on a
-one-process mesh only. `prefill_groups` is the shared prefill for other decoders.
+one-process mesh only. `prefill_groups` is the shared prefill for other decoders. Not covered:
+either with speculative="mtp" (sharing falls back to prefilling every row, logged once; refill
+raises), refill across several processes (raises), sharing a common prefix of different prompts.
 
 Also here: `pack` (prompt + completion rows for the trainer). Trainer-side log-probs of packed rows:
 `rl.train_step.make_logp_fn`.
