@@ -6,10 +6,10 @@ runs/demo, as written by `python3 scripts/demo.py`), prompted with held-out demo
 split); otherwise the tiny preset trained here for a few hundred steps on counting sequences (a
 task an MTP head can learn, so acceptance is high; said so in the output). Reported for batch 32
 (8 with --quick, k = 1, 2 only) and batch 1 (8 prompts, 4 with --quick, one after another),
-greedy and temperature 1, from medians of 3 alternating rounds (every sampler once per round,
-order rotated): tokens/s of each sampler and the speed-up over plain decoding; per k the
-acceptance rate of each draft position (given the earlier ones were accepted), tokens per row
-trunk pass, row trunk passes per generated token (plain decoding: 1; the number that predicts the
+greedy and temperature 1, from medians of 5 alternating rounds (3 with --quick; every sampler
+once per round, order rotated): tokens/s of each sampler and the speed-up over plain decoding;
+per k the acceptance rate of each draft position (given the earlier ones were accepted), tokens
+per row trunk pass, row trunk passes per generated token (plain decoding: 1; the number that predicts the
 speed-up where a decode step is bound by memory bandwidth), the batch's loop iterations relative
 to plain decoding, the measured time of one speculative loop iteration relative to one plain
 decode iteration on this machine (prefill included in both), and the k
@@ -78,7 +78,7 @@ def run(quick: bool = False, batches: tuple[int, ...] | None = None) -> dict:
 
     batch = 8 if quick else 32
     ks = (1, 2) if quick else (1, 2, 3)
-    rounds = 3
+    rounds = 3 if quick else 5
     single = 4 if quick else 8  # prompts run one by one for the batch-1 numbers
     workdir = os.environ.get("SPEC_BENCH_WORKDIR", os.path.join("runs", "demo"))
     if not quick and os.path.isdir(os.path.join(workdir, "rl", "checkpoints")):
@@ -100,7 +100,7 @@ def run(quick: bool = False, batches: tuple[int, ...] | None = None) -> dict:
                     draft_tokens=k))
             outs, times = {}, {m: [] for m in modes}
 
-            def call(m, B=B):
+            def call(m, B=B, samplers=samplers):
                 if B > 1:
                     return samplers[m].generate(variables, prompts[:B], lengths[:B],
                                                 jax.random.key(1))

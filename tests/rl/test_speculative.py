@@ -22,10 +22,14 @@ from configs import models
 from model.config import ModelConfig
 from model.objectives import counting_tokens
 from model.transformer import Model
-from rl.sampler import Sampler, SamplingConfig, pack, process_logits
 from rl import speculative
-from rl.speculative import (choose_draft_tokens, draft_summary, expected_tokens_per_pass,
-                            verify_draft)
+from rl.sampler import Sampler, SamplingConfig, pack, process_logits
+from rl.speculative import (
+    choose_draft_tokens,
+    draft_summary,
+    expected_tokens_per_pass,
+    verify_draft,
+)
 from rl.train_step import make_logp_fn
 
 
