@@ -1,37 +1,63 @@
-"""KDA benchmark: recurrent oracle vs chunked reference (vs the Pallas kernel on GPU/TPU).
+"""KDA benchmark: the recurrent scan, the chunked form (autodiff backward), the chunked form with
+the hand-written backward (`chunked_vjp`), the Pallas kernel on GPU/TPU, and optionally the
+ejkernel peer, side by side.
 
-`python scripts/bench.py kda [--quick]` calls `run(quick)`. Shapes come from
-`arg_specs.BENCH` (`BENCH_QUICK` when quick): the DESIGN.md target (B=1, H=4, K=V=128, T=2048)
-and B=1, H=16, K=V=128 at T in {2048, 8192}. For each shape, side by side in one process, f32:
-tokens/s forward and forward+backward (grad of sum(o^2) w.r.t. q, k, v, g, beta) and the ratio
-chunked / recurrent. The recurrent fwd+bwd rematerialises every 64 tokens (a plain scan would keep
-a [B,H,K,V] state per token: 8.6 GB at H=16, T=8192). Median of `reps` runs after a warm-up
-(pallas_kernels.check.median_seconds, no extra runs beyond `reps`).
+    python scripts/bench.py kda [--quick]           # project implementations
+    python -m benchmarks.kda --peer [--rounds 5]    # + ejkernel on the issue's shape
+
+Shapes come from `arg_specs.BENCH` (`BENCH_QUICK` when quick): the DESIGN.md target (B=1, H=4,
+K=V=128, T=2048) and B=1, H=16, K=V=128 at T in {2048, 8192}; f32, gates of about -1 per token.
+Per shape, in one process, every implementation runs once per round in a rotated order
+(alternating, so load changes hit all alike), forward and forward+backward (jax.grad of sum(o^2)
+w.r.t. q, k, v, g, beta); medians over rounds, with the load average per round and the cores
+other processes kept busy per sample (`foreign_cores`). The recurrent fwd+bwd rematerialises
+every 64 tokens (a plain scan keeps a [B,H,K,V] state per token: 8.6 GB at H=16, T=8192).
+Ratios printed: chunked_vjp / chunked and chunked / recurrent (speed-ups, > 1 is faster).
+
+Peer mode (--peer, or KDA_BENCH_PEER=1 under scripts/bench.py): on the issue's shape only
+(BENCH[0]), ejkernel 0.0.80.3's chunked XLA op runs in its own process with its own python
+(benchmarks/peers/ejkernel_kda.py --serve; interpreter: $KDA_PEER_PYTHON, default
+~/peer-venvs/ejkernel/bin/python), same XLA_FLAGS, and is timed once per round in the same
+rotation (this process waits while it runs). It gets the first key channel's gate (one decay
+per head: less work than KDA's per-channel gate). Ratios printed: peer time / project time.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
 
-from pallas_kernels.check import median_seconds
-from pallas_kernels.kda import arg_specs, reference
+if __name__ == "__main__":  # XLA flags before jax (scripts/bench.py does this itself)
+    from model._xla_env import configure_xla_env
+
+    configure_xla_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.peers import cpu_point, foreign_cores, loadavg  # noqa: E402
+from pallas_kernels.kda import arg_specs, chunked_vjp, reference  # noqa: E402
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PEER_PYTHON_ENV = "KDA_PEER_PYTHON"
+PEER_ENV = "KDA_BENCH_PEER"
+DEFAULT_PEER_PYTHON = "~/peer-venvs/ejkernel/bin/python"
 
 
-def _seconds(fn, args, reps):
-    return median_seconds(fn, *args, reps=reps, budget_s=0.0)
-
-
-def _impls(on_accel: bool):
+def _impls(on_accel: bool) -> dict:
+    """name -> (forward fn, the forward differentiated for fwd+bwd); fn(q, k, v, g, b) -> o."""
     impls = {
         "recurrent": (
             lambda q, k, v, g, b: reference.kda_recurrent(q, k, v, g, b)[0],
             lambda q, k, v, g, b: reference.kda_recurrent(q, k, v, g, b, remat_every=64)[0],
         ),
-        "chunked": (
-            lambda q, k, v, g, b: reference.kda_chunked(q, k, v, g, b)[0],
-            lambda q, k, v, g, b: reference.kda_chunked(q, k, v, g, b)[0],
-        ),
+        "chunked": (lambda q, k, v, g, b: reference.kda_chunked(q, k, v, g, b)[0],) * 2,
+        "chunked_vjp": (lambda q, k, v, g, b: chunked_vjp.kda_chunked_vjp(q, k, v, g, b)[0],) * 2,
     }
     if on_accel:
         from pallas_kernels.kda import pallas_kda  # noqa: PLC0415
@@ -41,39 +67,147 @@ def _impls(on_accel: bool):
     return impls
 
 
-def run(quick: bool = False) -> dict:
-    specs = arg_specs.BENCH_QUICK if quick else arg_specs.BENCH
-    reps = 2 if quick else 3
+class PeerProcess:
+    """benchmarks/peers/ejkernel_kda.py --serve under the peer's python: one timed call per
+    request. Raises RuntimeError (what went wrong, how to fix it) if it cannot start."""
+
+    def __init__(self, spec, python: str | None = None):
+        py = os.path.expanduser(python or os.environ.get(PEER_PYTHON_ENV) or DEFAULT_PEER_PYTHON)
+        if not os.path.exists(py):
+            raise RuntimeError(
+                f"no peer interpreter at {py}: make the ejkernel venv (python3 -m venv "
+                f"~/peer-venvs/ejkernel && ~/peer-venvs/ejkernel/bin/pip install "
+                f"ejkernel==0.0.80.3 jax==0.10.2 jaxlib==0.10.2) or set {PEER_PYTHON_ENV}")
+        if spec.B != 1 or spec.K != spec.V or spec.dtype != "float32":
+            raise RuntimeError(f"the peer script takes B=1, K=V, f32; got {spec}")
+        cmd = [py, "-m", "benchmarks.peers.ejkernel_kda", "--serve", "--T", str(spec.T),
+               "--H", str(spec.H), "--K", str(spec.K), "--gate", str(spec.gate)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the peer process ended before it was ready: {' '.join(cmd)} "
+                               f"(exit code {self.proc.wait()}; its stderr is above)")
+        self.info = json.loads(line)["ready"]
+
+    def time(self, mode: str) -> tuple[float, float]:
+        self.proc.stdin.write(mode + "\n")
+        self.proc.stdin.flush()
+        r = json.loads(self.proc.stdout.readline())
+        if "error" in r:
+            raise RuntimeError(r["error"])
+        return r["s"], r["foreign_cores"]
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def _rounds(calls: dict, rounds: int) -> dict:
+    """calls: name -> () -> (seconds, foreign cores). Every name once per round, order rotated.
+    Returns {"samples", "foreign_cores", "loadavg_per_round", "median_s"}."""
+    names = list(calls)
+    samples = {n: [] for n in names}
+    foreign = {n: [] for n in names}
+    loads = []
+    for r in range(rounds):
+        loads.append(loadavg())
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            s, f = calls[n]()
+            samples[n].append(s)
+            foreign[n].append(round(f, 2))
+    return {"samples": samples, "foreign_cores": foreign, "loadavg_per_round": loads,
+            "median_s": {n: statistics.median(v) for n, v in samples.items()}}
+
+
+def _local_call(fn, args):
+    def call():
+        a = cpu_point()
+        jax.block_until_ready(fn(*args))
+        b = cpu_point()
+        return b[0] - a[0], foreign_cores(a, b)
+
+    return call
+
+
+def run(quick: bool = False, peer: bool | None = None, rounds: int | None = None) -> dict:
+    peer = os.environ.get(PEER_ENV) == "1" if peer is None else peer
+    specs = (arg_specs.BENCH[0],) if peer else (arg_specs.BENCH_QUICK if quick else arg_specs.BENCH)
+    rounds = rounds or (3 if quick else 5)
     on_accel = jax.default_backend() != "cpu"
     impls = _impls(on_accel)
-    results = {"backend": jax.default_backend(), "shapes": {}}
-    header = f"{'shape':>18} {'impl':>10} {'fwd tok/s':>12} {'fwd+bwd tok/s':>14}"
-    print(header)
-    print("-" * len(header))
+    results = {"backend": jax.default_backend(), "rounds": rounds, "shapes": {}}
     for spec in specs:
         a = arg_specs.make_args(spec)
         args = (a["q"], a["k"], a["v"], a["g"], a["beta"])
-        row = {}
+        calls = {}
         for name, (fwd, fwd_for_grad) in impls.items():
-            f = jax.jit(fwd)
             loss = lambda *xs, fn=fwd_for_grad: jnp.sum(jnp.square(fn(*xs).astype(jnp.float32)))
             fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-            t_f = _seconds(f, args, reps)
-            t_fb = _seconds(fb, args, max(1, reps - 1))
-            row[name] = {"fwd_tok_s": spec.tokens / t_f, "fwd_bwd_tok_s": spec.tokens / t_fb,
-                         "fwd_s": t_f, "fwd_bwd_s": t_fb}
-            print(f"{spec.name:>18} {name:>10} {row[name]['fwd_tok_s']:>12,.0f} "
-                  f"{row[name]['fwd_bwd_tok_s']:>14,.0f}", flush=True)
-        row["ratio_chunked_over_recurrent"] = {
-            "fwd": row["chunked"]["fwd_tok_s"] / row["recurrent"]["fwd_tok_s"],
-            "fwd_bwd": row["chunked"]["fwd_bwd_tok_s"] / row["recurrent"]["fwd_bwd_tok_s"],
+            f = jax.jit(fwd)
+            for fn in (f, fb):  # compile + one warm-up each
+                jax.block_until_ready(fn(*args))
+                jax.block_until_ready(fn(*args))
+            calls[f"fwd/{name}"] = _local_call(f, args)
+            calls[f"fwdbwd/{name}"] = _local_call(fb, args)
+        proc = None
+        if peer:
+            proc = PeerProcess(spec)
+            calls["fwd/ejkernel"] = functools.partial(proc.time, "fwd")
+            calls["fwdbwd/ejkernel"] = functools.partial(proc.time, "fwdbwd")
+        try:
+            row = _rounds(calls, rounds)
+        finally:
+            if proc is not None:
+                proc.close()
+        if proc is not None:
+            row["peer"] = proc.info
+        med = row["median_s"]
+        print(f"{spec.name}: B={spec.B} T={spec.T} H={spec.H} K={spec.K} V={spec.V} f32, "
+              f"median of {rounds} alternating rounds; load {row['loadavg_per_round']}")
+        print(f"  {'impl':>12} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd+bwd tok/s':>14}")
+        for name in [n.split("/", 1)[1] for n in med if n.startswith("fwd/")]:
+            tf, tfb = med[f"fwd/{name}"], med[f"fwdbwd/{name}"]
+            print(f"  {name:>12} {tf * 1e3:>9.1f} {tfb * 1e3:>11.1f} {spec.tokens / tfb:>14,.0f}")
+        ratios = {
+            "fwdbwd_chunked_vjp_speedup_over_chunked":
+                med["fwdbwd/chunked"] / med["fwdbwd/chunked_vjp"],
+            "fwdbwd_chunked_vjp_speedup_over_recurrent":
+                med["fwdbwd/recurrent"] / med["fwdbwd/chunked_vjp"],
+            "fwd_chunked_speedup_over_recurrent": med["fwd/recurrent"] / med["fwd/chunked"],
         }
-        r = row["ratio_chunked_over_recurrent"]
-        print(f"{spec.name:>18} {'ratio':>10} {r['fwd']:>11.2f}x {r['fwd_bwd']:>13.2f}x")
+        if peer:
+            ratios.update({
+                "fwd_chunked_speedup_over_ejkernel": med["fwd/ejkernel"] / med["fwd/chunked"],
+                "fwdbwd_chunked_speedup_over_ejkernel":
+                    med["fwdbwd/ejkernel"] / med["fwdbwd/chunked"],
+                "fwdbwd_chunked_vjp_speedup_over_ejkernel":
+                    med["fwdbwd/ejkernel"] / med["fwdbwd/chunked_vjp"],
+            })
+        for k, v in ratios.items():
+            print(f"  {k}: {v:.2f}x")
+        row["ratios"] = ratios
         results["shapes"][spec.name] = {"B": spec.B, "T": spec.T, "H": spec.H, "K": spec.K,
                                         "V": spec.V, **row}
     return results
 
 
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="BENCH_QUICK shapes, 3 rounds")
+    p.add_argument("--peer", action="store_true", help="add ejkernel on the issue's shape")
+    p.add_argument("--rounds", type=int, help="alternating rounds (default 5, quick 3)")
+    p.add_argument("--json", help="write the results to this file")
+    args = p.parse_args(argv)
+    res = run(quick=args.quick, peer=args.peer, rounds=args.rounds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
 if __name__ == "__main__":
-    run(quick=True)
+    sys.exit(main())

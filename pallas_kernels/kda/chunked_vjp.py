@@ -131,7 +131,9 @@ def _chunk_terms_bwd(q, k, v, beta, P: reference.ChunkParts, dA_qk, dw, du, dqg,
     dG = dG + q * Pz[:, 0] + k * (Pz[:, 1] - Pk)
     dq = dq + Pz[:, 0] + dz0[:, 0]
     dk = dk + Pz[:, 1] + Pk + dz0[:, 1] + dk0
-    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 1), axis=1), 1)  # G_i = sum_{s<=i} g_s
+    # G_i = sum_{s<=i} g_s, so dg_s = sum_{i>=s} dG_i: one triangular matmul (XLA:CPU runs a
+    # cumulative sum over C as a reduce-window, several times slower here).
+    dg = _bmm("si,xik->xsk", incl.T, dG)
     return dq, dk, dv, dg, dbeta
 
 
