@@ -5,7 +5,7 @@ in odd ones), medians over rounds.
     bash scripts/setup_peers.sh                           # once: the peer's virtual environment
     python scripts/bench.py peer --quick                  # 1 round, 2 steady iterations
     python -m benchmarks.grpo_peer --rounds 3 --variants hybrid dense --json runs/peer.json
-    python -m benchmarks.grpo_peer --set model.mtp.loss_weight=0.0   # a project-side override
+    python -m benchmarks.grpo_peer --set rl.mtp_loss_weight=0.0   # a project-side override
 
 The peer runs with the python of $PEER_VENVS/tunix (default ~/peer-venvs/tunix) on XLA's default
 flags; the project side (benchmarks/grpo_matched.py) with this interpreter and the scripts' flags;
