@@ -9,8 +9,9 @@ Shapes come from `arg_specs.BENCH` (`BENCH_QUICK` when quick): the DESIGN.md tar
 K=V=128, T=2048) and B=1, H=16, K=V=128 at T in {2048, 8192}; f32, gates of about -1 per token.
 Per shape, in one process, every implementation runs once per round in a rotated order
 (alternating, so load changes hit all alike), forward and forward+backward (jax.grad of sum(o^2)
-w.r.t. q, k, v, g, beta); medians over rounds, with the load average per round and the cores
-other processes kept busy per sample (`foreign_cores`). The recurrent fwd+bwd rematerialises
+w.r.t. q, k, v, g, beta); medians over rounds of wall seconds and of the CPU seconds of the
+process that ran the call (all its threads: the work, less sensitive to other load), with the
+load average per round and the cores other processes kept busy per sample (`foreign_cores`). The recurrent fwd+bwd rematerialises
 every 64 tokens (a plain scan keeps a [B,H,K,V] state per token: 8.6 GB at H=16, T=8192).
 Ratios printed: chunked_vjp / chunked and chunked / recurrent (speed-ups, > 1 is faster).
 
@@ -96,7 +97,7 @@ class PeerProcess:
         r = json.loads(self.proc.stdout.readline())
         if "error" in r:
             raise RuntimeError(r["error"])
-        return r["s"], r["foreign_cores"]
+        return r["s"], r["cpu_s"], r["foreign_cores"]
 
     def close(self):
         if self.proc.poll() is None:
@@ -106,20 +107,25 @@ class PeerProcess:
 
 
 def _rounds(calls: dict, rounds: int) -> dict:
-    """calls: name -> () -> (seconds, foreign cores). Every name once per round, order rotated.
-    Returns {"samples", "foreign_cores", "loadavg_per_round", "median_s"}."""
+    """calls: name -> () -> (wall s, CPU s of the process that ran it, foreign cores). Every
+    name once per round, order rotated. Returns {"samples", "cpu_samples", "foreign_cores",
+    "loadavg_per_round", "median_s", "median_cpu_s"}."""
     names = list(calls)
     samples = {n: [] for n in names}
+    cpu = {n: [] for n in names}
     foreign = {n: [] for n in names}
     loads = []
     for r in range(rounds):
         loads.append(loadavg())
         for n in names[r % len(names):] + names[: r % len(names)]:
-            s, f = calls[n]()
+            s, c, f = calls[n]()
             samples[n].append(s)
+            cpu[n].append(c)
             foreign[n].append(round(f, 2))
-    return {"samples": samples, "foreign_cores": foreign, "loadavg_per_round": loads,
-            "median_s": {n: statistics.median(v) for n, v in samples.items()}}
+    return {"samples": samples, "cpu_samples": cpu, "foreign_cores": foreign,
+            "loadavg_per_round": loads,
+            "median_s": {n: statistics.median(v) for n, v in samples.items()},
+            "median_cpu_s": {n: statistics.median(v) for n, v in cpu.items()}}
 
 
 def _local_call(fn, args):
@@ -127,9 +133,16 @@ def _local_call(fn, args):
         a = cpu_point()
         jax.block_until_ready(fn(*args))
         b = cpu_point()
-        return b[0] - a[0], foreign_cores(a, b)
+        return b[0] - a[0], b[2] - a[2], foreign_cores(a, b)
 
     return call
+
+
+def _ratio(times: dict, name: str) -> float:
+    """"<mode>_<a>_speedup_over_<b>" -> times[<mode>/<b>] / times[<mode>/<a>]."""
+    mode, rest = name.split("_", 1)
+    a, b = rest.split("_speedup_over_")
+    return times[f"{mode}/{b}"] / times[f"{mode}/{a}"]
 
 
 def run(quick: bool = False, peer: bool | None = None, rounds: int | None = None) -> dict:
@@ -164,30 +177,25 @@ def run(quick: bool = False, peer: bool | None = None, rounds: int | None = None
                 proc.close()
         if proc is not None:
             row["peer"] = proc.info
-        med = row["median_s"]
+        med, cpu = row["median_s"], row["median_cpu_s"]
         print(f"{spec.name}: B={spec.B} T={spec.T} H={spec.H} K={spec.K} V={spec.V} f32, "
               f"median of {rounds} alternating rounds; load {row['loadavg_per_round']}")
-        print(f"  {'impl':>12} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd+bwd tok/s':>14}")
+        print(f"  {'impl':>12} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd+bwd tok/s':>14}"
+              f" {'fwd cpu ms':>11} {'fwd+bwd cpu ms':>15}")
         for name in [n.split("/", 1)[1] for n in med if n.startswith("fwd/")]:
             tf, tfb = med[f"fwd/{name}"], med[f"fwdbwd/{name}"]
-            print(f"  {name:>12} {tf * 1e3:>9.1f} {tfb * 1e3:>11.1f} {spec.tokens / tfb:>14,.0f}")
-        ratios = {
-            "fwdbwd_chunked_vjp_speedup_over_chunked":
-                med["fwdbwd/chunked"] / med["fwdbwd/chunked_vjp"],
-            "fwdbwd_chunked_vjp_speedup_over_recurrent":
-                med["fwdbwd/recurrent"] / med["fwdbwd/chunked_vjp"],
-            "fwd_chunked_speedup_over_recurrent": med["fwd/recurrent"] / med["fwd/chunked"],
-        }
+            print(f"  {name:>12} {tf * 1e3:>9.1f} {tfb * 1e3:>11.1f} {spec.tokens / tfb:>14,.0f}"
+                  f" {cpu[f'fwd/{name}'] * 1e3:>11.1f} {cpu[f'fwdbwd/{name}'] * 1e3:>15.1f}")
+        names = ["fwdbwd_chunked_vjp_speedup_over_chunked",
+                 "fwdbwd_chunked_vjp_speedup_over_recurrent", "fwd_chunked_speedup_over_recurrent"]
         if peer:
-            ratios.update({
-                "fwd_chunked_speedup_over_ejkernel": med["fwd/ejkernel"] / med["fwd/chunked"],
-                "fwdbwd_chunked_speedup_over_ejkernel":
-                    med["fwdbwd/ejkernel"] / med["fwdbwd/chunked"],
-                "fwdbwd_chunked_vjp_speedup_over_ejkernel":
-                    med["fwdbwd/ejkernel"] / med["fwdbwd/chunked_vjp"],
-            })
+            names += ["fwd_chunked_speedup_over_ejkernel", "fwdbwd_chunked_speedup_over_ejkernel",
+                      "fwdbwd_chunked_vjp_speedup_over_ejkernel"]
+        ratios = {k: _ratio(med, k) for k in names}
+        by_cpu = {k: _ratio(cpu, k) for k in ratios}
         for k, v in ratios.items():
-            print(f"  {k}: {v:.2f}x")
+            print(f"  {k}: {v:.2f}x wall ({by_cpu[k]:.2f}x by CPU seconds)")
+        row["ratios_by_cpu_s"] = by_cpu
         row["ratios"] = ratios
         results["shapes"][spec.name] = {"B": spec.B, "T": spec.T, "H": spec.H, "K": spec.K,
                                         "V": spec.V, **row}

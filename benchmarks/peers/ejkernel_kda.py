@@ -6,8 +6,8 @@ Run with the PEER's python from the repository root (its own venv, jax 0.10.2 li
 
 The project's driver (benchmarks/kda.py --peer) starts it with --serve and alternates with it:
 after compiling and one warm-up of each mode it prints one JSON line {"ready": ...}, then for
-every line "fwd" or "fwdbwd" read on stdin it times one call and prints {"mode", "s",
-"foreign_cores"}; "quit" (or end of input) stops it. Without --serve it times `reps` rounds
+every line "fwd" or "fwdbwd" read on stdin it times one call and prints {"mode", "s" (wall),
+"cpu_s" (this process's CPU seconds, all threads), "foreign_cores"}; "quit" (or end of input) stops it. Without --serve it times `reps` rounds
 itself and prints one JSON record.
 
 Inputs: the recipe of pallas_kernels/kda/arg_specs.py:make_args (B=1, [B,T,H,K] layout, q and k
@@ -112,7 +112,8 @@ def main(argv=None) -> int:
         a = cpu_point()
         jax.block_until_ready(fns[name](*xs))
         b = cpu_point()
-        return {"mode": name, "s": b[0] - a[0], "foreign_cores": foreign_cores(a, b)}
+        return {"mode": name, "s": b[0] - a[0], "cpu_s": b[2] - a[2],
+                "foreign_cores": foreign_cores(a, b)}
 
     head = {"peer": "ejkernel", "versions": {n: md.version(n) for n in ("ejkernel", "jax", "jaxlib")},
             "B": B, "T": T, "H": H, "K": K, "V": V, "gate": args.gate, "chunk": args.chunk,
