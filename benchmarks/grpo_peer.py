@@ -19,8 +19,9 @@ log-prob passes (old, reference), train step, scoring wait, other (host work: pa
 advantages, transfers); the train step's compile seconds; decode tokens/s at batch 32 and 1
 (B x 63 / (call at 64 new tokens - call at 1), the same definition on both sides); the other
 processes' CPU load during the steady iterations (cores) and the load average before and after.
-Ratios are project / peer (< 1 is faster for seconds, > 1 for tokens/s); the issue's targets
-are marked.
+Ratios are project / peer (< 1 is faster for seconds, > 1 for tokens/s): of the medians (the
+issue's targets are marked on these) and paired (the median of the per-round ratios, each from
+two processes run back to back).
 
 Matched (benchmarks/peers:MATCHED): 8 prompts x 4 samples, 32 prompt + exactly 64 generated
 tokens (the end-of-sequence id is never sampled), temperature 0.9, k3 KL 0.04 to a frozen
@@ -153,8 +154,15 @@ def summarize(rec: dict, spec: dict = MATCHED) -> dict:
            "rollout_s": part["rollout"], "logp_old_s": part["logp_old"],
            "logp_ref_s": part["logp_ref"], "logp_s": part["logp_old"] + part["logp_ref"],
            "train_step_s": part["train_step"], "score_wait_s": part["score"]}
-    out["other_s"] = out["iteration_s"] - (out["rollout_s"] + out["logp_s"] +
-                                           out["train_step_s"] + out["score_wait_s"])
+    n = len(s["iteration"])
+    per_iter = [s[k] if s.get(k) else [0.0] * n
+                for k in ("rollout", "logp_old", "logp_ref", "train_step", "score")]
+    if all(len(x) == n for x in per_iter):  # one sample of each part per iteration
+        out["other_s"] = _steady([s["iteration"][i] - sum(x[i] for x in per_iter)
+                                  for i in range(n)])
+    else:
+        out["other_s"] = out["iteration_s"] - (out["rollout_s"] + out["logp_s"] +
+                                               out["train_step_s"] + out["score_wait_s"])
     one = s.get(f"sampler_b{B}_g1")
     if one:  # a round without the sampler-alone part has no prefill estimate
         out["prefill_s"] = min(_steady(one), out["rollout_s"])
@@ -195,6 +203,17 @@ def ratios(project: dict, peer: dict) -> dict:
             for k, _, _ in TABLE if k in project and k in peer}
 
 
+def paired_ratios(project_rounds: list, peer_rounds: list) -> dict:
+    """Per metric, the median over rounds of project / peer within the same round (the two
+    ran back to back, under about the same load)."""
+    per_round = [ratios(a, b) for a, b in zip(project_rounds, peer_rounds)]
+    out = {}
+    for k in dict.fromkeys(k for r in per_round for k in r):
+        vals = [r[k] for r in per_round if r.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    return out
+
+
 def checks(ratio: dict) -> dict:
     """Issue 19's targets on the ratios: {metric: {"ratio", "target", "met"}}."""
     out = {}
@@ -219,7 +238,8 @@ def report(result: dict) -> str:
     variants = [s for s in sides if s != "tunix"]
     n = result["rounds"]
     head = f"{'metric (median of ' + str(n) + ' rounds)':<34}" + "".join(
-        f"{s:>11}" for s in sides) + "".join(f"{v + '/tunix':>15}" for v in variants)
+        f"{s:>11}" for s in sides) + "".join(f"{v + '/tunix':>15}{'paired':>9}"
+                                              for v in variants)
     lines = [head]
     for k, _, target in TABLE:
         if not any(k in med[s] for s in sides):
@@ -230,14 +250,15 @@ def report(result: dict) -> str:
             mark = ""
             if target is not None and r is not None:
                 mark = " ok" if result["checks"][v][k]["met"] else " !!"
-            row += f"{_fmt(r) + mark:>15}"
+            row += f"{_fmt(r) + mark:>15}{_fmt(result['paired_ratios'][v].get(k)):>9}"
         lines.append(row)
     if result.get("sampler_rounds", n) < n:
         lines.append(f"prefill, decode and the sampler rates: the first {result['sampler_rounds']}"
                      " round(s) only")
     lines.append(f"load average before {result['load_before']}, after {result['load_after']}; "
-                 "targets (issue 19): iteration and first iteration <= 1x tunix, decode b32 "
-                 ">= 2x; '!!' = not met")
+                 "targets (issue 19, on the ratio of medians): iteration and first iteration "
+                 "<= 1x tunix, decode b32 >= 2x; '!!' = not met; paired = median of the "
+                 "per-round ratios")
     return "\n".join(lines)
 
 
@@ -276,6 +297,8 @@ def run(quick: bool = False, rounds: int | None = None, steps: int | None = None
     result["median"] = {s: aggregate(result["per_round"][s]) for s in sides}
     result["ratios"] = {v: ratios(result["median"][v], result["median"]["tunix"])
                         for v in variants}
+    result["paired_ratios"] = {v: paired_ratios(result["per_round"][v],
+                                                result["per_round"]["tunix"]) for v in variants}
     result["checks"] = {v: checks(result["ratios"][v]) for v in variants}
     print(report(result), flush=True)
     return result

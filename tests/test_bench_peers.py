@@ -131,8 +131,9 @@ def test_split_medians_and_ratios_of_recorded_runs():
     assert t["first_iteration_s"] == 42.4973
     assert t["iteration_s"] == pytest.approx((4.6641 + 4.0978) / 2)  # median after the first
     assert t["logp_old_s"] == 0.0 and t["logp_s"] == t["logp_ref_s"]  # tunix skips that pass
-    parts = t["rollout_s"] + t["logp_s"] + t["train_step_s"] + t["score_wait_s"]
-    assert t["other_s"] == pytest.approx(t["iteration_s"] - parts)
+    other = [it - (ro + lr + tr + sc) for it, ro, lr, tr, sc in zip(
+        *(ts[k][1:] for k in ("iteration", "rollout", "logp_ref", "train_step", "score")))]
+    assert t["other_s"] == pytest.approx(statistics.median(other))  # per iteration, then median
     assert t["prefill_s"] == pytest.approx((0.1517 + 0.1322) / 2)  # 1-token call, batch 32
     assert t["decode_s"] == pytest.approx(t["rollout_s"] - t["prefill_s"])
     g64, g1 = statistics.median(ts["sampler_b32_g64"][1:]), statistics.median(
@@ -161,6 +162,9 @@ def test_split_medians_and_ratios_of_recorded_runs():
     r = grpo_peer.ratios(h, t)
     assert r["iteration_s"] == pytest.approx(h["iteration_s"] / t["iteration_s"])
     assert r["logp_old_s"] is None  # the peer has no such pass
+    paired = grpo_peer.paired_ratios([h, slower], [t, dict(t, iteration_s=t["iteration_s"] * 2)])
+    assert paired["iteration_s"] == pytest.approx(
+        (h["iteration_s"] / t["iteration_s"] + 1.5 * h["iteration_s"] / t["iteration_s"]) / 2)
     ok = grpo_peer.checks(r)
     assert set(ok) == {"first_iteration_s", "iteration_s", "decode_tok_s_b32"}
     assert ok["iteration_s"]["met"] is False and ok["iteration_s"]["target"] == "<= 1.0"
@@ -168,7 +172,8 @@ def test_split_medians_and_ratios_of_recorded_runs():
         "decode_tok_s_b32": {"ratio": 2.1, "target": ">= 2.0", "met": True},
         "iteration_s": {"ratio": 0.9, "target": "<= 1.0", "met": True}}
     result = {"rounds": 1, "sides": ["tunix", "hybrid"], "median": {"tunix": t, "hybrid": h},
-              "ratios": {"hybrid": r}, "checks": {"hybrid": ok}, "load_before": [9.1],
+              "ratios": {"hybrid": r}, "paired_ratios": {"hybrid": paired},
+              "checks": {"hybrid": ok}, "load_before": [9.1],
               "load_after": [7.96]}
     table = grpo_peer.report(result)
     assert "hybrid/tunix" in table and "!!" in table and "load average before [9.1]" in table
