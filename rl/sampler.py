@@ -34,12 +34,11 @@ raises), refill across several processes (raises), sharing a common prefix of di
 
 Also here: `pack` (prompt + completion rows for the trainer). Trainer-side log-probs of packed rows:
 `rl.train_step.make_logp_fn`.
-MTP self-speculative decoding (`SamplingConfig(speculative="mtp")`): the first MTP module drafts
-one token, one trunk pass verifies two; greedy output equals the plain sampler's token for token,
-sampled output has its distribution (rl/speculative.py). On a 2-core CPU with the
-demo model it is slower than plain decoding (measured by `scripts/bench.py spec`; numbers in the
-README). Not covered: drafts longer than one token (chaining deeper MTP modules) and
-tree drafts.
+MTP self-speculative decoding (`SamplingConfig(speculative="mtp", draft_tokens=k)`,
+rl/speculative.py): the first MTP module drafts k tokens, one trunk pass verifies k + 1; greedy
+output equals the plain sampler's token for token, sampled output has its distribution. On a
+2-core CPU with the demo model it is slower than plain decoding at every k (measured by
+`scripts/bench.py spec`; numbers in the README).
 """
 
 from __future__ import annotations
@@ -108,7 +107,7 @@ class SampleOutput:
     mask: jax.Array  # [B,G] bool: generated (not padding)
     lengths: jax.Array  # [B] number of generated tokens
     finished: jax.Array  # [B] bool: ended by EOS or a stop sequence (not by max_new_tokens)
-    # speculative="mtp": [drafts verified, drafts accepted] summed over rows (None otherwise)
+    # speculative="mtp": [k+2] int32 (rl.speculative.draft_summary reads it; None otherwise)
     draft_stats: jax.Array | None = None
     # row refill (generate(..., slots=R)): [B] int32 rank of each sequence in completion order
     # (0 = finished first) and [B] int32 decode-loop step in which it finished (None otherwise)
