@@ -145,14 +145,23 @@ class RolloutWorker:
 
     mesh/rules: the sampler runs on the mesh (rl.sampler.Sampler); `tasks` are then this
     process's share of the global batch (host_prompt_slice), and everything returned is about
-    this process's rows, which it scores itself."""
+    this process's rows, which it scores itself.
+
+    share_prefix: prefill each task's prompt once for its group_size rows (Sampler.generate's
+    group_size; the same rollouts up to float differences between prefill batch shapes).
+    slots: row refill with this many decode rows (Sampler.generate's slots; 0 = every row at
+    once). The returned ScoredGroup is in task order either way."""
 
     def __init__(self, model, tokenizer, sampling: SamplingConfig, verifier, *,
-                 group_size: int, max_prompt_len: int, mesh=None, rules=None):
+                 group_size: int, max_prompt_len: int, mesh=None, rules=None,
+                 share_prefix: bool = True, slots: int = 0):
         self.model, self.tok, self.verifier = model, tokenizer, verifier
         self.mesh, self.rules = mesh, rules
         self.sampler = Sampler(model, sampling, mesh=mesh, rules=rules)
         self.group_size, self.max_prompt_len = group_size, max_prompt_len
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise ValueError(f"slots must be an int >= 0 (0 = every row at once), got {slots!r}")
+        self.share_prefix, self.slots = bool(share_prefix), slots
 
     def row_blocks(self, n_rows: int) -> tuple[int, int]:
         """(number of distinct row blocks of a global batch, this process's block) when each
@@ -173,7 +182,8 @@ class RolloutWorker:
         prompts, lens = encode_prompts(self.tok, [t.prompt for t in rep + rep[:1] * extra],
                                        self.max_prompt_len)
         t0 = time.perf_counter()
-        out = self.sampler.generate(variables, prompts, lens, rng)
+        out = self.sampler.generate(variables, prompts, lens, rng,
+                                    group_size=G if self.share_prefix else 1, slots=self.slots)
         n = len(rep)
         comp, cmask, lp = (x[:n] for x in shd.host_rows((out.tokens, out.mask, out.logprobs)))
         prompts, lens = prompts[:n], lens[:n]
@@ -197,14 +207,21 @@ class RolloutWorker:
                                  for task, text in zip(g.tasks, g.texts)], t)
 
 
+_prepare_advantages_jit = jax.jit(prepare_advantages, static_argnums=(0,))
+_kl_penalty_jit = jax.jit(losses.kl_penalty, static_argnums=(2,))
+
+
 def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forward=None):
     """Pack rows, compute advantages (per algo), drop failed rows. Returns (batch dict of numpy
     arrays for the train step, metrics).
 
     forward(tokens [N,L] int32, loss_mask [N,L] bool) -> {"old_logp": [N,L], optionally
     "ref_logp" [N,L], "old_values" [N,L]}: the trainer's rollout-time forward (see
-    rl.loop.run_rl). Its outputs go into the batch (zeroed outside the final loss mask); without
-    it the batch holds no old/ref log-probs (the caller adds them). It is required when the
+    rl.loop.run_rl; old_logp may be left out when the train step takes its own log-probs as the
+    old ones, make_train_step(old_logp="current"): the sampler/trainer gap metrics then come
+    from the step). Its outputs go into the batch (zeroed outside the final loss mask); without
+    it the batch holds no old/ref log-probs (the caller adds them). The advantages are one
+    compiled program per (algorithm, shapes). It is required when the
     advantages depend on it: algo.needs_values (GAE on the critic's old_values; the batch then
     also holds the estimator's "returns") or algo.kl_placement == "reward" (token rewards get
     -kl_coef * kl_penalty(old_logp, ref_logp)). In that case it runs before the advantages, on
@@ -233,11 +250,12 @@ def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forwa
             raise ValueError(f"forward returned {sorted(fw)}; algorithm {algo.name!r} needs "
                              f"{missing}")
         if reward_kl:
-            kl = losses.kl_penalty(fw["old_logp"], fw["ref_logp"], algo.kl_kind, mask=mask)
-    prep = prepare_advantages(algo, jnp.asarray(group.rewards), jnp.asarray(mask),
-                              group_ids=jnp.asarray(group.group_ids),
-                              values=fw.get("old_values"), kl=kl,
-                              lengths=jnp.asarray(group.model_tokens()))
+            kl = _kl_penalty_jit(fw["old_logp"], fw["ref_logp"], algo.kl_kind, mask=mask)
+    # one compiled program per (algorithm, shapes) instead of op-by-op dispatch
+    prep = jax.device_get(_prepare_advantages_jit(
+        algo, np.asarray(group.rewards, np.float32), mask,
+        group_ids=np.asarray(group.group_ids), values=fw.get("old_values"), kl=kl,
+        lengths=np.asarray(group.model_tokens())))
     keep = np.asarray(prep.keep)
     mask = mask & keep[:, None]
     if forward is not None and not before:
