@@ -150,7 +150,7 @@ def dsa_paths(quick: bool = False) -> dict:
             idx = dsa_ops.select_topk(sc, K)
             return dsa_ops.sparse_attention(q, kv, idx, scale=D ** -0.5, v_dim=L)
 
-        def masked(q, kv, sc):
+        def masked(q, kv, sc, causal=causal, S=S):
             m = causal & dsa_layer.selected_key_mask(dsa_ops.select_topk(sc, K), S)
             return dsa_layer.masked_dense_attention(q, kv, m, D ** -0.5, L)
 
@@ -159,9 +159,10 @@ def dsa_paths(quick: bool = False) -> dict:
 
         fns = {}
         for name, f in (("gather", gather), ("masked", masked), ("dense", dense)):
-            fb = jax.jit(jax.grad(lambda q, kv, f=f: jnp.sum(f(q, kv, sc) * g), argnums=(0, 1)))
+            fb = jax.jit(jax.grad(lambda q, kv, f=f, sc=sc, g=g: jnp.sum(f(q, kv, sc) * g),
+                                  argnums=(0, 1)))
             jax.block_until_ready(fb(q, kv))
-            fns[name] = lambda fb=fb: fb(q, kv)
+            fns[name] = lambda fb=fb, q=q, kv=kv: fb(q, kv)
         t = _alternating(fns)
         out[S] = {**{k + "_ms": 1e3 * v for k, v in t.items()},
                   "gather_over_masked": t["gather"] / t["masked"]}

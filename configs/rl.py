@@ -106,8 +106,8 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # sampler/trainer log-prob gap is logged and corrected by TIS (rl.algo.tis_cap, required)
     c.rl.rollout_experts = "bf16"
     # the MTP term's weight in the RL step: None (default) keeps model.mtp.loss_weight (the SFT
-    # objective's); 0 skips the MTP forward in the RL step (about a third of the hybrid's
-    # step time, benchmarks/rl_loop.py), leaving the MTP block as SFT trained it
+    # objective's); 0 skips the MTP forward in the RL step (about 15% of the hybrid's step
+    # time, benchmarks/rl_loop.py), leaving the MTP block as SFT trained it
     c.rl.mtp_loss_weight = ml_collections.config_dict.placeholder(float)
     # the separate old-log-prob forward: "auto" skips it when the batch serves one on-policy
     # update and nothing needs old log-probs before the advantages (old = the step's own
@@ -115,8 +115,15 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rl.old_logp_pass = "auto"
     # the trainer's log-probs use rl.temperature / top_k / top_p (the sampler's distribution);
     # rl.train_indexer=False sets the indexer KL weight to 0 for RL (the indexer stays frozen)
-    # rl.speculative="mtp": rollouts and evals draft with the MTP head and verify two tokens per
-    # trunk pass (rl/sampler.py; same output distribution, greedy identical)
+    # rl.speculative="mtp": rollouts and evals draft rl.draft_tokens tokens with the MTP head and
+    # verify them in one trunk pass (rl/speculative.py; same output distribution, greedy
+    # identical; slower than plain decoding on CPU, see README)
+    c.rl.draft_tokens = 1
+    # rollouts: share_prefix prefills each prompt once for its group (rl.sampler: same tokens,
+    # ~2x faster generation on the demo shapes); rollout_slots R > 0 decodes the batch in R
+    # slots, a finished row's slot taking the next queued row (row refill; 0 = all at once)
+    c.rl.share_prefix = True
+    c.rl.rollout_slots = 0
     c.rl.algo = _algo(algo, c.rl)
     # the value head of algorithms with a critic (rl.algo.needs_values: ppo); see
     # rl/critic.py:CriticConfig. detached: the value loss does not train the policy trunk;

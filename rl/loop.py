@@ -227,14 +227,15 @@ def agent_env_config(a):
 
 def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_size: int,
                         tasks=(), mesh=None, rules=None):
-    """The rollout worker of a run from the RL section `r` (config.rl: max_prompt_len, agent):
-    rl.pipeline.RolloutWorker for one-shot tasks, wrapped in an rl.agent.RoutingWorker with an
-    AgentRolloutWorker (rl.agent: width, turn_tokens, the environment's caps) when any of `tasks`
-    is a multi-turn task."""
+    """The rollout worker of a run from the RL section `r` (config.rl: max_prompt_len,
+    share_prefix, rollout_slots, agent): rl.pipeline.RolloutWorker for one-shot tasks, wrapped
+    in an rl.agent.RoutingWorker with an AgentRolloutWorker (rl.agent: width, turn_tokens, the
+    environment's caps) when any of `tasks` is a multi-turn task."""
     from rl.agent import AgentRolloutWorker, RoutingWorker, is_agent_task
 
     worker = RolloutWorker(model, tok, sampling, verifier, group_size=group_size,
-                           max_prompt_len=r.max_prompt_len, mesh=mesh, rules=rules)
+                           max_prompt_len=r.max_prompt_len, mesh=mesh, rules=rules,
+                           share_prefix=bool(r.share_prefix), slots=int(r.rollout_slots))
     if not any(is_agent_task(t) for t in tasks):
         return worker
     if mesh is not None and jax.process_count() > 1:
@@ -661,7 +662,8 @@ def rollout_sampling(r, eos_id: int) -> SamplingConfig:
     """The rollout sampler's config from the RL section (config.rl); the trainer's log-probs use
     the same distribution."""
     return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                          top_p=r.top_p, top_k=r.top_k, eos_id=eos_id, speculative=r.speculative)
+                          top_p=r.top_p, top_k=r.top_k, eos_id=eos_id, speculative=r.speculative,
+                          draft_tokens=int(r.draft_tokens))
 
 
 def eval_sampling(e, sampling: SamplingConfig) -> SamplingConfig:

@@ -124,7 +124,8 @@ def main(_):
     try:
         test = [t for t, _ in load_task_splits(config)["test"]]
         base = SamplingConfig(max_new_tokens=config.rl.max_new_tokens, temperature=0.0,
-                              eos_id=tok.eos_id, speculative=config.rl.speculative)
+                              eos_id=tok.eos_id, speculative=config.rl.speculative,
+                              draft_tokens=config.rl.draft_tokens)
         w_greedy = make_rollout_worker(config.rl, model, tok, base, verifier, pool, group_size=1,
                                        tasks=test)
         w_sampled = make_rollout_worker(config.rl, model, tok,

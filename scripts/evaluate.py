@@ -136,7 +136,8 @@ def main(_):
             ks = tuple(int(k) for k in _K.value.split(","))
             sampling = SamplingConfig(max_new_tokens=config.rl.max_new_tokens,
                                       temperature=_TEMP.value, eos_id=tok.eos_id,
-                                      speculative=config.rl.speculative)
+                                      speculative=config.rl.speculative,
+                                      draft_tokens=config.rl.draft_tokens)
             worker = make_rollout_worker(config.rl, model, tok, sampling, verifier, pool,
                                          group_size=_N.value, tasks=tasks)
             res = evaluate(worker, variables, tasks, jax.random.key(0), n_samples=_N.value,

@@ -93,7 +93,7 @@ def test_current_old_logp_equals_the_separate_pass(small_lm):
         step = make_train_step(model, algo, opt, micro_batches=2, sampling=sampling,
                                donate=False, old_logp=mode)
         out[mode] = step(init_train_state(variables, opt), b)
-    (s_b, met_b), (s_c, met_c) = out["batch"], out["current"]
+    (s_b, _), (s_c, met_c) = out["batch"], out["current"]
     for a, b in zip(jax.tree.leaves(s_c.params), jax.tree.leaves(s_b.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     m = np.asarray(batch["loss_mask"])
