@@ -13,16 +13,17 @@ Layouts (flash-linear-attention convention):
 Per step:  S <- S * exp(g_t)[:, None];  S <- S + (beta_t k_t)(v_t - k_t^T S)^T;  o_t = (scale q_t)^T S.
 
 impl (the dispatch table `DISPATCH`, `pallas_kernels.dispatch`):
-  "auto"                 the first of "pallas", "chunked" that can take the call: the Pallas
-                         kernels on GPU/TPU when K and V are powers of two and the inputs f32 or
-                         bf16, else the chunked form (CPU: always; the choice and its reason
-                         are logged once);
-  "xla" / "chunked"      the pure-JAX chunked form (`reference.kda_chunked`), differentiable
-                         by plain autodiff;
-  "chunked_vjp"          the same forward with a hand-written backward (`chunked_vjp.py`:
-                         jax.custom_vjp over the chunk terms, only the state entering each scan
-                         step kept for reverse mode); explicit only, so "auto" keeps today's
-                         autodiff gradients (the two agree to f32 rounding, ~1e-6 relative);
+  "auto"                 the first of "pallas", "chunked_vjp" that can take the call: the
+                         Pallas kernels on GPU/TPU when K and V are powers of two and the inputs
+                         f32 or bf16, else the chunked form with the hand-written backward (CPU:
+                         always; the choice and its reason are logged once);
+  "xla" / "chunked_vjp"  the pure-JAX chunked form (`reference.kda_chunked`'s forward) with a
+                         hand-written backward (`chunked_vjp.py`: jax.custom_vjp over the chunk
+                         terms, only the state entering each scan step kept for reverse mode;
+                         1.3-1.4x the autodiff path's forward+backward on CPU, benchmarks/kda.py);
+  "chunked"              the same chunked forward differentiated by plain autodiff (explicit
+                         only; its gradients agree with "chunked_vjp" to f32 rounding, ~1e-6
+                         relative);
   "recurrent"            the token-by-token oracle (`reference.kda_recurrent`);
   "pallas"               the Pallas kernels (forward + custom_vjp backward, also Pallas); a call
                          they cannot take (K or V not a power of two, other dtypes) raises
@@ -57,11 +58,11 @@ DISPATCH = dispatch.OpTable(
                                                   "head dims"),
                            dispatch.dtypes("float32", "bfloat16")),
                    auto_skips=(dispatch.pallas_compiles_here,)),
-     dispatch.Impl("chunked"),
      dispatch.Impl("chunked_vjp"),
+     dispatch.Impl("chunked"),
      dispatch.Impl("recurrent")),
-    aliases={"xla": "chunked"},
-    explicit_only=("chunked_vjp", "recurrent"),
+    aliases={"xla": "chunked_vjp"},
+    explicit_only=("chunked", "recurrent"),
 )
 IMPLS = ("auto", "xla", "chunked", "chunked_vjp", "recurrent", "pallas")
 assert set(IMPLS) == set(DISPATCH.names())

@@ -41,20 +41,20 @@ def test_auto_picks_in_order_and_logs_once(records):
     assert KDA.resolve("auto", platform="gpu", K=64, V=128, dtype="bfloat16") == "pallas"
     assert KDA.resolve("auto", platform="tpu", K=64, V=64, dtype=jnp.float32) == "pallas"
     # the demo's head_dim 48 on a GPU: the kernels cannot tile it, auto falls back and says so
-    assert KDA.resolve("auto", platform="gpu", K=48, V=48, dtype="float32") == "chunked"
+    assert KDA.resolve("auto", platform="gpu", K=48, V=48, dtype="float32") == "chunked_vjp"
     warned = [r for r in _dispatch_records(records) if r.levelno == logging.WARNING]
     assert len(warned) == 1
     msg = warned[0].getMessage()
-    assert "kda" in msg and "'chunked'" in msg and "K=48, V=48" in msg and "power of two" in msg
+    assert "kda" in msg and "'chunked_vjp'" in msg and "K=48, V=48" in msg and "power of two" in msg
     n = len(_dispatch_records(records))
     for _ in range(3):  # once per (op, choice, reasons)
         KDA.resolve("auto", platform="gpu", K=48, V=48, dtype="float32")
     assert len(_dispatch_records(records)) == n
     # a different reason is a new line
-    assert KDA.resolve("auto", platform="gpu", K=64, V=64, dtype="float16") == "chunked"
+    assert KDA.resolve("auto", platform="gpu", K=64, V=64, dtype="float16") == "chunked_vjp"
     assert "float16" in _dispatch_records(records)[-1].getMessage()
     # CPU: the kernels could run (interpreted) but auto does not pick them: DEBUG, not WARNING
-    assert KDA.resolve("auto", platform="cpu", K=64, V=64, dtype="float32") == "chunked"
+    assert KDA.resolve("auto", platform="cpu", K=64, V=64, dtype="float32") == "chunked_vjp"
     last = _dispatch_records(records)[-1]
     assert last.levelno == logging.DEBUG and "compiles no Pallas" in last.getMessage()
     # CPU with an untileable head dim: still only DEBUG (the platform would not run it anyway)
@@ -65,10 +65,10 @@ def test_auto_picks_in_order_and_logs_once(records):
 def test_auto_never_picks_explicit_only_and_names_are_kept():
     assert kda_ops.IMPLS == ("auto", "xla", "chunked", "chunked_vjp", "recurrent", "pallas")
     assert set(KDA.names()) == set(kda_ops.IMPLS)
-    # the recurrent oracle and the hand-written-backward chunked form only on request
-    assert KDA.auto_order() == ["pallas", "chunked"]
-    assert KDA.resolve("chunked_vjp", K=48, V=48) == "chunked_vjp"
-    assert KDA.canonical("xla") == "chunked" and KDA.resolve("recurrent", K=48, V=48) == \
+    # the recurrent oracle and the autodiff chunked form only on request
+    assert KDA.auto_order() == ["pallas", "chunked_vjp"]
+    assert KDA.resolve("chunked", K=48, V=48) == "chunked"
+    assert KDA.canonical("xla") == "chunked_vjp" and KDA.resolve("recurrent", K=48, V=48) == \
         "recurrent"
     for table in (dsa_ops.INDEXER_DISPATCH, dsa_ops.SPARSE_DISPATCH, mx_ops.MATMUL_DISPATCH,
                   mx_ops.GROUPED_DISPATCH):

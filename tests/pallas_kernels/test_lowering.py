@@ -62,7 +62,7 @@ def test_backend_resolution_rule():
     if on_cpu:  # impl="auto" is unchanged: the XLA paths on CPU
         assert mx_ops._resolve("auto", None, None)[0] == "xla"
         assert dsa_ops.resolve_impl("auto") == "xla"
-        assert kda_ops._resolve_impl("auto", 128, 128) == "chunked"
+        assert kda_ops._resolve_impl("auto", 128, 128) == "chunked_vjp"
 
 
 def test_kernel_choice_reaches_the_configs():
