@@ -5,12 +5,16 @@ from the repository root. They report ratios measured side by side in one run; s
 live here, never as timed assertions in tests, and the library packages hold no timing code
 (the one shared kernel timer is pallas_kernels.check.median_seconds).
 
-  kda               chunked vs recurrent KDA reference (and the Pallas kernel on GPU/TPU)
+  kda               recurrent / chunked (autodiff) / chunked_vjp KDA, forward and backward
+                    (--peer: ejkernel in its own venv; the Pallas kernel on GPU/TPU)
   dsa               token-sparse vs dense causal attention by length, crossover
   mxfp4             MXFP4 vs bf16 bytes and matmul time, model decode with MXFP4 experts
   moe               expert-parallel vs local MoE dispatch on 8 host devices (a child process)
   rl_loop           sampler with cache vs recompute, train step time, RL iteration split
-  speculative       MTP speculative vs plain decoding
+  rollouts          prefix sharing and row refill vs the plain sampler
+  speculative       MTP speculative (k drafts) vs plain decoding
+  grpo_peer         GRPO iteration vs google-tunix on matched work (grpo_matched: the project
+                    side; peers/: scripts run with the peer's own python, scripts/setup_peers.sh)
   sandbox_pool      isolated runs/s and latency vs a plain subprocess (calls the three below)
   sandbox_http      the HTTP server as its own process
   sandbox_load      mixed load with adversarial programs and reward hacks

@@ -10,7 +10,7 @@ Reported per variant: seconds per generate call (median), generated tokens/s (re
 padding), decode-loop steps of the refill variants, and the ratio to plain.
 
 Model: configs/models.py "demo". Full mode loads the demo RL checkpoint when one exists
-(`ROLLOUTS_WORKDIR`, default /tmp/fresh26/runs/demo; realistic EOS lengths) and uses the demo's
+(`DEMO_WORKDIR`, default runs/demo, the demo's workdir; realistic EOS lengths) and uses the demo's
 real task prompts; quick mode (and a missing checkpoint) uses random init, where rows rarely
 end before max_new_tokens, so refill cannot gain there. Not covered: the mesh sampler, MTP
 speculative decoding (benchmarks/speculative.py).
@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-WORKDIR = os.environ.get("ROLLOUTS_WORKDIR", "/tmp/fresh26/runs/demo")
+WORKDIR = os.environ.get("DEMO_WORKDIR", os.path.join("runs", "demo"))
 
 
 def _setup(quick: bool):

@@ -1,7 +1,7 @@
 """`python scripts/bench.py spec`: MTP speculative decoding with k = 1, 2, 3 drafts per trunk pass
 vs plain decoding, side by side in one run.
 
-The model: the demo's trained RL checkpoint when one exists (`SPEC_BENCH_WORKDIR`, default
+The model: the demo's trained RL checkpoint when one exists (`DEMO_WORKDIR`, default
 runs/demo, as written by `python3 scripts/demo.py`), prompted with held-out demo tasks (the test
 split); otherwise the tiny preset trained here for a few hundred steps on counting sequences (a
 task an MTP head can learn, so acceptance is high; said so in the output). Reported for batch 32
@@ -80,7 +80,7 @@ def run(quick: bool = False, batches: tuple[int, ...] | None = None) -> dict:
     ks = (1, 2) if quick else (1, 2, 3)
     rounds = 3 if quick else 5
     single = 4 if quick else 8  # prompts run one by one for the batch-1 numbers
-    workdir = os.environ.get("SPEC_BENCH_WORKDIR", os.path.join("runs", "demo"))
+    workdir = os.environ.get("DEMO_WORKDIR", os.path.join("runs", "demo"))
     if not quick and os.path.isdir(os.path.join(workdir, "rl", "checkpoints")):
         model, variables, prompts, lengths, G, eos, source = _demo_model(workdir, batch)
     else:

@@ -3,12 +3,15 @@
 Every benchmark reports ratios measured side by side in one run (never absolute targets inside
 tests). The benchmarks live in benchmarks/ (one module per topic); this file only dispatches:
 
-  kda      chunked vs recurrent KDA reference (and the Pallas kernel on GPU/TPU)
+  kda      recurrent / chunked / chunked_vjp KDA fwd and fwd+bwd (and the Pallas kernel on
+           GPU/TPU; `python -m benchmarks.kda --peer` adds ejkernel)
   dsa      token-sparse vs dense causal attention by length, crossover
   mxfp4    MXFP4 vs bf16 bytes and matmul time (decode M=8, prefill M=2048)
   sandbox  isolated runs/s and latency vs a plain subprocess, and through the HTTP server
   rl       sampler with cache vs recompute, train step time, RL iteration split
-  spec     MTP speculative vs plain decoding: tokens/s, acceptance, greedy outputs identical
+  rollouts prefix sharing and row refill vs the plain sampler (RL and eval batch shapes)
+  spec     MTP speculative (k = 1, 2, 3 drafts) vs plain decoding: tokens/s, acceptance per
+           draft position, trunk passes per token, greedy outputs identical
   moe      expert-parallel dispatch vs local dispatch on 8 host devices
   peer     GRPO iteration split and decode tokens/s vs google-tunix 0.1.7 on matched work
            (fresh processes per side; the peer's venv: bash scripts/setup_peers.sh)
@@ -28,6 +31,7 @@ BENCHMARKS = {
     "mxfp4": "benchmarks.mxfp4",
     "sandbox": "benchmarks.sandbox_pool",
     "rl": "benchmarks.rl_loop",
+    "rollouts": "benchmarks.rollouts",
     "spec": "benchmarks.speculative",
     "moe": "benchmarks.moe",
     "peer": "benchmarks.grpo_peer",
