@@ -40,13 +40,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import functools
-import json
 import os
 import sys
 import tempfile
 import time
 
-from benchmarks.peers import MATCHED, Clock, loadavg
+from benchmarks.peers import MATCHED, Clock, emit, loadavg
 
 VARIANTS = ("hybrid", "dense")
 
@@ -319,11 +318,7 @@ def main(argv=None) -> int:
         sampler_alone(clock, config, *sampler, reps=args.reps)
     rec.update(out, load_after=loadavg(), clock=clock.record(), spec=MATCHED,
                model=config.model.to_dict())
-    text = json.dumps(rec, default=str)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(rec, args.out)
     return 0
 
 

@@ -11,6 +11,7 @@ same MATCHED work and measure it with the same clock.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -29,6 +30,16 @@ MATCHED = dict(
 )
 
 _TICK = os.sysconf("SC_CLK_TCK")
+
+
+def emit(record: dict, out: str | None) -> None:
+    """A side's result: one JSON line on stdout (what the driver reads), also written to `out`
+    when given."""
+    text = json.dumps(record, default=str)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    print(text)
 
 
 def loadavg() -> list[float]:

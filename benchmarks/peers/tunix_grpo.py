@@ -21,11 +21,10 @@ Prints (and with --out writes) one JSON record; the project never imports this m
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from benchmarks.peers import MATCHED, Clock, loadavg
+from benchmarks.peers import MATCHED, Clock, emit, loadavg
 from benchmarks.peers.tunix_sampler import (
     IdTokenizer,
     make_model,
@@ -158,11 +157,7 @@ def main(argv=None) -> int:
     if args.reps:
         measure(clock, MATCHED, args.reps)
     rec.update(load_after=loadavg(), clock=clock.record(), spec=MATCHED)
-    text = json.dumps(rec)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(rec, args.out)
     return 0
 
 

@@ -21,10 +21,9 @@ project.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from benchmarks.peers import MATCHED, Clock, loadavg
+from benchmarks.peers import MATCHED, Clock, emit, loadavg
 
 
 class IdTokenizer:
@@ -132,11 +131,7 @@ def main(argv=None) -> int:
     rec = {"side": "tunix", "versions": versions(), "load_before": loadavg()}
     rec.update(measure(clock, MATCHED, args.reps, tuple(args.batches)))
     rec.update(load_after=loadavg(), clock=clock.record(), spec=MATCHED)
-    text = json.dumps(rec)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(rec, args.out)
     return 0
 
 
