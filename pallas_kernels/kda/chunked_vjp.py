@@ -158,9 +158,10 @@ def _layout(B, H, G, C):
     return group, ungroup
 
 
-def _forward(cfg, xs, h0, save_states: bool):
+def _forward(cfg, xs, h0):
     """xs = (q, k, v, g, beta) f32, padded to a multiple of G*C tokens. Returns
-    (o [B,T,H,V] already scaled, S_final [B*H,K,V], the states entering each step or None)."""
+    (o [B,T,H,V] already scaled, S_final [B*H,K,V], the states entering each step
+    [T/L, B*H, K, V]: the backward's residuals)."""
     scale, C, c, G = cfg
     q = xs[0]
     B, T, H, K = q.shape
@@ -181,10 +182,10 @@ def _forward(cfg, xs, h0, save_states: bool):
             outs.append(X[:, C:] + _bmm("xij,xjv->xiv", A_qk[:, j], delta))
             S = decay[:, j, :, None] * S + _bmm("xck,xcv->xkv", kd[:, j], delta)
         o = ungroup(jnp.stack(outs, 1).reshape(B * H * G, C, V))  # [B,L,H,V]
-        return S, ((o, S_in) if save_states else o)
+        return S, (o, S_in)
 
     S, ys = lax.scan(body, h0.reshape(B * H, K, V), jnp.arange(T // L))
-    o, states = ys if save_states else (ys, None)
+    o, states = ys
     o = jnp.moveaxis(o, 0, 1).reshape(B, T, H, V)
     return scale * o, S, states
 
@@ -252,7 +253,7 @@ def _core(cfg, q, k, v, g, beta, h0):
 
 def _core_fwd(cfg, q, k, v, g, beta, h0):
     xs = (q, k, v, g, beta)
-    o, S, states = _forward(cfg, xs, h0, save_states=True)
+    o, S, states = _forward(cfg, xs, h0)
     B, _, H, K = q.shape
     return (o, S.reshape(B, H, K, v.shape[-1])), (xs, states)
 
