@@ -3,9 +3,10 @@
     kda_chunked_vjp(q, k, v, g, beta, *, scale=None, initial_state=None,
                     output_final_state=False, chunk_size=32, sub_chunk=4, chunks_per_step=None)
 
-Same contract, layouts and forward numbers as `reference.kda_chunked` (the forward is the same
-grouped scan over the same `reference.chunk_parts`). What differs is reverse mode: instead of
-autodiff through the chunk terms and the scan, the backward
+Same contract, layouts and forward numbers as `reference.kda_chunked`: not differentiated, the
+call IS `reference.kda_chunked`; under differentiation the forward is the same grouped scan over
+the same `reference.chunk_terms`, also keeping the state entering each scan step. What differs
+is reverse mode: instead of autodiff through the chunk terms and the scan, the backward
 
   1. keeps only the state entering each scan step (a group of `chunks_per_step` chunks) as a
      residual: [T/(C*G), B*H, K, V] f32, i.e. O(T/C * K * V), never a per-token state;
