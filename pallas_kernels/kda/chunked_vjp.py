@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.kda import reference
-from pallas_kernels.kda.reference import _HI, _check_shapes, _round_up, effective_chunk
+from pallas_kernels.kda.reference import _HI, _check_shapes, pad_time, scan_plan
 
 f32 = jnp.float32
 
@@ -292,15 +292,8 @@ def kda_chunked_vjp(
     (o [B,T,H,V] in v's dtype, final state [B,H,K,V] f32 or None)."""
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
-    C, c = effective_chunk(T, chunk_size, sub_chunk)
-    n_chunks = -(-T // C)
-    if chunks_per_step is None:  # the rule of reference.kda_chunked
-        chunks_per_step = n_chunks if n_chunks <= 4 else max(1, 32 // (B * H))
-    G = max(1, min(chunks_per_step, n_chunks))
-    T_pad = _round_up(T, G * C)
-    xs = tuple(x.astype(f32) for x in (q, k, v, g, beta))
-    if T_pad != T:  # zero tail: k = 0, beta = 0, g = 0 leaves the state untouched
-        xs = tuple(jnp.pad(x, [(0, 0), (0, T_pad - T)] + [(0, 0)] * (x.ndim - 2)) for x in xs)
+    C, c, G, T_pad = scan_plan(T, B * H, chunk_size, sub_chunk, chunks_per_step)
+    xs = tuple(pad_time(x.astype(f32), T_pad) for x in (q, k, v, g, beta))
     h0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
     o, S = _core((float(scale), C, c, G), *xs, h0)
     o = o[:, :T].astype(v.dtype)

@@ -149,6 +149,26 @@ def effective_chunk(T: int, chunk_size: int, sub_chunk: int) -> tuple[int, int]:
     return C, c
 
 
+def scan_plan(T: int, BH: int, chunk_size: int, sub_chunk: int,
+              chunks_per_step: int | None) -> tuple[int, int, int, int]:
+    """(C, c, G, T_pad) of the chunked forms: chunk and sub-chunk (`effective_chunk`), chunks
+    per scan step G (None: every chunk when there are at most 4, else about 32 // BH; BH =
+    batch x heads) and T padded to a multiple of G * C."""
+    C, c = effective_chunk(T, chunk_size, sub_chunk)
+    n_chunks = -(-T // C)
+    if chunks_per_step is None:
+        chunks_per_step = n_chunks if n_chunks <= 4 else max(1, 32 // BH)
+    G = max(1, min(chunks_per_step, n_chunks))
+    return C, c, G, _round_up(T, G * C)
+
+
+def pad_time(x, T_pad: int):
+    """x [B,T,...] with a zero tail to T_pad tokens (k = 0, beta = 0, g = 0 leave the state
+    untouched)."""
+    T = x.shape[1]
+    return x if T_pad == T else jnp.pad(x, [(0, 0), (0, T_pad - T)] + [(0, 0)] * (x.ndim - 2))
+
+
 def _mm(a, b):
     """Batched [..., n, m] @ [..., m, p]. Tiny blocks (m <= 8) as one broadcast-multiply-sum:
     XLA:CPU runs thousands of 4x4 dots far slower than one fused elementwise pass."""
@@ -324,17 +344,10 @@ def kda_chunked(
     """
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
-    C, c = effective_chunk(T, chunk_size, sub_chunk)
-    if chunks_per_step is None:
-        n_chunks = -(-T // C)
-        chunks_per_step = n_chunks if n_chunks <= 4 else max(1, 32 // (B * H))
-    G = max(1, min(chunks_per_step, -(-T // C)))
+    C, c, G, T_pad = scan_plan(T, B * H, chunk_size, sub_chunk, chunks_per_step)
     L = G * C  # tokens per scan step
-    T_pad = _round_up(T, L)
     f32 = jnp.float32
-    if T_pad != T:  # zero tail: k = 0, beta = 0, g = 0 leaves the state untouched
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, T_pad - T)] + [(0, 0)] * (x.ndim - 2))
-        q, k, v, g, beta = map(pad, (q, k, v, g, beta))
+    q, k, v, g, beta = (pad_time(x, T_pad) for x in (q, k, v, g, beta))
     S0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
 
     nsteps = T_pad // L
