@@ -24,6 +24,12 @@ and optimizer state live in the train state and are checkpointed with it.
 Timings per iteration are split into generate / score-wait / train, and the fraction of scoring
 time hidden behind generation is logged (score_hidden_frac).
 
+Row widths: one-shot rows and multi-turn episodes (rl/agent.py) never share a batch. SFT
+batches come from one length bucket each (sft_buckets: sft.seq_len / sft.episode_seq_len, mixed
+by step share), RL prompt batches from one kind each (task_dataset(group_by=is_agent_task)), and
+each RL batch is packed at its kind's width (train_width): two compiled shapes per phase, and a
+one-shot row is never padded to an episode's width.
+
 Scale-out (docs/scaling.md): every driver runs on the mesh of config.sharding
 (model.sharding.mesh_from_config; one device for the CPU configs). Parameters are initialised
 (or restored) straight into their shardings, the optimizer state is created sharded, the frozen
@@ -133,7 +139,18 @@ def _balanced(tasks: list, n: int) -> list:
 
 
 def _model(config) -> Model:
-    return Model(ModelConfig.from_dict(config.model))
+    return Model(model_config(config))
+
+
+def model_config(config) -> ModelConfig:
+    """config.model as a ModelConfig, checked against config.tokenizer: every token id must
+    have an embedding row (e.g. "byte_tools" needs model.vocab_size >= 263)."""
+    cfg = ModelConfig.from_dict(config.model)
+    n = load_tokenizer(config.tokenizer).vocab_size
+    if n > cfg.vocab_size:
+        raise ValueError(f"tokenizer {config.tokenizer!r} has {n} ids but model.vocab_size is "
+                         f"{cfg.vocab_size}: set --config.model.vocab_size={n}")
+    return cfg
 
 
 def _open_pool(config):
@@ -186,8 +203,9 @@ def _sft_rows(examples, tokenizer, seq_len):
             c = tokenizer.encode(completion, eos=True)
             ids, target = p + c, [False] * len(p) + [True] * len(c)
         if len(ids) > seq_len:
-            raise ValueError(f"SFT example of {len(ids)} tokens exceeds sft.seq_len="
-                             f"{seq_len}: raise sft.seq_len. Prompt: {prompt[:60]!r}")
+            field = "episode_seq_len" if isinstance(completion, (list, tuple)) else "seq_len"
+            raise ValueError(f"SFT example of {len(ids)} tokens exceeds sft.{field}="
+                             f"{seq_len}: raise sft.{field}. Prompt: {prompt[:60]!r}")
         tok = np.full(seq_len, tokenizer.pad_id, np.int32)
         mask = np.zeros(seq_len, bool)
         tok[: len(ids)] = ids
@@ -259,10 +277,45 @@ def train_width(r, tasks=()) -> int:
     return max(w, int(r.agent.width)) if any(is_agent_task(t) for t in tasks) else w
 
 
+def sft_buckets(examples, s) -> list[dict]:
+    """SFT examples split by row width (sft section `s`): one-shot rows padded to sft.seq_len,
+    multi-turn episodes (a list of turns as the completion) to sft.episode_seq_len, each bucket
+    with its batch size (sft.batch_size, sft.episode_batch_size) and its share of the steps
+    (sft.episode_share for the episodes; None: proportional to the bucket's batches per epoch,
+    so every example is seen equally often). A batch holds one bucket's rows only, so each
+    width is one compiled step and a one-shot row never pays for an episode's width.
+    -> [{"examples", "width", "batch_size", "weight"}] (one or two buckets)."""
+    one = [ex for ex in examples if not isinstance(ex[1], (list, tuple))]
+    eps = [ex for ex in examples if isinstance(ex[1], (list, tuple))]
+    ep_width = int(s.get("episode_seq_len", None) or s.seq_len)
+    ep_batch = int(s.get("episode_batch_size", None) or s.batch_size)
+    buckets = [dict(examples=one, width=int(s.seq_len), batch_size=int(s.batch_size)),
+               dict(examples=eps, width=ep_width, batch_size=ep_batch)]
+    buckets = [b for b in buckets if b["examples"]]
+    if not buckets:
+        raise ValueError("no SFT examples: check tasks.families and tasks.train_per_family")
+    for b in buckets:
+        b["weight"] = len(b["examples"]) / b["batch_size"]
+    share = s.get("episode_share", None)
+    if share is not None and len(buckets) == 2:
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"sft.episode_share must be in (0, 1) or None, got {share!r}")
+        buckets[0]["weight"], buckets[1]["weight"] = 1.0 - share, share
+    return buckets
+
+
 def _sft_stream(examples, tok, s, seed):
+    """The SFT batch stream: each bucket of sft_buckets encoded (up front, so a row over its
+    width fails before training), shuffled, repeated and batched, the buckets' batches
+    interleaved by their weights (grain.MapDataset.mix, deterministic)."""
     import grain
-    ds = (grain.MapDataset.source(examples).shuffle(seed=seed).repeat()
-          .map(_sft_rows(examples, tok, s.seq_len)).batch(s.batch_size, drop_remainder=True))
+    streams, weights = [], []
+    for b in sft_buckets(examples, s):
+        rows = list(map(_sft_rows(b["examples"], tok, b["width"]), b["examples"]))
+        streams.append(grain.MapDataset.source(rows).shuffle(seed=seed).repeat()
+                       .batch(b["batch_size"], drop_remainder=True))
+        weights.append(b["weight"])
+    ds = streams[0] if len(streams) == 1 else grain.MapDataset.mix(streams, weights)
     return iter(ds.to_iter_dataset())
 
 
@@ -338,7 +391,7 @@ def check_run_config(config, num_devices: int, phase: str = "rl") -> str:
     num_experts when the MoE is expert-parallel, and how the phase's batches split (rows over
     the batch axes; an axis that does not divide leaves them replicated over it). Raises
     ValueError on what cannot run; returns a report (warnings included)."""
-    cfg = ModelConfig.from_dict(config.model)
+    cfg = model_config(config)
     shape = shd.mesh_shape(config.sharding.mesh, num_devices)
     rules = shd.rules_from_config(config)
     lines = [f"config {config.name}: model {cfg.name}, mesh "
@@ -625,7 +678,7 @@ def init_rl_state(config, model: Model, algo, init_vars: dict, *, mesh=None, rul
 def rl_model(config) -> Model:
     """The policy as RL trains it: the config's model, with the indexer KL weight set to 0 when
     rl.train_indexer is False (the indexer then gets no gradient and stays as SFT left it)."""
-    cfg = ModelConfig.from_dict(config.model)
+    cfg = model_config(config)
     if not config.rl.get("train_indexer", True):
         cfg = cfg.replace(dsa=dataclasses.replace(cfg.dsa, indexer_loss_weight=0.0))
     return Model(cfg)
@@ -771,9 +824,12 @@ def old_logp_source(r, algo) -> str:
 
 def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, mesh, rules):
     """One update on a scored rollout group: old/ref log-probs (+ values), advantages and the
-    jit train step on the global batch assembled from every process's rows. Returns (state,
+    jit train step on the global batch assembled from every process's rows, packed `width`
+    tokens wide (an int, or a function of the group's tasks: one compiled step per width). Returns (state,
     metrics: the batch's host-side values, `staleness` and the train step's, seconds taken)."""
     t0 = time.perf_counter()
+    if callable(width):  # the width of this group's rows (train_width of its tasks)
+        width = width(group.tasks)
     batch, met = build_train_batch(group, algo, width, forward=forward.at(state))
     met["staleness"] = int(state.step) - group.policy_version  # updates behind
     state, tmet = step_fn(state, shd.to_global(batch, mesh, rules))
@@ -823,7 +879,10 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     splits = load_task_splits(config)
     train_tasks = [t for t, _ in splits["train"]]
     val_tasks = _balanced([t for t, _ in splits["val"]], e.val_tasks)
-    data = iter(task_dataset(train_tasks, seed=config.seed, batch_size=r.prompts_per_batch))
+    # one-shot and multi-turn tasks in separate batches (each trains at its own row width)
+    from rl.agent import is_agent_task
+    data = iter(task_dataset(train_tasks, seed=config.seed, batch_size=r.prompts_per_batch,
+                             group_by=is_agent_task))
 
     # the policy's train state (with a critic: the value head) from the initial weights, or the
     # latest checkpoint; the frozen reference policy is the initial weights in their own buffers
@@ -865,7 +924,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
                               sampling=sampling, critic=critic, value_optimizer=value_opt,
                               state_shardings=state_sh, old_logp=old_src,
                               mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
-    train_on = functools.partial(_train_on, algo=algo, width=train_width(r, train_tasks),
+    train_on = functools.partial(_train_on, algo=algo, width=functools.partial(train_width, r),
                                  forward=forward, step_fn=step_fn, **on_mesh)
     writer = MetricsWriter(workdir, config=config) if _primary() else None
     evaluate_at = functools.partial(_evaluate, e, eval_worker, val_tasks, writer, on_eval)

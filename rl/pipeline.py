@@ -43,19 +43,39 @@ from rl.sampler import Sampler, SamplingConfig, pack
 
 # --------------------------------------------------------------------------- data
 def task_dataset(tasks: list, *, seed: int, batch_size: int, shuffle: bool = True,
-                 repeat: bool = True) -> grain.IterDataset:
+                 repeat: bool = True, group_by=None) -> grain.IterDataset:
     """grain stream of GLOBAL task batches (lists of batch_size tasks): every process iterates
     the same stream (tasks are small) and keeps its share (`host_prompt_slice`), so the global
     batch, the data order and a resumed position do not depend on the process count. Its
-    iterator has get_state/set_state for checkpoints."""
+    iterator has get_state/set_state for checkpoints.
+
+    group_by(task) -> key (repeat only): every batch holds tasks of one key, the keys' batches
+    interleaved in proportion to their task counts (grain.MapDataset.mix, deterministic), e.g.
+    rl.agent.is_agent_task, so one-shot batches train at their own row width, not an episode's."""
     if not tasks:
         raise ValueError("task_dataset: the task list is empty")
-    ds = grain.MapDataset.source(list(tasks))
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    if repeat:
-        ds = ds.repeat()
-    return ds.batch(batch_size, drop_remainder=repeat, batch_fn=list).to_iter_dataset()
+
+    def stream(ts):
+        ds = grain.MapDataset.source(list(ts))
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        if repeat:
+            ds = ds.repeat()
+        return ds.batch(batch_size, drop_remainder=repeat, batch_fn=list)
+
+    if group_by is None:
+        return stream(tasks).to_iter_dataset()
+    if not repeat:
+        raise ValueError("task_dataset: group_by needs repeat=True (an epoch of interleaved "
+                         "groups has no fixed end)")
+    groups: dict = {}
+    for t in tasks:
+        groups.setdefault(group_by(t), []).append(t)
+    parts = [groups[k] for k in sorted(groups, key=str)]
+    if len(parts) == 1:
+        return stream(parts[0]).to_iter_dataset()
+    return grain.MapDataset.mix([stream(p) for p in parts],
+                                [float(len(p)) for p in parts]).to_iter_dataset()
 
 
 def host_prompt_slice(n_prompts: int, group_size: int, mesh=None, rules=None) -> slice:
