@@ -140,8 +140,10 @@ def main(_):
                                       draft_tokens=config.rl.draft_tokens)
             worker = make_rollout_worker(config.rl, model, tok, sampling, verifier, pool,
                                          group_size=_N.value, tasks=tasks)
+            # eval.batch_prompts rows per generate call whatever n_samples is (the demo's
+            # shapes; multi-turn rows are sandbox sessions, capped by the pool)
             res = evaluate(worker, variables, tasks, jax.random.key(0), n_samples=_N.value,
-                           ks=ks, batch_prompts=config.eval.batch_prompts)
+                           ks=ks, batch_prompts=max(1, config.eval.batch_prompts // _N.value))
         print_table(res, f"pass@k ({len(tasks)} tasks, completions={_COMP.value})")
         if _JSON.value:
             os.makedirs(os.path.dirname(os.path.abspath(_JSON.value)), exist_ok=True)
