@@ -44,9 +44,12 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out pass@1 (sampled)" in r.stdout and "held-out pass@1 (greedy)" in r.stdout
     res = json.loads((work / "demo_results.json").read_text())
-    for mode in ("greedy", "sampled"):
-        assert set(res["before"][mode]) >= {"arithmetic", "code", "terminal"}
-        assert set(res["after"][mode]) >= {"arithmetic", "code", "terminal"}
+    for mode in ("greedy", "sampled"):  # the multi-step domain is scored as episodes
+        for when in ("before", "after"):
+            assert set(res[when][mode]) >= {"arithmetic", "code", "multistep"}
+            ep = res[when][mode]["multistep"]
+            assert ep["turns_mean"] >= 1 and ep["episode_tokens_mean"] > 0
+    assert "multistep episodes (sampled): turns" in r.stdout
     assert (work / "demo_plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for phase in ("sft", "sft/indexer_warmup", "rl"):
         lines = (work / phase / "metrics.jsonl").read_text().splitlines()
@@ -87,6 +90,6 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
     assert cmp["config_diff"] == {"rl.algo.kl_coef": [config.rl.algo.kl_coef, 0.5]}
     assert {(x["eval"], x["domain"]) for x in cmp["heldout"]} == {
         (f"{p} {m}", d) for p in ("SFT", "SFT+RL") for m in ("greedy", "sampled")
-        for d in ("arithmetic", "code", "terminal")}
+        for d in ("arithmetic", "code", "multistep")}
     assert "rl/reward_mean" in cmp["curves"]["smoke"]
     assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
