@@ -825,8 +825,9 @@ def old_logp_source(r, algo) -> str:
 def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, mesh, rules):
     """One update on a scored rollout group: old/ref log-probs (+ values), advantages and the
     jit train step on the global batch assembled from every process's rows, packed `width`
-    tokens wide (an int, or a function of the group's tasks: one compiled step per width). Returns (state,
-    metrics: the batch's host-side values, `staleness` and the train step's, seconds taken)."""
+    tokens wide (an int, or a function of the group's tasks: one compiled step per width).
+    Returns (state, metrics: the batch's host-side values, `staleness` and the train step's,
+    seconds taken)."""
     t0 = time.perf_counter()
     if callable(width):  # the width of this group's rows (train_width of its tasks)
         width = width(group.tasks)
