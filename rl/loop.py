@@ -188,22 +188,28 @@ def _progress(total, desc, initial=0):
 
 
 # --------------------------------------------------------------------------- SFT
-def _sft_rows(examples, tokenizer, seq_len):
+def _is_episode(ex) -> bool:
+    """Whether an SFT example (prompt, completion, ok) is a multi-turn episode: its completion
+    is a list of (assistant text, observation) turns."""
+    return isinstance(ex[1], (list, tuple))
+
+
+def _sft_rows(tokenizer, seq_len):
     """(prompt, completion, ok) -> dict(tokens [L], loss_mask [L]) with the completion + EOS as
-    targets; a completion that is a list of (assistant text, observation) turns is a multi-turn
-    episode (rl.agent.encode_episode: the assistant's tokens are targets, observations not)."""
+    targets; a multi-turn episode (_is_episode) is rendered by rl.agent.encode_episode (the
+    assistant's tokens are targets, observations not)."""
     from rl.agent import encode_episode
 
     def encode(ex):
         prompt, completion = ex[0], ex[1]
-        if isinstance(completion, (list, tuple)):
+        if _is_episode(ex):
             ids, target = encode_episode(tokenizer, prompt, completion)
         else:
             p = tokenizer.encode(tokenizer.chat_prompt(prompt), bos=True)
             c = tokenizer.encode(completion, eos=True)
             ids, target = p + c, [False] * len(p) + [True] * len(c)
         if len(ids) > seq_len:
-            field = "episode_seq_len" if isinstance(completion, (list, tuple)) else "seq_len"
+            field = "episode_seq_len" if _is_episode(ex) else "seq_len"
             raise ValueError(f"SFT example of {len(ids)} tokens exceeds sft.{field}="
                              f"{seq_len}: raise sft.{field}. Prompt: {prompt[:60]!r}")
         tok = np.full(seq_len, tokenizer.pad_id, np.int32)
@@ -285,8 +291,8 @@ def sft_buckets(examples, s) -> list[dict]:
     so every example is seen equally often). A batch holds one bucket's rows only, so each
     width is one compiled step and a one-shot row never pays for an episode's width.
     -> [{"examples", "width", "batch_size", "weight"}] (one or two buckets)."""
-    one = [ex for ex in examples if not isinstance(ex[1], (list, tuple))]
-    eps = [ex for ex in examples if isinstance(ex[1], (list, tuple))]
+    one = [ex for ex in examples if not _is_episode(ex)]
+    eps = [ex for ex in examples if _is_episode(ex)]
     ep_width = int(s.get("episode_seq_len", None) or s.seq_len)
     ep_batch = int(s.get("episode_batch_size", None) or s.batch_size)
     buckets = [dict(examples=one, width=int(s.seq_len), batch_size=int(s.batch_size)),
@@ -311,7 +317,7 @@ def _sft_stream(examples, tok, s, seed):
     import grain
     streams, weights = [], []
     for b in sft_buckets(examples, s):
-        rows = list(map(_sft_rows(b["examples"], tok, b["width"]), b["examples"]))
+        rows = list(map(_sft_rows(tok, b["width"]), b["examples"]))
         streams.append(grain.MapDataset.source(rows).shuffle(seed=seed).repeat()
                        .batch(b["batch_size"], drop_remainder=True))
         weights.append(b["weight"])
