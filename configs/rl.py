@@ -156,6 +156,10 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict(dict(
         every=20, val_tasks=64, temperature=1.0, greedy=True, batch_prompts=32))
+    # scripts/demo.py compares the SFT and SFT+RL checkpoints each at its best sampling
+    # temperature: pass@1 and pass@k swept over these on the val split (0 = greedy), then
+    # measured on the test split at the temperature with the best val pass@1 / pass@k
+    c.eval.temperatures = (0.0, 0.5, 1.0)
     # prompts per generate call (x samples per task = rows) = the RL batch's rows
     # (prompts_per_batch x group_size), so eval and rollouts share one compiled sampler
     c.eval.batch_prompts = c.rl.get_ref("prompts_per_batch") * c.rl.get_ref("group_size")

@@ -50,6 +50,18 @@ def clustered_interval(per_task: list[tuple[int, int]], z: float = 1.96) -> tupl
     return wilson_interval(p, max(int(round(n_eff)), 1), z)
 
 
+def mean_interval(values, z: float = 1.96) -> tuple[float, float, float]:
+    """Mean of per-task values in [0, 1] (e.g. pass@k estimates) with a 95% interval: (mean, lo,
+    hi). The Wilson interval over the tasks: a value in [0, 1] with mean p varies at most as a
+    Bernoulli(p) does, so this is conservative, and it stays honest when every task scores the
+    same (a normal interval would collapse to the point)."""
+    v = np.asarray(values, np.float64)
+    if v.size == 0:
+        return 0.0, 0.0, 1.0
+    m = float(v.mean())
+    return (m, *wilson_interval(m, v.size, z))
+
+
 class MetricsWriter:
     """Scalars to TensorBoard event files (tensorboardX) and one JSON object per line."""
 

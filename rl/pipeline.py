@@ -37,7 +37,7 @@ import numpy as np
 from model import sharding as shd
 from rl import losses
 from rl.algorithms import AlgoConfig, prepare_advantages
-from rl.metrics import clustered_interval, pass_at_k
+from rl.metrics import clustered_interval, mean_interval, pass_at_k
 from rl.sampler import Sampler, SamplingConfig, pack
 
 
@@ -380,11 +380,73 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
             d.update({"turns_mean": float(e[:, 0].mean()), "episode_tokens_mean":
                       float(e[:, 1].mean())})
         for k in ks:
-            if k <= n_samples:
-                d[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for n, c in nc]))
+            if 1 < k <= n_samples:  # with a 95% interval over the per-task estimates
+                d[f"pass@{k}"], d[f"pass@{k}_lo"], d[f"pass@{k}_hi"] = mean_interval(
+                    [pass_at_k(n, c, k) for n, c in nc])
         p1 = float(np.mean([c / n for n, c in nc]))
         lo, hi = clustered_interval(nc)
         d.update({"pass@1": p1, "pass@1_lo": lo, "pass@1_hi": hi})
         out[dom] = d
+    out["_sandbox_failed"] = failed
+    return out
+
+
+def temperature_sweep(worker_at, variables, tasks: list, rng, *, temperatures, n_samples: int,
+                      ks=(1,), batch_prompts: int) -> dict:
+    """`evaluate` at each sampling temperature: {temperature: per-domain result}. worker_at(T)
+    returns the rollout worker sampling at T (T = 0: greedy, then one sample per task, since
+    every sample would be the same completion, and no pass@k for k > 1); batch_prompts x
+    samples = rows per call."""
+    out = {}
+    for t in temperatures:
+        n = 1 if t == 0 else n_samples
+        rng, sub = jax.random.split(rng)
+        out[float(t)] = evaluate(worker_at(float(t)), variables, tasks, sub, n_samples=n,
+                                 ks=ks, batch_prompts=max(1, batch_prompts // n))
+    return out
+
+
+def best_temperatures(sweep: dict, metric: str = "pass@1") -> dict:
+    """Per domain, the temperature of a `temperature_sweep` with the highest `metric` (ties: the
+    lower temperature), among the temperatures that measured it (pass@k for k > 1: the sampled
+    ones)."""
+    domains = sorted({d for r in sweep.values() for d, v in r.items() if isinstance(v, dict)})
+    best = {}
+    for d in domains:
+        temps = [t for t in sorted(sweep) if metric in sweep[t].get(d, {})]
+        if not temps:
+            raise ValueError(f"no temperature of the sweep measured {metric} on {d}: sweep it "
+                             "at a temperature > 0 with enough samples per task")
+        best[d] = max(temps, key=lambda t: (sweep[t][d][metric], -t))
+    return best
+
+
+def evaluate_at_temperatures(worker_at, variables, tasks: list, rng, *, temperature_of: dict,
+                             n_samples: int, ks=(1,), batch_prompts: int) -> dict:
+    """`evaluate` with each domain's tasks sampled at its own temperature (temperature_of, e.g.
+    `best_temperatures` of a validation sweep): n_samples per task, one when greedy (T = 0:
+    every sample is the same completion, so pass@k = pass@1 for every k). Each domain's result
+    also holds its "temperature" and "samples"."""
+    by_domain = defaultdict(list)
+    for t in tasks:
+        by_domain[task_domain(t)].append(t)
+    missing = sorted(set(by_domain) - set(temperature_of))
+    if missing:
+        raise ValueError(f"no temperature for domain(s) {missing}: temperature_of has "
+                         f"{sorted(temperature_of)}")
+    out, failed = {}, 0
+    for dom, ts in sorted(by_domain.items()):
+        temp = float(temperature_of[dom])
+        n = 1 if temp == 0 else n_samples
+        rng, sub = jax.random.split(rng)
+        res = evaluate(worker_at(temp), variables, ts, sub, n_samples=n, ks=ks,
+                       batch_prompts=max(1, batch_prompts // n))
+        d = res[dom]
+        if n == 1:  # greedy: all k samples would be this one
+            for k in ks:
+                d.update({f"pass@{k}": d["pass@1"], f"pass@{k}_lo": d["pass@1_lo"],
+                          f"pass@{k}_hi": d["pass@1_hi"]})
+        out[dom] = {**d, "temperature": temp, "samples": n}
+        failed += res["_sandbox_failed"]
     out["_sandbox_failed"] = failed
     return out

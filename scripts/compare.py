@@ -7,12 +7,13 @@ differ between the runs.
 A run directory is a config's workdir as the scripts write it:
   - config: demo_results.json["config"] (scripts/demo.py), else rl/config.json or sft/config.json
     (written by the training loops' metrics writer);
-  - held-out results: demo_results.json (before = SFT checkpoint, after = SFT+RL; greedy and
-    sampled), and any eval*.json written by `scripts/evaluate.py --json RUN_DIR/eval_<name>.json`;
+  - held-out results: demo_results.json (before = SFT checkpoint, after = SFT+RL; pass@1 and
+    pass@k, each at the temperature chosen on the val split; older runs: greedy and sampled
+    pass@1), and any eval*.json written by `scripts/evaluate.py --json RUN_DIR/eval_<name>.json`;
   - training curves: rl/metrics.jsonl (reward, KL to the reference, entropy, completion length;
     val pass@1 per domain).
-The table lists, per domain and evaluation, each run's pass@1 and interval; runs whose intervals
-do not overlap are marked. Nothing is re-evaluated here: this reads what the runs wrote.
+The table lists, per domain and evaluation, each run's pass@1 (pass@k for a demo's pass@k
+evaluation) and interval; runs whose intervals do not overlap are marked. Nothing is re-evaluated here: this reads what the runs wrote.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def _read_json(path: str):
                        "writing it?") from None
 
 
+def _cell(v: dict, metric: str) -> dict:
+    return {"value": v[metric], "lo": v.get(metric + "_lo", math.nan),
+            "hi": v.get(metric + "_hi", math.nan), "tasks": v["tasks"]}
+
+
 def load_run(path: str) -> dict:
     """{"name", "path", "config" (flat), "heldout" {eval name: {domain: result}}, "curves"
     {metric: [(step, value)]}}. Raises RunError naming what is missing."""
@@ -76,15 +82,19 @@ def load_run(path: str) -> dict:
     if config is None:
         raise RunError(f"{path}: no config found (expected demo_results.json, rl/config.json or "
                        "sft/config.json, written by scripts/demo.py, train_rl.py, sft.py)")
-    heldout = {}
+    heldout = {}  # eval name -> {domain: {"value", "lo", "hi", "tasks"}}
     if res is not None:
         for phase, label in (("before", "SFT"), ("after", "SFT+RL")):
             for mode, r in res.get(phase, {}).items():
-                heldout[f"{label} {mode}"] = {d: v for d, v in r.items() if isinstance(v, dict)}
+                if mode == "val_sweep":  # per temperature on the val split: not a held-out row
+                    continue
+                metric = mode if mode.startswith("pass@") else "pass@1"  # older: greedy/sampled
+                heldout[f"{label} {mode}"] = {d: _cell(v, metric) for d, v in r.items()
+                                              if isinstance(v, dict)}
     for p in sorted(glob.glob(os.path.join(path, "eval*.json"))):
         r = _read_json(p)
         heldout[os.path.splitext(os.path.basename(p))[0]] = {
-            d: v for d, v in r.items() if isinstance(v, dict) and "pass@1" in v}
+            d: _cell(v, "pass@1") for d, v in r.items() if isinstance(v, dict) and "pass@1" in v}
     curves = {}
     mpath = os.path.join(path, "rl", "metrics.jsonl")
     if os.path.exists(mpath):
@@ -118,7 +128,7 @@ def config_diff(runs: list[dict], ignore=("workdir", "name")) -> dict:
 
 
 def heldout_rows(runs: list[dict]) -> list[dict]:
-    """One row per (evaluation, domain) present in any run: each run's (pass@1, lo, hi, tasks)
+    """One row per (evaluation, domain) present in any run: each run's (pass@k, lo, hi, tasks)
     or None, and whether some two runs' 95% intervals are disjoint."""
     rows = []
     evals = list(dict.fromkeys(e for r in runs for e in r["heldout"]))
@@ -128,8 +138,7 @@ def heldout_rows(runs: list[dict]) -> list[dict]:
             cells = []
             for r in runs:
                 v = r["heldout"].get(e, {}).get(d)
-                cells.append(None if v is None else (v["pass@1"], v.get("pass@1_lo", math.nan),
-                                                     v.get("pass@1_hi", math.nan), v["tasks"]))
+                cells.append(None if v is None else (v["value"], v["lo"], v["hi"], v["tasks"]))
             have = [c for c in cells if c is not None]
             disjoint = any(a[2] < b[1] or b[2] < a[1] for a in have for b in have)
             rows.append({"eval": e, "domain": d, "cells": cells, "disjoint": disjoint})
@@ -143,7 +152,7 @@ def format_report(runs: list[dict], diff: dict, rows: list[dict]) -> str:
              "config fields that differ:" if diff else "config fields that differ: none"]
     for k, vals in diff.items():
         lines.append(f"  {k:<40}" + "".join(f"{json.dumps(v, default=str):>{w}}" for v in vals))
-    lines += ["", f"{'held-out pass@1 (%)':<34}" + "".join(f"{n:>{w + 14}}" for n in names)]
+    lines += ["", f"{'held-out pass@k (%)':<34}" + "".join(f"{n:>{w + 14}}" for n in names)]
     for row in rows:
         cells = "".join(
             f"{'-':>{w + 14}}" if c is None else
@@ -191,7 +200,7 @@ def plot(runs: list[dict], rows: list[dict], path: str) -> None:
                label=r["name"])
     ax.set_xticks(x, [f"{row['eval']}\n{row['domain']}" for row in rows], rotation=60,
                   fontsize=6, ha="right")
-    ax.set(ylabel="held-out pass@1 (%), 95% CI", title="held-out")
+    ax.set(ylabel="held-out pass@k (%), 95% CI", title="held-out")
     ax.legend(fontsize=7)
     for ax, k in zip(axes[1:], curve_keys):
         for r in runs:

@@ -25,32 +25,54 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:demo", "RL config")
 _DRY = _common.define_dry_run()
 _RESUME = flags.DEFINE_bool("resume", True, "reuse finished phases / checkpoints in workdir")
-_SAMPLES = flags.DEFINE_integer("eval_samples", 4, "sampled completions per test task")
+_SAMPLES = flags.DEFINE_integer("eval_samples", 4, "sampled completions per task (the k of "
+                                "pass@k) at the temperatures > 0 of eval.temperatures")
 
 
-def _eval_both(config, variables, tasks, worker_greedy, worker_sampled, n):
+def _eval_checkpoint(config, variables, val, test, worker_at, n):
+    """A checkpoint at its best temperatures: pass@1 and pass@n on the val split at each of
+    eval.temperatures (0 = greedy), then on the test split pass@1 at the temperature with the
+    best val pass@1 and pass@n at the one with the best val pass@n (a sampled one), per domain."""
     import jax
 
-    from rl.pipeline import evaluate
-    g = evaluate(worker_greedy, variables, tasks, jax.random.key(1),
-                 batch_prompts=config.eval.batch_prompts)
-    s = evaluate(worker_sampled, variables, tasks, jax.random.key(2), n_samples=n,
-                 batch_prompts=max(1, config.eval.batch_prompts // n))
-    return {"greedy": g, "sampled": s}
+    from rl.pipeline import best_temperatures, evaluate_at_temperatures, temperature_sweep
+    kw = dict(n_samples=n, ks=(1, n), batch_prompts=config.eval.batch_prompts)
+    sweep = temperature_sweep(worker_at, variables, val, jax.random.key(1),
+                              temperatures=config.eval.temperatures, **kw)
+    out = {"val_sweep": sweep}
+    for i, metric in enumerate(dict.fromkeys(("pass@1", f"pass@{n}"))):
+        temps = best_temperatures(sweep, metric)
+        same = [m for m in out if m != "val_sweep" and
+                {d: v["temperature"] for d, v in out[m].items() if isinstance(v, dict)} == temps]
+        out[metric] = out[same[0]] if same else evaluate_at_temperatures(
+            worker_at, variables, test, jax.random.key(2 + i), temperature_of=temps, **kw)
+    return out
 
 
-def _table(before, after, mode):
-    lines = [f"held-out pass@1 ({mode})",
-             f"{'domain':<12}{'tasks':>6}{'SFT':>8}{'95% CI':>16}{'SFT+RL':>9}{'95% CI':>16}"
-             f"{'delta':>8}"]
-    ci = lambda r: f"[{100 * r['pass@1_lo']:.1f},{100 * r['pass@1_hi']:.1f}]"
-    for d, b in before[mode].items():
+def _table(before, after, metric):
+    lines = [f"held-out {metric}, each checkpoint at the temperature with the best val {metric}",
+             f"{'domain':<12}{'tasks':>6}{'T':>5}{'SFT':>8}{'95% CI':>14}{'T':>6}{'SFT+RL':>8}"
+             f"{'95% CI':>14}{'delta':>8}"]
+    ci = lambda r: f"[{100 * r[metric + '_lo']:.1f},{100 * r[metric + '_hi']:.1f}]"
+    for d, b in before[metric].items():
         if not isinstance(b, dict):
             continue
-        a = after[mode][d]
-        lines.append(f"{d:<12}{b['tasks']:>6}{100 * b['pass@1']:>7.1f}%{ci(b):>16}"
-                     f"{100 * a['pass@1']:>8.1f}%{ci(a):>16}"
-                     f"{100 * (a['pass@1'] - b['pass@1']):>+7.1f}")
+        a = after[metric][d]
+        lines.append(f"{d:<12}{b['tasks']:>6}{b['temperature']:>5.2g}{100 * b[metric]:>7.1f}%"
+                     f"{ci(b):>14}{a['temperature']:>6.2g}{100 * a[metric]:>7.1f}%{ci(a):>14}"
+                     f"{100 * (a[metric] - b[metric]):>+8.1f}")
+    return "\n".join(lines)
+
+
+def _sweep_table(before, after):
+    """Val pass@1 per domain at each swept temperature, SFT -> SFT+RL."""
+    sb, sa = before["val_sweep"], after["val_sweep"]
+    doms = [d for d, v in next(iter(sb.values())).items() if isinstance(v, dict)]
+    lines = ["val pass@1 by sampling temperature (0 = greedy), SFT -> SFT+RL",
+             f"{'T':>5}" + "".join(f"{d:>20}" for d in doms)]
+    for t in sb:
+        lines.append(f"{t:>5.2g}" + "".join(
+            f"{100 * sb[t][d]['pass@1']:>11.1f} ->{100 * sa[t][d]['pass@1']:>5.1f}" for d in doms))
     return "\n".join(lines)
 
 
@@ -122,24 +144,30 @@ def main(_):
     model, tok = _model(config), load_tokenizer(config.tokenizer)
     pool, verifier = _open_pool(config)
     try:
-        test = [t for t, _ in load_task_splits(config)["test"]]
+        splits = load_task_splits(config)
+        val, test = ([t for t, _ in splits[k]] for k in ("val", "test"))
         base = SamplingConfig(max_new_tokens=config.rl.max_new_tokens, temperature=0.0,
                               eos_id=tok.eos_id, speculative=config.rl.speculative,
                               draft_tokens=config.rl.draft_tokens)
-        w_greedy = make_rollout_worker(config.rl, model, tok, base, verifier, pool, group_size=1,
-                                       tasks=test)
-        w_sampled = make_rollout_worker(config.rl, model, tok,
-                                        dataclasses.replace(base, temperature=1.0), verifier,
-                                        pool, group_size=_SAMPLES.value, tasks=test)
-        before = _eval_both(config, load_sft_variables(config, model), test, w_greedy, w_sampled,
-                            _SAMPLES.value)
+        workers = {}  # one per temperature; they share the compiled sampler programs
+
+        def worker_at(temperature):
+            if temperature not in workers:
+                workers[temperature] = make_rollout_worker(
+                    config.rl, model, tok, dataclasses.replace(base, temperature=temperature),
+                    verifier, pool, group_size=1, tasks=val + test)
+            return workers[temperature]
+
+        n = _SAMPLES.value
+        before = _eval_checkpoint(config, load_sft_variables(config, model), val, test,
+                                  worker_at, n)
         t_eval0 = time.time()
         val_curve = []
         run_rl(config, resume=_RESUME.value, pool=pool,
                on_eval=lambda step, res: val_curve.append((step, res)))
         t_rl = time.time() - t_eval0
         rl_vars = load_rl_variables(config, model)
-        after = _eval_both(config, rl_vars, test, w_greedy, w_sampled, _SAMPLES.value)
+        after = _eval_checkpoint(config, rl_vars, val, test, worker_at, n)
     finally:
         pool.close()
 
@@ -162,15 +190,18 @@ def main(_):
               "config": config.to_dict()}
     with open(os.path.join(config.workdir, "demo_results.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
+    metrics = [m for m in before if m != "val_sweep"]
     print()
-    print(_table(before, after, "sampled"))
-    print()
-    print(_table(before, after, "greedy"))
-    for mode in ("greedy", "sampled"):  # multi-turn domains: turns and tokens per episode
-        for d, b in before[mode].items():
+    print(_sweep_table(before, after))
+    for m in metrics:
+        print()
+        print(_table(before, after, m))
+    for m in metrics:  # multi-turn domains: turns and tokens per episode
+        for d, b in before[m].items():
             if isinstance(b, dict) and "turns_mean" in b:
-                a = after[mode][d]
-                print(f"{d} episodes ({mode}): turns {b['turns_mean']:.2f} -> "
+                a = after[m][d]
+                print(f"{d} episodes (test, {m}'s temperatures {b['temperature']:g} -> "
+                      f"{a['temperature']:g}): turns {b['turns_mean']:.2f} -> "
                       f"{a['turns_mean']:.2f}, tokens {b['episode_tokens_mean']:.0f} -> "
                       f"{a['episode_tokens_mean']:.0f} per episode")
     print("\nDSA indexer recall of the top-k attention keys (held-out text): " + ", ".join(

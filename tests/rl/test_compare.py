@@ -65,3 +65,23 @@ def test_cli_table_plot_and_errors(tmp_path):
     assert r.returncode != 0 and "at least two run directories" in r.stderr
     with pytest.raises(RunError, match="not a directory"):
         load_run(str(tmp_path / "missing"))
+
+
+def test_demo_results_layouts(tmp_path):
+    """A demo's pass@k evaluation shows pass@k (not pass@1) and its interval; the val sweep is
+    not a held-out row; an older demo's greedy/sampled layout still reads as pass@1."""
+    sweep = {"0.0": {"code": _dom(0.8, 0.7, 0.9, 64)}}
+    p4 = {"code": {**_dom(0.5, 0.4, 0.6), "pass@4": 0.9, "pass@4_lo": 0.85, "pass@4_hi": 0.95,
+                   "temperature": 1.0}}
+    for name, phase in (("new", {"val_sweep": sweep, "pass@1": {"code": _dom(0.8, 0.75, 0.85)},
+                                 "pass@4": p4}),
+                        ("old", {"greedy": {"code": _dom(0.8, 0.75, 0.85)}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "demo_results.json").write_text(json.dumps(
+            {"config": {"name": name}, "before": phase, "after": phase}))
+    new, old = load_run(str(tmp_path / "new")), load_run(str(tmp_path / "old"))
+    assert set(new["heldout"]) == {f"{p} {m}" for p in ("SFT", "SFT+RL")
+                                   for m in ("pass@1", "pass@4")}
+    assert new["heldout"]["SFT pass@4"]["code"] == {"value": 0.9, "lo": 0.85, "hi": 0.95,
+                                                    "tasks": 200}
+    assert old["heldout"]["SFT greedy"]["code"]["value"] == 0.8

@@ -42,14 +42,26 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
                         "--config.tasks.test_per_family=4", "--eval_samples=2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "held-out pass@1 (sampled)" in r.stdout and "held-out pass@1 (greedy)" in r.stdout
+    for m in ("pass@1", "pass@2"):  # each checkpoint at its best val temperature, per metric
+        assert f"held-out {m}, each checkpoint at the temperature with the best val {m}" in r.stdout
+    assert "val pass@1 by sampling temperature" in r.stdout
     res = json.loads((work / "demo_results.json").read_text())
-    for mode in ("greedy", "sampled"):  # the multi-step domain is scored as episodes
-        for when in ("before", "after"):
-            assert set(res[when][mode]) >= {"arithmetic", "code", "multistep"}
-            ep = res[when][mode]["multistep"]
+    temps = [float(t) for t in rl_configs.get_config("smoke").eval.temperatures]
+    for when in ("before", "after"):
+        sweep = res[when]["val_sweep"]
+        assert [float(t) for t in sweep] == temps
+        for m in ("pass@1", "pass@2"):  # the multi-step domain is scored as episodes
+            assert set(res[when][m]) >= {"arithmetic", "code", "multistep"}
+            for d, v in res[when][m].items():
+                if not isinstance(v, dict):
+                    continue
+                # the temperature is the val sweep's best for this metric (greedy: no pass@2)
+                at = {float(t): sweep[t][d].get(m) for t in sweep if m in sweep[t][d]}
+                assert at[v["temperature"]] == max(at.values()), (when, m, d)
+                assert v["samples"] == (1 if v["temperature"] == 0 else 2)
+            ep = res[when][m]["multistep"]
             assert ep["turns_mean"] >= 1 and ep["episode_tokens_mean"] > 0
-    assert "multistep episodes (sampled): turns" in r.stdout
+    assert "multistep episodes (test, pass@1's temperatures" in r.stdout
     assert (work / "demo_plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for phase in ("sft", "sft/indexer_warmup", "rl"):
         lines = (work / phase / "metrics.jsonl").read_text().splitlines()
@@ -89,7 +101,7 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
     cmp = json.loads((tmp_path / "cmp.json").read_text())
     assert cmp["config_diff"] == {"rl.algo.kl_coef": [config.rl.algo.kl_coef, 0.5]}
     assert {(x["eval"], x["domain"]) for x in cmp["heldout"]} == {
-        (f"{p} {m}", d) for p in ("SFT", "SFT+RL") for m in ("greedy", "sampled")
+        (f"{p} {m}", d) for p in ("SFT", "SFT+RL") for m in ("pass@1", "pass@2")
         for d in ("arithmetic", "code", "multistep")}
     assert "rl/reward_mean" in cmp["curves"]["smoke"]
     assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rl.metrics import clustered_interval, pass_at_k, wilson_interval
+from rl.metrics import clustered_interval, mean_interval, pass_at_k, wilson_interval
 
 
 def test_pass_at_k_hand_values():
@@ -41,3 +41,11 @@ def test_clustered_interval_never_narrower_than_all_trials_independent():
     # per-task rates spread less than binomial: capped at the plain trial count
     per_task = [(4, 2)] * 100
     assert clustered_interval(per_task) == pytest.approx(wilson_interval(0.5, 400))
+
+
+def test_mean_interval_over_tasks():
+    m, lo, hi = mean_interval([1.0, 0.5, 0.0, 1.0])
+    assert m == 0.625 and (lo, hi) == wilson_interval(0.625, 4)
+    # every task the same: an interval of the task count's width, never a point
+    m, lo, hi = mean_interval([0.0] * 200)
+    assert m == 0.0 and lo == 0.0 and 0.015 < hi < 0.025

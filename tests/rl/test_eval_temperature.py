@@ -1,0 +1,88 @@
+"""Best-temperature evaluation (rl/pipeline.py: temperature_sweep, best_temperatures,
+evaluate_at_temperatures; scripts/demo.py compares checkpoints this way): the choice rule, and
+sweeps and per-domain temperatures through a real rollout worker, model and sandbox. A random
+tiny model answers; a task passes when its answer holds a digit (judged in the sandbox)."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from configs import models
+from model.config import ModelConfig
+from model.tokenizer import ByteTokenizer
+from model.transformer import Model
+from rl.pipeline import (
+    RolloutWorker,
+    best_temperatures,
+    evaluate,
+    evaluate_at_temperatures,
+    temperature_sweep,
+)
+from rl.sampler import SamplingConfig
+from sandbox import SandboxPool
+from sandbox.tasks.schema import Task
+from sandbox.verifiers import Verifier
+
+DIGIT_CHECK = "import re, sys\nsys.exit(0 if re.search('[0-9]', open('answer.txt').read()) else 1)\n"
+
+
+def _res(**per_domain):
+    return {d: {"tasks": 8, **v} for d, v in per_domain.items()} | {"_sandbox_failed": 0}
+
+
+def test_best_temperature_rule():
+    sweep = {0.0: _res(a={"pass@1": 0.50}, b={"pass@1": 0.2}),
+             0.5: _res(a={"pass@1": 0.50, "pass@4": 0.7}, b={"pass@1": 0.3, "pass@4": 0.6}),
+             1.0: _res(a={"pass@1": 0.25, "pass@4": 0.9}, b={"pass@1": 0.1, "pass@4": 0.6})}
+    # the highest value per domain, ties to the lower temperature
+    assert best_temperatures(sweep) == {"a": 0.0, "b": 0.5}
+    # pass@k is measured at the sampled temperatures only (greedy has one sample per task)
+    assert best_temperatures(sweep, "pass@4") == {"a": 1.0, "b": 0.5}
+    with pytest.raises(ValueError, match="no temperature of the sweep measured pass@8 on a"):
+        best_temperatures(sweep, "pass@8")
+
+
+@pytest.fixture(scope="module")
+def digit_eval():
+    model = Model(ModelConfig.from_dict(models.get_config("test")))
+    variables = model.init(jax.random.key(0))
+    tasks = [Task(id=f"{dom}{i}", family="answer_check", prompt=f"{dom} {i}: say a digit",
+                  check=DIGIT_CHECK, check_language="python", timeout_s=5,
+                  meta={"family_name": dom})  # the domain evaluate() groups by
+             for dom in ("left", "right") for i in range(4)]
+    with SandboxPool(workers=2) as pool:
+        base = SamplingConfig(max_new_tokens=6, temperature=0.0)
+        workers = {}
+
+        def worker_at(t):
+            workers.setdefault(t, RolloutWorker(
+                model, ByteTokenizer(), dataclasses.replace(base, temperature=t),
+                Verifier(executor=pool), group_size=1, max_prompt_len=32))
+            return workers[t]
+
+        yield variables, tasks, worker_at
+
+
+def test_sweep_and_per_domain_temperatures(digit_eval):
+    variables, tasks, worker_at = digit_eval
+    sweep = temperature_sweep(worker_at, variables, tasks, jax.random.key(1),
+                              temperatures=(0.0, 2.0), n_samples=4, ks=(1, 4), batch_prompts=8)
+    assert list(sweep) == [0.0, 2.0]
+    for d in ("left", "right"):
+        assert "pass@4" not in sweep[0.0][d] and "pass@4" in sweep[2.0][d]
+        assert sweep[2.0][d]["pass@4"] >= sweep[2.0][d]["pass@1"]
+    # each domain at its own temperature: the greedy one equals a greedy evaluation of its
+    # tasks alone (and every pass@k is its pass@1); the sampled one has 4 samples per task
+    res = evaluate_at_temperatures(worker_at, variables, tasks, jax.random.key(2),
+                                   temperature_of={"left": 0.0, "right": 2.0}, n_samples=4,
+                                   ks=(1, 4), batch_prompts=8)
+    greedy = evaluate(worker_at(0.0), variables, tasks[:4], jax.random.key(9), batch_prompts=8)
+    assert res["left"]["pass@1"] == greedy["left"]["pass@1"]
+    assert res["left"]["pass@4"] == res["left"]["pass@1"]
+    assert (res["left"]["temperature"], res["left"]["samples"]) == (0.0, 1)
+    assert (res["right"]["temperature"], res["right"]["samples"]) == (2.0, 4)
+    assert res["right"]["pass@4_lo"] <= res["right"]["pass@4"] <= res["right"]["pass@4_hi"]
+    with pytest.raises(ValueError, match=r"no temperature for domain\(s\) \['right'\]"):
+        evaluate_at_temperatures(worker_at, variables, tasks, jax.random.key(2),
+                                 temperature_of={"left": 0.0}, n_samples=4, batch_prompts=8)
