@@ -450,3 +450,28 @@ def evaluate_at_temperatures(worker_at, variables, tasks: list, rng, *, temperat
         failed += res["_sandbox_failed"]
     out["_sandbox_failed"] = failed
     return out
+
+
+def evaluate_at_best_temperatures(worker_at, variables, val: list, test: list, rng, *,
+                                  temperatures, n_samples: int, ks=(1,),
+                                  batch_prompts: int) -> dict:
+    """A checkpoint at its best temperatures: `temperature_sweep` on `val`, then for each k of
+    ks `test` at each domain's temperature with the best val pass@k (`best_temperatures`;
+    pass@k for k > 1 at a sampled one). {"val_sweep": sweep, "pass@k": per-domain result for
+    each k}; one test evaluation serves every k whose temperatures are the same."""
+    ks = tuple(dict.fromkeys(ks))
+    rng, sub = jax.random.split(rng)
+    sweep = temperature_sweep(worker_at, variables, val, sub, temperatures=temperatures,
+                              n_samples=n_samples, ks=ks, batch_prompts=batch_prompts)
+    out, done = {"val_sweep": sweep}, []  # done: (temperatures, result) already measured
+    for k in ks:
+        temps = best_temperatures(sweep, f"pass@{k}")
+        res = next((r for t, r in done if t == temps), None)
+        if res is None:
+            rng, sub = jax.random.split(rng)
+            res = evaluate_at_temperatures(worker_at, variables, test, sub,
+                                           temperature_of=temps, n_samples=n_samples, ks=ks,
+                                           batch_prompts=batch_prompts)
+            done.append((temps, res))
+        out[f"pass@{k}"] = res
+    return out

@@ -6,11 +6,13 @@ evaluation, on 2 CPU cores.
     python scripts/demo.py --config.rl.steps=300             # any field is overridable
 
 Writes to <workdir>: sft/ and rl/ (orbax checkpoints, TensorBoard events, metrics.jsonl),
-demo_results.json (per-domain pass@1 before/after with 95% intervals, greedy and sampled; the DSA
-indexer's recall of the true top-k attention keys on held-out text at random init, after the
-indexer warm-up, after SFT and after RL),
-demo_plot.png (RL reward and held-out val pass@1 per domain against RL step). Prints the
-per-domain before/after table. Re-running resumes finished phases from their checkpoints
+demo_results.json (each checkpoint, SFT and SFT+RL, at its best temperature: val pass@1 and
+pass@k (k = --eval_samples) at each of eval.temperatures (0 = greedy), then per domain test
+pass@1 at the temperature with the best val pass@1 and test pass@k at the one with the best val
+pass@k, with 95% intervals; the DSA indexer's recall of the true top-k attention keys on
+held-out text at random init, after the indexer warm-up, after SFT and after RL),
+demo_plot.png (RL reward and held-out val pass@1 per domain against RL step). Prints the val
+sweep and the per-domain before/after tables. Re-running resumes finished phases from their checkpoints
 (--noresume starts over).
 """
 
@@ -27,26 +29,6 @@ _DRY = _common.define_dry_run()
 _RESUME = flags.DEFINE_bool("resume", True, "reuse finished phases / checkpoints in workdir")
 _SAMPLES = flags.DEFINE_integer("eval_samples", 4, "sampled completions per task (the k of "
                                 "pass@k) at the temperatures > 0 of eval.temperatures")
-
-
-def _eval_checkpoint(config, variables, val, test, worker_at, n):
-    """A checkpoint at its best temperatures: pass@1 and pass@n on the val split at each of
-    eval.temperatures (0 = greedy), then on the test split pass@1 at the temperature with the
-    best val pass@1 and pass@n at the one with the best val pass@n (a sampled one), per domain."""
-    import jax
-
-    from rl.pipeline import best_temperatures, evaluate_at_temperatures, temperature_sweep
-    kw = dict(n_samples=n, ks=(1, n), batch_prompts=config.eval.batch_prompts)
-    sweep = temperature_sweep(worker_at, variables, val, jax.random.key(1),
-                              temperatures=config.eval.temperatures, **kw)
-    out = {"val_sweep": sweep}
-    for i, metric in enumerate(dict.fromkeys(("pass@1", f"pass@{n}"))):
-        temps = best_temperatures(sweep, metric)
-        same = [m for m in out if m != "val_sweep" and
-                {d: v["temperature"] for d, v in out[m].items() if isinstance(v, dict)} == temps]
-        out[metric] = out[same[0]] if same else evaluate_at_temperatures(
-            worker_at, variables, test, jax.random.key(2 + i), temperature_of=temps, **kw)
-    return out
 
 
 def _table(before, after, metric):
@@ -117,6 +99,9 @@ def main(_):
         return
     _common.setup_jax()
     import dataclasses
+    import functools
+
+    import jax
 
     from model.tokenizer import load_tokenizer
     from rl.loop import (
@@ -131,6 +116,7 @@ def main(_):
         run_rl,
         run_sft,
     )
+    from rl.pipeline import evaluate_at_best_temperatures
     from rl.sampler import SamplingConfig
 
     config = _CONFIG.value
@@ -159,20 +145,22 @@ def main(_):
             return workers[temperature]
 
         n = _SAMPLES.value
-        before = _eval_checkpoint(config, load_sft_variables(config, model), val, test,
-                                  worker_at, n)
+        evaluate = functools.partial(
+            evaluate_at_best_temperatures, worker_at, val=val, test=test, rng=jax.random.key(1),
+            temperatures=config.eval.temperatures, n_samples=n, ks=(1, n),
+            batch_prompts=config.eval.batch_prompts)
+        before = evaluate(load_sft_variables(config, model))
         t_eval0 = time.time()
         val_curve = []
         run_rl(config, resume=_RESUME.value, pool=pool,
                on_eval=lambda step, res: val_curve.append((step, res)))
         t_rl = time.time() - t_eval0
         rl_vars = load_rl_variables(config, model)
-        after = _eval_checkpoint(config, rl_vars, val, test, worker_at, n)
+        after = evaluate(rl_vars)
     finally:
         pool.close()
 
     # DSA indexer recall of the true top-k attention keys on held-out demonstrations, per stage
-    import jax
     text, valid = heldout_text(config, tok)
     stages = {"random init": model.init(jax.random.key(config.seed)),
               "after warm-up": load_warmup_variables(config, model),

@@ -4,6 +4,8 @@
                                                                                # test split, greedy
     python scripts/evaluate.py --config configs/rl.py:demo --checkpoint=sft --n_samples=8 --k=1,4 \
         --temperature=1.0
+    python scripts/evaluate.py --config configs/rl.py:demo --temperatures=0,0.5,1 --n_samples=4 \
+        --k=1,4                      # each domain's pass@k at its best val temperature (as the demo)
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=canonical
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=empty
     python scripts/evaluate.py --config configs/rl.py:demo --experts=mxfp4     # MXFP4 experts (PTQ)
@@ -15,6 +17,11 @@ checkpoint is quantised once on load (PTQ; no float copy of the experts is kept)
 directory of scripts/export.py (a --checkpoint holding model.safetensors.index.json) is read as
 stored. The modules that stay high precision are config.quant.high_precision. --experts=bf16
 (default) samples the model as trained (an MXFP4 export is then dequantised).
+
+--temperatures=T1,T2,... replaces --temperature: the checkpoint is swept over those temperatures
+on the config's val split (0 = greedy, one sample per task), and each domain's test pass@k is
+measured at the temperature with its best val pass@k (rl.pipeline.evaluate_at_best_temperatures;
+pass@k for k > 1 at a sampled temperature).
 
 pass@k uses the unbiased estimator over n_samples per task; pass@1 comes with a 95% Wilson
 interval; multi-step (agent) domains also report turns used and tokens per episode (episode
@@ -40,6 +47,8 @@ _COMP = flags.DEFINE_enum("completions", "model", ["model", "canonical", "empty"
 _N = flags.DEFINE_integer("n_samples", 1, "samples per task")
 _K = flags.DEFINE_string("k", "1", "comma-separated k values for pass@k")
 _TEMP = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
+_TEMPS = flags.DEFINE_string("temperatures", "", "comma-separated: sweep these on the val split "
+                             "and report each domain's pass@k at its best one (test split)")
 _JSON = flags.DEFINE_string("json", "", "write the result here")
 _EXPERTS = flags.DEFINE_enum("experts", "bf16", ["bf16", "mxfp4"],
                              "expert weights to sample with (mxfp4: packed, grouped MXFP4 matmul)")
@@ -50,14 +59,16 @@ def print_table(res: dict, title: str = "") -> None:
         print(title)
     keys = sorted({k for v in res.values() if isinstance(v, dict) for k in v
                    if k.startswith("pass@") and not k.endswith(("_lo", "_hi"))})
-    print(f"{'domain':<14}{'tasks':>7}" + "".join(f"{k:>10}" for k in keys) + "   95% CI pass@1")
+    temp = any("temperature" in v for v in res.values() if isinstance(v, dict))
+    print(f"{'domain':<14}{'tasks':>7}" + (f"{'T':>6}" if temp else "")
+          + "".join(f"{k:>10}" for k in keys) + "   95% CI pass@1")
     for dom, v in res.items():
         if not isinstance(v, dict):
             continue
         ep = (f"   {v['turns_mean']:.2f} turns, {v['episode_tokens_mean']:.0f} tokens/episode"
               if "turns_mean" in v else "")
-        print(f"{dom:<14}{v['tasks']:>7}" + "".join(f"{100 * v.get(k, float('nan')):>9.1f}%"
-                                                     for k in keys)
+        print(f"{dom:<14}{v['tasks']:>7}" + (f"{v['temperature']:>6.2g}" if temp else "")
+              + "".join(f"{100 * v.get(k, float('nan')):>9.1f}%" for k in keys)
               + f"   [{100 * v['pass@1_lo']:.1f}, {100 * v['pass@1_hi']:.1f}]" + ep)
 
 
@@ -77,14 +88,36 @@ def score_given(tasks, completions, verifier) -> dict:
     return out
 
 
+def _temperatures() -> tuple:
+    """--temperatures parsed and checked against the other flags (empty: not a sweep)."""
+    if not _TEMPS.value:
+        return ()
+    try:
+        temps = tuple(float(t) for t in _TEMPS.value.split(","))
+    except ValueError:
+        raise SystemExit(f"--temperatures={_TEMPS.value}: give comma-separated numbers, "
+                         "e.g. 0,0.5,1") from None
+    if _HE.value or _TASKS.value or _COMP.value != "model":
+        raise SystemExit("--temperatures chooses on the config's val split: use it with the "
+                         "generator tasks and model completions (no --humaneval/--task_file)")
+    if _SPLIT.value != "test":
+        raise SystemExit("--temperatures chooses on the val split, so it reports the test "
+                         "split: drop --split=val")
+    if min(temps) < 0:
+        raise SystemExit(f"--temperatures={_TEMPS.value}: temperatures must be >= 0")
+    return temps
+
+
 def main(_):
     if _DRY.value:
         from rl.loop import validate_run_config
         for f in (_HE.value, _TASKS.value):
             if f and not os.path.exists(f):
                 raise SystemExit(f"no such file: {f}")
+        _temperatures()
         print(validate_run_config(_CONFIG.value, phases=('rl',)))
         return
+    temps = _temperatures()
     _common.setup_jax()
     import jax
 
@@ -101,6 +134,7 @@ def main(_):
 
     config = _CONFIG.value
     pool, verifier = _open_pool(config)
+    tables = None  # title -> result, when not the one table of `res`
     try:
         if _HE.value:
             from sandbox.tasks import load_humaneval
@@ -138,13 +172,39 @@ def main(_):
                                       temperature=_TEMP.value, eos_id=tok.eos_id,
                                       speculative=config.rl.speculative,
                                       draft_tokens=config.rl.draft_tokens)
-            worker = make_rollout_worker(config.rl, model, tok, sampling, verifier, pool,
-                                         group_size=_N.value, tasks=tasks)
-            # eval.batch_prompts rows per generate call whatever n_samples is (the demo's
-            # shapes; multi-turn rows are sandbox sessions, capped by the pool)
-            res = evaluate(worker, variables, tasks, jax.random.key(0), n_samples=_N.value,
-                           ks=ks, batch_prompts=max(1, config.eval.batch_prompts // _N.value))
-        print_table(res, f"pass@k ({len(tasks)} tasks, completions={_COMP.value})")
+            if temps:
+                import dataclasses
+
+                from rl.pipeline import evaluate_at_best_temperatures
+                workers = {}  # one per temperature; they share the compiled sampler programs
+                val = [t for t, _ in load_task_splits(config)["val"]]
+
+                def worker_at(t):
+                    if t not in workers:
+                        workers[t] = make_rollout_worker(
+                            config.rl, model, tok, dataclasses.replace(sampling, temperature=t),
+                            verifier, pool, group_size=1, tasks=val + tasks)
+                    return workers[t]
+
+                best = evaluate_at_best_temperatures(
+                    worker_at, variables, val, tasks, jax.random.key(0), temperatures=temps,
+                    n_samples=_N.value, ks=ks, batch_prompts=config.eval.batch_prompts)
+                for t, r in best["val_sweep"].items():
+                    print_table(r, f"val split, temperature {t:g}")
+                tables = {f"test split: pass@{k} at the temperature with the best val "
+                          f"pass@{k}": best[f"pass@{k}"] for k in ks}
+                res = best
+            else:
+                worker = make_rollout_worker(config.rl, model, tok, sampling, verifier, pool,
+                                             group_size=_N.value, tasks=tasks)
+                # eval.batch_prompts rows per generate call whatever n_samples is (the demo's
+                # shapes; multi-turn rows are sandbox sessions, capped by the pool)
+                res = evaluate(worker, variables, tasks, jax.random.key(0), n_samples=_N.value,
+                               ks=ks,
+                               batch_prompts=max(1, config.eval.batch_prompts // _N.value))
+        for title, r in (tables or {f"pass@k ({len(tasks)} tasks, completions={_COMP.value})":
+                                    res}).items():
+            print_table(r, title)
         if _JSON.value:
             os.makedirs(os.path.dirname(os.path.abspath(_JSON.value)), exist_ok=True)
             with open(_JSON.value, "w") as f:

@@ -16,6 +16,7 @@ from rl.pipeline import (
     RolloutWorker,
     best_temperatures,
     evaluate,
+    evaluate_at_best_temperatures,
     evaluate_at_temperatures,
     temperature_sweep,
 )
@@ -86,3 +87,17 @@ def test_sweep_and_per_domain_temperatures(digit_eval):
     with pytest.raises(ValueError, match=r"no temperature for domain\(s\) \['right'\]"):
         evaluate_at_temperatures(worker_at, variables, tasks, jax.random.key(2),
                                  temperature_of={"left": 0.0}, n_samples=4, batch_prompts=8)
+
+
+def test_evaluate_at_best_temperatures(digit_eval):
+    variables, tasks, worker_at = digit_eval
+    val, test = tasks[::2], tasks[1::2]
+    res = evaluate_at_best_temperatures(worker_at, variables, val, test, jax.random.key(3),
+                                        temperatures=(0.0, 2.0), n_samples=4, ks=(1, 4),
+                                        batch_prompts=8)
+    sweep = res["val_sweep"]
+    for m in ("pass@1", "pass@4"):  # each domain measured on test at its best val temperature
+        best = best_temperatures(sweep, m)
+        assert {d: v["temperature"] for d, v in res[m].items() if isinstance(v, dict)} == best
+        assert all(v["tasks"] == 2 for v in res[m].values() if isinstance(v, dict))
+    assert set(best_temperatures(sweep, "pass@4").values()) == {2.0}  # greedy has no pass@4
