@@ -12,7 +12,8 @@ rollout and reference log-probs) with seeded random values. `--set` overrides co
 in grpo_matched (ablations: rl.mtp_loss_weight=0.0, model.layer_pattern=KKKK / DDDD,
 model.moe.num_experts=0).
 
-Prints one JSON record: for each stage (trace: Python -> jaxpr; lower: jaxpr -> StableHLO;
+The persistent compilation cache is off (a cold compile, as in grpo_matched's first
+iteration). Prints one JSON record: for each stage (trace: Python -> jaxpr; lower: jaxpr -> StableHLO;
 compile: XLA) wall seconds and this process's CPU seconds (XLA:CPU compiles partly in threads,
 and other work on the machine inflates wall time: compare CPU seconds, and the load averages
 recorded before and after); sizes (jaxpr equations, nested ones included; StableHLO lines;
@@ -129,22 +130,8 @@ def build(config):
     return step, state, shd.to_global(batch, mesh, rules), on_mesh, old_src
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--variant", default="hybrid", choices=VARIANTS)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="config overrides, as in benchmarks.grpo_matched")
-    p.add_argument("--profile", action="store_true", help="XLA's compile phases (jax.profiler)")
-    p.add_argument("--run", type=int, default=0, help="run the compiled step N times")
-    p.add_argument("--out", help="also write the JSON record here")
-    args = p.parse_args(argv)
-    if args.run < 0:
-        p.error("--run must be >= 0")
-    config = run_config(args.variant, args.set)  # a bad override fails before jax starts
-
-    from model._xla_env import configure_xla_env
-
-    configure_xla_env()  # the scripts' XLA flags; no persistent cache
+def measure(args, config) -> dict:
+    """The record of one probe (main's arguments)."""
     import jax
     import numpy as np
 
@@ -190,6 +177,35 @@ def main(argv=None) -> int:
             digest.update(np.ascontiguousarray(leaf).tobytes())
         rec.update(run_wall_s=walls, run_cpu_s=cpus, outputs_sha256=digest.hexdigest()[:16],
                    loss=float(out[1]["loss"]), grad_norm=float(out[1]["grad_norm"]))
+    return rec
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--variant", default="hybrid", choices=VARIANTS)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides, as in benchmarks.grpo_matched")
+    p.add_argument("--profile", action="store_true", help="XLA's compile phases (jax.profiler)")
+    p.add_argument("--run", type=int, default=0, help="run the compiled step N times")
+    p.add_argument("--out", help="also write the JSON record here")
+    args = p.parse_args(argv)
+    if args.run < 0:
+        p.error("--run must be >= 0")
+    config = run_config(args.variant, args.set)  # a bad override fails before jax starts
+
+    from model._xla_env import configure_xla_env
+
+    configure_xla_env()  # the scripts' XLA flags
+    import jax
+
+    # a cold compile every time: no persistent cache, even where the caller (the test suite)
+    # configured one (restored afterwards)
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        rec = measure(args, config)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was)
     rec["load_after"] = loadavg()
     emit(rec, args.out)
     return 0

@@ -22,6 +22,7 @@ import optax
 import pytest
 
 from configs import models
+from model import sharding as shd
 from model.config import ModelConfig
 from model.transformer import Model
 from rl import losses
@@ -29,7 +30,6 @@ from rl.algorithms import get_algorithm, prepare_advantages
 from rl.loop import old_logp_source, reference_variables
 from rl.pipeline import _prepare_advantages_jit
 from rl.sampler import SamplingConfig
-from model import sharding as shd
 from rl.train_step import (
     check_old_logp,
     init_train_state,
