@@ -8,7 +8,9 @@ sampler/trainer gap metrics equal build_train_batch's; the loop keeps the pass w
 log-probs are needed before the advantages (critic, KL in the reward) or when asked to
 (rl.old_logp_pass="always"), and the step rejects a batch that contradicts its mode;
 rl.mtp_loss_weight scales exactly the MTP term and 0 drops it; the jitted prepare_advantages
-equals the eager one; the reference variables share the policy's tree (one log-prob compile).
+equals the eager one; the reference variables share the policy's tree (one log-prob compile);
+the loop's train step (on the mesh) compiles once for a batch shape, however many updates it
+feeds its own output state back (benchmarks/train_step_compile.py measures that compile).
 Not covered: the timings (benchmarks/rl_loop.py and the peer bench measure them).
 """
 
@@ -20,6 +22,7 @@ import optax
 import pytest
 
 from configs import models
+from model import sharding as shd
 from model.config import ModelConfig
 from model.transformer import Model
 from rl import losses
@@ -30,10 +33,12 @@ from rl.sampler import SamplingConfig
 from rl.train_step import (
     check_old_logp,
     init_train_state,
+    init_train_state_sharded,
     make_logp_fn,
     make_optimizer,
     make_rl_loss,
     make_train_step,
+    train_state_shardings,
 )
 
 N, L, P = 4, 24, 8
@@ -110,6 +115,36 @@ def test_current_old_logp_equals_the_separate_pass(small_lm):
             init_train_state(variables, opt), {**batch, "old_logp": old})
     with pytest.raises(ValueError, match="has no old_logp"):
         make_train_step(model, algo, opt, donate=False)(init_train_state(variables, opt), batch)
+
+
+def test_train_step_compiles_once_per_batch_shape(small_lm):
+    """Two updates on the mesh, the second fed the first's output state and another batch of the
+    same shapes: one XLA compile in all (a state that comes back with another tree, dtype or
+    sharding, e.g. a missing router_state key, would compile the step again every update)."""
+    model, variables = small_lm
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.7)
+    algo = get_algorithm("grpo", kl_placement="loss", kl_coef=0.05)
+    mesh = shd.make_mesh(devices=jax.devices()[:1])
+    opt = optax.sgd(1e-2)
+    batches = [shd.to_global(_batch(model, variables, sampling, seed)[0], mesh) for seed in (1, 2)]
+    state = init_train_state_sharded(variables, opt, train_state_shardings(model, opt, mesh))
+    step = make_train_step(model, algo, opt, sampling=sampling, old_logp="current", mesh=mesh)
+    jax.block_until_ready((state, batches))
+    compiles = []
+
+    def listen(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for b in batches:
+            state, met = step(state, b)
+        jax.block_until_ready(state)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert int(state.step) == 2 and np.isfinite(float(met["loss"]))
+    assert len(compiles) == 1, f"{len(compiles)} compiles for two updates of one batch shape"
 
 
 def test_old_logp_pass_kept_where_old_is_needed_before_the_advantages():
