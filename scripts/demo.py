@@ -12,8 +12,8 @@ pass@1 at the temperature with the best val pass@1 and test pass@k at the one wi
 pass@k, with 95% intervals; the DSA indexer's recall of the true top-k attention keys on
 held-out text at random init, after the indexer warm-up, after SFT and after RL),
 demo_plot.png (RL reward and held-out val pass@1 per domain against RL step). Prints the val
-sweep and the per-domain before/after tables. Re-running resumes finished phases from their checkpoints
-(--noresume starts over).
+sweep and the per-domain before/after tables. Re-running resumes finished phases from their
+checkpoints (--noresume starts over).
 """
 
 import json
