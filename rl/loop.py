@@ -273,6 +273,23 @@ def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_si
     return RoutingWorker(worker, agent)
 
 
+def workers_by_temperature(r, model, tok, sampling, verifier, executor, *, tasks=()):
+    """worker_at(temperature) -> the rollout worker of `make_rollout_worker` (group size 1)
+    sampling at that temperature, made on first use and kept; every one shares the compiled
+    sampler programs (the temperature is a traced argument). For rl.pipeline's
+    temperature_sweep / evaluate_at_best_temperatures."""
+    workers = {}
+
+    def worker_at(temperature: float):
+        if temperature not in workers:
+            workers[temperature] = make_rollout_worker(
+                r, model, tok, dataclasses.replace(sampling, temperature=temperature), verifier,
+                executor, group_size=1, tasks=tasks)
+        return workers[temperature]
+
+    return worker_at
+
+
 def train_width(r, tasks=()) -> int:
     """Width of the packed train rows from the RL section `r` (config.rl): one-shot rows
     (max_prompt_len + max_new_tokens), or the multi-turn episode width (agent.width) when any

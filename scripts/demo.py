@@ -98,7 +98,6 @@ def main(_):
         print(validate_run_config(_CONFIG.value, phases=('sft', 'rl')))
         return
     _common.setup_jax()
-    import dataclasses
     import functools
 
     import jax
@@ -112,9 +111,9 @@ def main(_):
         load_sft_variables,
         load_task_splits,
         load_warmup_variables,
-        make_rollout_worker,
         run_rl,
         run_sft,
+        workers_by_temperature,
     )
     from rl.pipeline import evaluate_at_best_temperatures
     from rl.sampler import SamplingConfig
@@ -135,15 +134,8 @@ def main(_):
         base = SamplingConfig(max_new_tokens=config.rl.max_new_tokens, temperature=0.0,
                               eos_id=tok.eos_id, speculative=config.rl.speculative,
                               draft_tokens=config.rl.draft_tokens)
-        workers = {}  # one per temperature; they share the compiled sampler programs
-
-        def worker_at(temperature):
-            if temperature not in workers:
-                workers[temperature] = make_rollout_worker(
-                    config.rl, model, tok, dataclasses.replace(base, temperature=temperature),
-                    verifier, pool, group_size=1, tasks=val + test)
-            return workers[temperature]
-
+        worker_at = workers_by_temperature(config.rl, model, tok, base, verifier, pool,
+                                           tasks=val + test)
         n = _SAMPLES.value
         evaluate = functools.partial(
             evaluate_at_best_temperatures, worker_at, val=val, test=test, rng=jax.random.key(1),

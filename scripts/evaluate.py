@@ -173,19 +173,11 @@ def main(_):
                                       speculative=config.rl.speculative,
                                       draft_tokens=config.rl.draft_tokens)
             if temps:
-                import dataclasses
-
+                from rl.loop import workers_by_temperature
                 from rl.pipeline import evaluate_at_best_temperatures
-                workers = {}  # one per temperature; they share the compiled sampler programs
                 val = [t for t, _ in load_task_splits(config)["val"]]
-
-                def worker_at(t):
-                    if t not in workers:
-                        workers[t] = make_rollout_worker(
-                            config.rl, model, tok, dataclasses.replace(sampling, temperature=t),
-                            verifier, pool, group_size=1, tasks=val + tasks)
-                    return workers[t]
-
+                worker_at = workers_by_temperature(config.rl, model, tok, sampling, verifier,
+                                                   pool, tasks=val + tasks)
                 best = evaluate_at_best_temperatures(
                     worker_at, variables, val, tasks, jax.random.key(0), temperatures=temps,
                     n_samples=_N.value, ks=ks, batch_prompts=config.eval.batch_prompts)
