@@ -166,28 +166,52 @@ def _prompt_texts(rng, n: int, spec: dict) -> list[str]:
     return [" ".join(str(int(x)) for x in row) for row in ids]
 
 
+def build_trainer(config):
+    """The trainer's pieces as rl/loop.py:run_rl builds them: (model, algo, on_mesh (mesh and
+    rules kwargs), initial variables, train state, optimizer). The matched work is GRPO: an
+    algorithm with a critic is an error."""
+    from model import sharding as shd
+    from rl import loop
+    from rl.algorithms import algo_from_config
+
+    model, algo = loop.rl_model(config), algo_from_config(config.rl.algo)
+    mesh, rules = shd.mesh_from_config(config)
+    on_mesh = dict(mesh=mesh, rules=rules)
+    init_vars = loop._initial_variables(config, model, **on_mesh)
+    state, opt, critic, _ = loop.init_rl_state(config, model, algo, init_vars, **on_mesh)
+    if critic is not None:
+        raise ValueError(f"rl.algo {algo.name!r} trains a critic; the matched work is GRPO")
+    return model, algo, on_mesh, init_vars, state, opt
+
+
+def matched_train_step(config, model, algo, opt, state, sampling, on_mesh):
+    """The train step as run_rl makes it: the state's shardings, the old-log-prob source of
+    rl.old_logp_pass, rl.mtp_loss_weight, rl.micro_batches."""
+    import jax
+
+    from rl import loop
+    from rl.train_step import make_train_step
+
+    r = config.rl
+    return make_train_step(model, algo, opt, micro_batches=r.micro_batches, sampling=sampling,
+                           state_shardings=jax.tree.map(lambda x: x.sharding, state),
+                           old_logp=loop.old_logp_source(r, algo),
+                           mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
+
+
 def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
     """1 + steps iterations of the matched GRPO work; returns facts about the run and what the
     sampler-alone part needs."""
     import jax
     import numpy as np
 
-    from model import sharding as shd
     from rl import loop
-    from rl.algorithms import algo_from_config
-    from rl.train_step import make_logp_fn, make_train_step
+    from rl.train_step import make_logp_fn
     from sandbox.tasks.schema import Task
 
     t_start = time.perf_counter()  # setup: model, state, workers (compiles booked to "setup")
     r = config.rl
-    model, algo = loop.rl_model(config), algo_from_config(r.algo)
-    mesh, rules = shd.mesh_from_config(config)
-    on_mesh = dict(mesh=mesh, rules=rules)
-    init_vars = loop._initial_variables(config, model, **on_mesh)
-    state, opt, critic, value_opt = loop.init_rl_state(config, model, algo, init_vars, **on_mesh)
-    if critic is not None:
-        raise ValueError(f"rl.algo {algo.name!r} trains a critic; the matched work is GRPO")
-    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    model, algo, on_mesh, init_vars, state, opt = build_trainer(config)
     sample_model, to_sampler = loop.rollout_policy(config, model, **on_mesh)
     tok, reward = IdTokenizer(), EvenFractionReward()
     sampling = loop.rollout_sampling(r, tok.eos_id)
@@ -210,11 +234,7 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
 
     forward = loop._RolloutForward(logp_fn=logp, logp_value_fn=None, ref_vars=ref_vars,
                                    old_logp=old_src == "batch", **on_mesh)
-    step_fn = clock.wrap(make_train_step(model, algo, opt, micro_batches=r.micro_batches,
-                                         sampling=sampling, state_shardings=state_sh,
-                                         old_logp=old_src,
-                                         mtp_loss_weight=r.get("mtp_loss_weight", None),
-                                         **on_mesh),
+    step_fn = clock.wrap(matched_train_step(config, model, algo, opt, state, sampling, on_mesh),
                          "train_step")
     train_on = functools.partial(loop._train_on, algo=algo, width=loop.train_width(r, batches[0]),
                                  forward=forward, step_fn=step_fn, **on_mesh)

@@ -88,29 +88,18 @@ def _xla_phases(trace_dir: str) -> dict:
 
 def build(config):
     """(train step, state, global batch) as grpo_matched's grpo() builds them."""
-    import jax
     import numpy as np
 
+    from benchmarks.grpo_matched import build_trainer, matched_train_step
     from model import sharding as shd
     from rl import loop
-    from rl.algorithms import algo_from_config
     from rl.pipeline import _prepare_advantages_jit
-    from rl.train_step import make_train_step
 
     r = config.rl
-    model, algo = loop.rl_model(config), algo_from_config(r.algo)
-    mesh, rules = shd.mesh_from_config(config)
-    on_mesh = dict(mesh=mesh, rules=rules)
-    init_vars = loop._initial_variables(config, model, **on_mesh)
-    state, opt, critic, _ = loop.init_rl_state(config, model, algo, init_vars, **on_mesh)
-    if critic is not None:
-        raise ValueError(f"rl.algo {algo.name!r} trains a critic; the matched work is GRPO")
+    model, algo, on_mesh, _, state, opt = build_trainer(config)
     old_src = loop.old_logp_source(r, algo)
-    step = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
-                           sampling=loop.rollout_sampling(r, -1),
-                           state_shardings=jax.tree.map(lambda x: x.sharding, state),
-                           old_logp=old_src, mtp_loss_weight=r.get("mtp_loss_weight", None),
-                           **on_mesh)
+    step = matched_train_step(config, model, algo, opt, state, loop.rollout_sampling(r, -1),
+                              on_mesh)
     N, P, G = r.prompts_per_batch * r.group_size, r.max_prompt_len, r.max_new_tokens
     rng = np.random.default_rng(0)
     mask = np.zeros((N, P + G), bool)  # [N,L] every row: P prompt tokens, G completion targets
@@ -127,7 +116,7 @@ def build(config):
         batch["ref_logp"] = logp()
     if old_src == "batch":
         batch["old_logp"] = logp()
-    return step, state, shd.to_global(batch, mesh, rules), on_mesh, old_src
+    return step, state, shd.to_global(batch, **on_mesh), on_mesh, old_src
 
 
 def measure(args, config) -> dict:
