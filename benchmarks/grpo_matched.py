@@ -21,8 +21,10 @@ train): the rollout worker (rl.pipeline.RolloutWorker via rl.loop.make_rollout_w
 and submits the rewards, rl.loop._train_on builds the batch (rl.pipeline.build_train_batch, with
 rl.loop._RolloutForward's reference log-prob pass, and the old one where rl.old_logp_pass needs
 it) and runs the train step (rl.train_step.make_train_step), all on the config's mesh (one
-device), wired as rl.loop.run_rl wires them (mirrored here: keep the two in step). The reward is the matched
-work's host function (even-id fraction) on a thread, in place of the sandbox; its wait is the
+device), wired as rl.loop.run_rl wires them (mirrored here: keep the two in step). As in run_rl,
+the update's programs compile on a thread behind the first rollout (rl.loop.precompile_updates,
+started with the first iteration; `--set rl.precompile=False` compiles each at its first call).
+The reward is the matched work's host function (even-id fraction) on a thread, in place of the sandbox; its wait is the
 `score` sample. The GRPO part runs first, in a cold process with no persistent compilation cache,
 so its first iteration holds every compile; then the sampler alone (the rollout worker's
 generate) at 64 and 1 new tokens, batch 32 (8 prompts x 4) and 1.
@@ -234,21 +236,31 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
 
     forward = loop._RolloutForward(logp_fn=logp, logp_value_fn=None, ref_vars=ref_vars,
                                    old_logp=old_src == "batch", **on_mesh)
-    step_fn = clock.wrap(matched_train_step(config, model, algo, opt, state, sampling, on_mesh),
-                         "train_step")
+    raw_step = matched_train_step(config, model, algo, opt, state, sampling, on_mesh)
+    step_fn = clock.wrap(raw_step, "train_step")
     train_on = functools.partial(loop._train_on, algo=algo, width=loop.train_width(r, batches[0]),
                                  forward=forward, step_fn=step_fn, **on_mesh)
     start = clock.wrap(worker.start, "rollout", lambda pending: None)
     p0 = jax.tree.map(lambda x: np.array(x, copy=True), state.params)  # host copies
     rng = jax.random.key(config.seed + 1)
     generated = []
+    compiling = []  # run_rl's precompile_updates (rl.precompile), started in the 1st iteration
 
     def iteration(tasks, rng):
         nonlocal state
+        if r.precompile and not generated:  # untimed forward: its compile is no logp sample
+            compiling.append(loop.precompile_updates(
+                tasks, len(tasks) * r.group_size, r.group_size, state, algo=algo,
+                width=loop.train_width(r, tasks), step_fn=raw_step, forward=loop._RolloutForward(
+                    logp_fn=logp_fn, logp_value_fn=None, ref_vars=ref_vars,
+                    old_logp=old_src == "batch", **on_mesh), **on_mesh))
         pending = start(to_sampler(state.variables), tasks, rng, version=int(state.step))
         group = pending.result()
         clock.add("score", group.score_wait_s)
         generated.append(int(group.completion_mask.sum()))
+        for fut in filter(None, compiling):  # None: no precompile (multi-process)
+            fut.result()
+        compiling.clear()
         state, met, _ = train_on(group, state)
         return met
 

@@ -24,6 +24,11 @@ and optimizer state live in the train state and are checkpointed with it.
 Timings per iteration are split into generate / score-wait / train, and the fraction of scoring
 time hidden behind generation is logged (score_hidden_frac).
 
+Compiles ahead (single process): the update's programs (train step per row width, rollout-time
+forward, advantages) compile on a thread behind the first evaluation and rollouts
+(precompile_updates, rl.precompile); SFT's steps compile two at a time on threads, SFT's own
+while the indexer warm-up trains (supervised_step).
+
 Row widths: one-shot rows and multi-turn episodes (rl/agent.py) never share a batch. SFT
 batches come from one length bucket each (sft_buckets: sft.seq_len / sft.episode_seq_len, mixed
 by step share), RL prompt batches from one kind each (task_dataset(group_by=is_agent_task)), and
@@ -45,6 +50,7 @@ processes and gathered once; checkpoints are written and restored sharded by eve
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -67,6 +73,7 @@ from rl.critic import CriticConfig, critic_optim_config, init_value_params
 from rl.metrics import MetricsWriter
 from rl.pipeline import (
     RolloutWorker,
+    ScoredGroup,
     build_train_batch,
     evaluate,
     host_prompt_slice,
@@ -342,20 +349,60 @@ def _sft_stream(examples, tok, s, seed):
     return iter(ds.to_iter_dataset())
 
 
+@dataclasses.dataclass
+class _SupervisedStep:
+    """A supervised phase's jitted step, its train state's shardings, and the compiles of its
+    batch shapes started ahead (futures the phase waits on before its first step)."""
+
+    fn: object
+    shardings: object
+    compiling: list
+
+
+def supervised_step(model, opt, variables, *, objective, mesh, rules, shapes=(),
+                    compiler=None) -> _SupervisedStep:
+    """make_sft_step for a phase; with `compiler` (a thread pool) every (rows, width) batch
+    shape of `shapes` (sft_buckets') starts compiling there, lowered on the abstract train state
+    of `variables` (shapes only). XLA compiles a program on one thread, so a pool of 2 compiles
+    two shapes side by side on 2 cores, and a later phase's programs compile while an earlier
+    phase trains. No compiles ahead in a multi-process job (MeshJit compiles at the first call,
+    behind a barrier)."""
+    state_sh = train_state_shardings(model, opt, mesh, rules)
+    fn = make_sft_step(model, opt, objective=objective, mesh=mesh, rules=rules,
+                       state_shardings=state_sh)
+    if compiler is None or jax.process_count() > 1:
+        return _SupervisedStep(fn, state_sh, [])
+    state = shd.sharded_abstract(jax.eval_shape(lambda v: init_train_state(v, opt), variables),
+                                 state_sh)
+
+    def compile_shape(rows: int, width: int):
+        b = shd.batch_sharding(mesh, rows, rules)
+        batch = {"tokens": jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=b),
+                 "loss_mask": jax.ShapeDtypeStruct((rows, width), jnp.bool_, sharding=b)}
+        fn.lower(state, batch).compile()
+
+    return _SupervisedStep(fn, state_sh, [compiler.submit(compile_shape, r, w)
+                                          for r, w in shapes])
+
+
 def _supervised_phase(name, model, opt, variables, it, *, steps, objective, workdir, seed,
                       log_every, checkpoint_every, resume, progress, postfix, mesh, rules,
-                      config=None):
+                      config=None, step: _SupervisedStep | None = None):
     """Runs `steps` supervised steps of `objective` from `variables` (sharded on `mesh`;
-    resuming from workdir/checkpoints), logging under `name/` (and `config` to config.json). Every process reads the same
-    global batch stream and feeds its rows. Returns the final state."""
+    resuming from workdir/checkpoints), logging under `name/` (and `config` to config.json).
+    Every process reads the same global batch stream and feeds its rows. `step`: the phase's
+    supervised_step (compiled ahead), else made here. Returns the final state."""
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     rng = jax.random.key(seed)
-    state_sh = train_state_shardings(model, opt, mesh, rules)
+    if step is None:
+        step = supervised_step(model, opt, variables, objective=objective, mesh=mesh,
+                               rules=rules)
+    state_sh, step_fn = step.shardings, step.fn
     state = init_train_state_sharded(variables, opt, state_sh)
     if resume:
         state, rng = _resume(ckpt, state, state_sh, rng, it, name)
-    step_fn = make_sft_step(model, opt, objective=objective, mesh=mesh, rules=rules,
-                            state_shardings=state_sh)
+    for compiling in step.compiling:  # this phase's programs, compiled ahead
+        compiling.result()
     writer = MetricsWriter(workdir, config=config) if _primary() else None
     start = int(state.step)
     bar = _progress(steps, name, start) if progress and _primary() else None
@@ -511,24 +558,37 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     variables = shd.init_sharded(model, jax.random.key(config.seed), mesh, rules)
     done = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     sft_started = resume and done.latest_step() is not None
+    sft_done = sft_started and done.latest_step() >= s.steps
     done.close()
     warm_steps = int(s.get("indexer_warmup_steps", 0))
-    if warm_steps and has_indexer(model.cfg) and not sft_started:
+    warm = warm_steps and has_indexer(model.cfg) and not sft_started
+    # each phase's step compiles ahead, two programs at a time: the warm-up's batch shapes
+    # first, then SFT's while the warm-up trains (supervised_step)
+    shapes = [(b["batch_size"], b["width"]) for b in sft_buckets(examples, s)]
+    compiler = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sft-compile")
+    ahead = dict(mesh=mesh, rules=rules, shapes=shapes, compiler=compiler)
+    if warm:
+        wmodel = warmup_model(model.cfg)
         wopt = make_optimizer(_optim(s.indexer_warmup_lr, max(warm_steps // 10, 1), warm_steps,
                                      0.0, optim_numerics(config)), trainable=indexer_mask)
+        wstep = supervised_step(wmodel, wopt, variables, objective="indexer_warmup", **ahead)
+    sft_step = None if sft_done else supervised_step(model, opt, variables, objective="lm",
+                                                     **ahead)
+    compiler.shutdown(wait=False)
+    if warm:
         wstate = _supervised_phase(
-            "sft_indexer_warmup", warmup_model(model.cfg), wopt, variables,
+            "sft_indexer_warmup", wmodel, wopt, variables,
             _sft_stream(examples, tok, s, config.seed + 1), steps=warm_steps,
             objective="indexer_warmup", workdir=os.path.join(workdir, "indexer_warmup"),
             seed=config.seed, log_every=s.log_every, checkpoint_every=s.checkpoint_every,
             resume=resume, progress=progress, postfix="indexer_kl", mesh=mesh, rules=rules,
-            config=config)
+            config=config, step=wstep)
         variables = wstate.variables
     state = _supervised_phase(
         "sft", model, opt, variables, it, steps=s.steps, objective="lm",
         workdir=workdir, seed=config.seed, log_every=s.log_every,
         checkpoint_every=s.checkpoint_every, resume=resume, progress=progress, postfix="ce",
-        mesh=mesh, rules=rules, config=config)
+        mesh=mesh, rules=rules, config=config, step=sft_step)
     if not qat_steps:
         return state
     qopt = make_optimizer(_optim(s.qat_lr, max(qat_steps // 10, 1), qat_steps, s.weight_decay,
@@ -865,6 +925,52 @@ def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, m
     return state, met, time.perf_counter() - t0
 
 
+def placeholder_group(task, rows: int, group_size: int) -> ScoredGroup:
+    """A scored group of `rows` one-token rollouts of `task`, all zeros: packed at a width, it
+    gives a train batch of the real batches' shapes and dtypes (precompile_updates)."""
+    from rl.agent import is_agent_task
+
+    one = lambda dtype: np.zeros((rows, 1), dtype)  # [N,1]
+    return ScoredGroup(
+        tasks=[task] * rows, group_ids=np.arange(rows) // group_size, prompts=one(np.int32),
+        prompt_lengths=np.ones(rows, np.int32), completions=one(np.int32),
+        completion_mask=one(bool) | True, sampler_logp=one(np.float32), texts=[""] * rows,
+        rewards=np.zeros(rows, np.float32), failed=np.zeros(rows, bool), details=[], gen_s=0.0,
+        target_mask=(one(bool) | True) if is_agent_task(task) else None)
+
+
+def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
+                       forward: _RolloutForward, step_fn, mesh, rules):
+    """Compile the update's programs on a background thread while the first rollouts generate:
+    for one task of each row kind among `tasks` (one-shot, multi-turn; `width(tasks)` wide), a
+    placeholder batch of `rows` rows goes through build_train_batch (the rollout-time forward
+    and the advantages compile and run on it) and the train step is lowered and compiled on it
+    (not run: `state` is only read). The real calls then find their programs compiled.
+    -> a Future: wait on it before the first update (the train step must not compile twice).
+    None in a multi-process job, where MeshJit compiles each program at its first call and
+    the processes meet at a barrier before running it."""
+    if jax.process_count() > 1:
+        return None
+    from rl.agent import is_agent_task
+
+    kinds = {}  # one task per row kind, in the order the kinds first appear
+    for t in tasks:
+        kinds.setdefault(is_agent_task(t), t)
+
+    def compile_all():
+        fw = forward.at(state)
+        for task in kinds.values():
+            w = width([task]) if callable(width) else width
+            batch, _ = build_train_batch(placeholder_group(task, rows, group_size), algo, w,
+                                         forward=fw)
+            step_fn.lower(state, shd.to_global(batch, mesh, rules)).compile()
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="precompile")
+    future = pool.submit(compile_all)
+    pool.shutdown(wait=False)
+    return future
+
+
 def _timing_metrics(group, train_s: float, iteration_s: float) -> dict:
     """The iteration's time split (generate / score-wait / score / train / whole) and the
     fraction of scoring time hidden behind generation."""
@@ -948,8 +1054,13 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
                               sampling=sampling, critic=critic, value_optimizer=value_opt,
                               state_shardings=state_sh, old_logp=old_src,
                               mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
-    train_on = functools.partial(_train_on, algo=algo, width=functools.partial(train_width, r),
-                                 forward=forward, step_fn=step_fn, **on_mesh)
+    width = functools.partial(train_width, r)
+    train_on = functools.partial(_train_on, algo=algo, width=width, forward=forward,
+                                 step_fn=step_fn, **on_mesh)
+    # the update's programs compile on a thread while the first evaluation and rollouts run
+    compiling = precompile_updates(train_tasks, r.prompts_per_batch * r.group_size,
+                                   r.group_size, state, algo=algo, width=width, forward=forward,
+                                   step_fn=step_fn, **on_mesh) if r.precompile else None
     writer = MetricsWriter(workdir, config=config) if _primary() else None
     evaluate_at = functools.partial(_evaluate, e, eval_worker, val_tasks, writer, on_eval)
 
@@ -963,6 +1074,9 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         if r.overlap_scoring and more:  # generate the next batch while this one is scored
             rng, nxt = launcher.launch(rng, state)
         group = pending.result()
+        if compiling is not None:  # the first update waits for its programs
+            compiling.result()
+            compiling = None
         state, met, train_s = train_on(group, state)
         if not r.overlap_scoring and more:
             rng, nxt = launcher.launch(rng, state)

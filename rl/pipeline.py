@@ -322,13 +322,14 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     correlated); for multi-turn domains (rl.agent.RoutingWorker) also turns_mean and
     episode_tokens_mean (per episode; episode success is pass@1). Sampling follows worker.sampler's config (temperature 0 -> greedy, n_samples 1).
     Chunks of batch_prompts tasks (the last one padded: one batch shape, one compile) are
-    generated while the previous chunk is scored.
+    generated while the previous chunk is scored. "_seconds": the evaluation's wall time.
 
     On a mesh with several processes (worker.mesh): the tasks are split over the processes that
     hold distinct rows (task i to block i mod blocks), each generates and scores its own
     (batch_prompts / blocks tasks per process and chunk, so a chunk's global batch has the
     single-process shape; the same number of chunks everywhere, a process without tasks left
     generates a dropped placeholder), and the per-task results are gathered once at the end."""
+    t0 = time.perf_counter()
     blocks, me = worker.row_blocks(batch_prompts * n_samples)
     if batch_prompts % blocks:
         raise ValueError(f"batch_prompts={batch_prompts} does not split over the {blocks} "
@@ -388,6 +389,7 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
         d.update({"pass@1": p1, "pass@1_lo": lo, "pass@1_hi": hi})
         out[dom] = d
     out["_sandbox_failed"] = failed
+    out["_seconds"] = time.perf_counter() - t0
     return out
 
 
@@ -446,7 +448,7 @@ def evaluate_at_temperatures(worker_at, variables, tasks: list, rng, *, temperat
             for k in ks:
                 d.update({f"pass@{k}": d["pass@1"], f"pass@{k}_lo": d["pass@1_lo"],
                           f"pass@{k}_hi": d["pass@1_hi"]})
-        out[dom] = {**d, "temperature": temp, "samples": n}
+        out[dom] = {**d, "temperature": temp, "samples": n, "seconds": res["_seconds"]}
         failed += res["_sandbox_failed"]
     out["_sandbox_failed"] = failed
     return out

@@ -147,6 +147,127 @@ def test_train_step_compiles_once_per_batch_shape(small_lm):
     assert len(compiles) == 1, f"{len(compiles)} compiles for two updates of one batch shape"
 
 
+def _scored_group(rows, group_size, prompt_len, gen_len, task, seed=0):
+    """A scored group as a rollout worker returns it: prompts and completions of different
+    lengths, sampled log-probs, rewards that differ within each group."""
+    from rl.pipeline import ScoredGroup
+
+    rng = np.random.default_rng(seed)
+    pl = rng.integers(2, prompt_len + 1, rows).astype(np.int32)
+    cmask = np.arange(gen_len)[None] < rng.integers(1, gen_len + 1, rows)[:, None]
+    return ScoredGroup(
+        tasks=[task] * rows, group_ids=np.arange(rows) // group_size,
+        prompts=rng.integers(3, 200, (rows, prompt_len)).astype(np.int32), prompt_lengths=pl,
+        completions=rng.integers(3, 200, (rows, gen_len)).astype(np.int32),
+        completion_mask=cmask, sampler_logp=np.where(cmask, -rng.random((rows, gen_len)), 0.0),
+        texts=[""] * rows, rewards=rng.random(rows).astype(np.float32),
+        failed=np.zeros(rows, bool), details=[], gen_s=0.0,
+        target_mask=(cmask & (rng.random((rows, gen_len)) < 0.7))
+        if task.meta.get("family_name") == "multistep" else None)
+
+
+def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm):
+    """rl.loop.precompile_updates (the train step compiled on a thread while the first rollouts
+    generate) compiles exactly the programs the real updates then use: after it, updates on
+    real groups of both row kinds (one-shot and multi-turn, each at its own width) compile
+    nothing. Without it the same updates compile (the count is not vacuous)."""
+    from rl.loop import _RolloutForward, _train_on, precompile_updates
+    from sandbox.tasks.schema import Task
+
+    model, variables = small_lm
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.7)
+    algo = get_algorithm("grpo", kl_placement="loss", kl_coef=0.05)
+    mesh = shd.make_mesh(devices=jax.devices()[:1])
+    opt = optax.sgd(1e-2)
+    rows, group = 8, 4
+    tasks = [Task(id="a", family="math", prompt="1+1", answer="2"),
+             Task(id="b", family="terminal", prompt="ls", meta={"family_name": "multistep"})]
+    width = lambda ts: 40 if ts[0].meta.get("family_name") == "multistep" else 24
+    compiles = []
+
+    def listen(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    def updates(precompile: bool) -> tuple[int, int]:
+        state = init_train_state_sharded(variables, opt,
+                                         train_state_shardings(model, opt, mesh))
+        ref = reference_variables(variables, state)
+        forward = _RolloutForward(logp_fn=make_logp_fn(model, sampling, mesh=mesh),
+                                  logp_value_fn=None, ref_vars=ref, old_logp=False, mesh=mesh)
+        step = make_train_step(model, algo, opt, sampling=sampling, old_logp="current",
+                               mesh=mesh)
+        kw = dict(algo=algo, width=width, forward=forward, step_fn=step, mesh=mesh, rules=None)
+        jax.block_until_ready(state)
+        compiles.clear()
+        if precompile:
+            precompile_updates(tasks, rows, group, state, **kw).result()
+        before = len(compiles)
+        for i, t in enumerate(tasks * 2):
+            g = _scored_group(rows, group, 10 if t is tasks[0] else 6,
+                              12 if t is tasks[0] else 30, t, seed=i)
+            state, met, _ = _train_on(g, state, **kw)
+        assert int(state.step) == 4 and np.isfinite(met["loss"])
+        return before, len(compiles) - before
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ahead, after = updates(precompile=True)
+        _, cold = updates(precompile=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert ahead >= 2, f"precompile_updates compiled {ahead} programs (two train steps at least)"
+    assert after == 0, f"{after} compiles in the updates after precompile_updates"
+    assert cold >= 2, f"without precompile_updates the updates compiled {cold} programs"
+
+
+def test_supervised_steps_compiled_ahead_compile_nothing_at_their_first_steps(small_lm):
+    """rl.loop.supervised_step with a compiler pool (run_sft: the warm-up's and SFT's batch
+    shapes compile on threads, SFT's while the warm-up trains) compiles exactly the programs
+    the phase then runs: its steps on batches of both widths compile nothing more. Without
+    the pool the same steps compile (the count is not vacuous)."""
+    import concurrent.futures
+
+    from rl.loop import supervised_step
+
+    model, variables = small_lm
+    mesh = shd.make_mesh(devices=jax.devices()[:1])
+    opt = optax.adamw(1e-3)
+    shapes = [(4, 16), (2, 24)]
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(3, 200, (b, w)).astype(np.int32),
+                "loss_mask": rng.random((b, w)) < 0.7} for b, w in shapes * 2]
+    compiles = []
+
+    def listen(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    def run(ahead: bool) -> tuple[int, int]:
+        state = init_train_state_sharded(variables, opt, train_state_shardings(model, opt, mesh))
+        jax.block_until_ready(state)
+        compiles.clear()
+        pool = concurrent.futures.ThreadPoolExecutor(2) if ahead else None
+        step = supervised_step(model, opt, variables, objective="lm", mesh=mesh, rules=None,
+                               shapes=shapes, compiler=pool)
+        for c in step.compiling:
+            c.result()
+        before = len(compiles)
+        for b in batches:
+            state, met = step.fn(state, shd.to_global(b, mesh))
+        assert int(state.step) == 4 and np.isfinite(float(met["loss"]))
+        return before, len(compiles) - before
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ahead, after = run(ahead=True)
+        _, cold = run(ahead=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert ahead >= 2 and after == 0, (ahead, after)
+    assert cold >= 2, f"without compiles ahead the steps compiled {cold} programs"
+
+
 def test_old_logp_pass_kept_where_old_is_needed_before_the_advantages():
     r = ml_collections.ConfigDict(dict(old_logp_pass="auto"))
     assert old_logp_source(r, get_algorithm("grpo")) == "current"
