@@ -82,8 +82,13 @@ class Clock:
         self.phase = "setup"
 
     def listen(self, event, duration_secs, **_):
-        if event in self.COMPILE_EVENTS:
-            self.compile_s[self.phase] = self.compile_s.get(self.phase, 0.0) + duration_secs
+        import threading
+
+        if event in self.COMPILE_EVENTS:  # compiles on a "precompile" thread (rl.loop's
+            # precompile_updates) are booked to "ahead", whatever the main thread is running
+            ahead = threading.current_thread().name.startswith("precompile")
+            phase = "ahead" if ahead else self.phase
+            self.compile_s[phase] = self.compile_s.get(phase, 0.0) + duration_secs
 
     def add(self, name: str, seconds: float, foreign: float = 0.0):
         self.samples.setdefault(name, []).append(seconds)
