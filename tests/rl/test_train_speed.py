@@ -10,9 +10,14 @@ log-probs are needed before the advantages (critic, KL in the reward) or when as
 rl.mtp_loss_weight scales exactly the MTP term and 0 drops it; the jitted prepare_advantages
 equals the eager one; the reference variables share the policy's tree (one log-prob compile);
 the loop's train step (on the mesh) compiles once for a batch shape, however many updates it
-feeds its own output state back (benchmarks/train_step_compile.py measures that compile).
+feeds its own output state back (benchmarks/train_step_compile.py measures that compile); the
+programs compiled ahead on threads (rl.loop.precompile_updates for the RL update of both row
+kinds, rl.loop.supervised_step for SFT's batch shapes) are the ones the first steps then run
+(no compile there, and without them those steps do compile).
 Not covered: the timings (benchmarks/rl_loop.py and the peer bench measure them).
 """
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +64,22 @@ def _batch(model, variables, sampling, seed=1):
             "advantages": jnp.asarray(rng.normal(size=(N, 1)), jnp.float32),
             "rollout_logp": jnp.where(mask, old + noise(0.05), 0.0),
             "ref_logp": jnp.where(mask, old + noise(0.1), 0.0)}, old
+
+
+@contextlib.contextmanager
+def _backend_compiles():
+    """The XLA compiles inside the block: a list that gets one entry (seconds) per compile."""
+    compiles = []
+
+    def listen(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _opt():
@@ -130,19 +151,10 @@ def test_train_step_compiles_once_per_batch_shape(small_lm):
     state = init_train_state_sharded(variables, opt, train_state_shardings(model, opt, mesh))
     step = make_train_step(model, algo, opt, sampling=sampling, old_logp="current", mesh=mesh)
     jax.block_until_ready((state, batches))
-    compiles = []
-
-    def listen(event, seconds, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with _backend_compiles() as compiles:
         for b in batches:
             state, met = step(state, b)
         jax.block_until_ready(state)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert int(state.step) == 2 and np.isfinite(float(met["loss"]))
     assert len(compiles) == 1, f"{len(compiles)} compiles for two updates of one batch shape"
 
@@ -183,13 +195,8 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm):
     tasks = [Task(id="a", family="math", prompt="1+1", answer="2"),
              Task(id="b", family="terminal", prompt="ls", meta={"family_name": "multistep"})]
     width = lambda ts: 40 if ts[0].meta.get("family_name") == "multistep" else 24
-    compiles = []
 
-    def listen(event, seconds, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
-    def updates(precompile: bool) -> tuple[int, int]:
+    def updates(compiles: list, precompile: bool) -> tuple[int, int]:
         state = init_train_state_sharded(variables, opt,
                                          train_state_shardings(model, opt, mesh))
         ref = reference_variables(variables, state)
@@ -210,12 +217,9 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm):
         assert int(state.step) == 4 and np.isfinite(met["loss"])
         return before, len(compiles) - before
 
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        ahead, after = updates(precompile=True)
-        _, cold = updates(precompile=False)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    with _backend_compiles() as compiles:
+        ahead, after = updates(compiles, precompile=True)
+        _, cold = updates(compiles, precompile=False)
     assert ahead >= 2, f"precompile_updates compiled {ahead} programs (two train steps at least)"
     assert after == 0, f"{after} compiles in the updates after precompile_updates"
     assert cold >= 2, f"without precompile_updates the updates compiled {cold} programs"
@@ -237,13 +241,8 @@ def test_supervised_steps_compiled_ahead_compile_nothing_at_their_first_steps(sm
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(3, 200, (b, w)).astype(np.int32),
                 "loss_mask": rng.random((b, w)) < 0.7} for b, w in shapes * 2]
-    compiles = []
 
-    def listen(event, seconds, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
-    def run(ahead: bool) -> tuple[int, int]:
+    def run(compiles: list, ahead: bool) -> tuple[int, int]:
         state = init_train_state_sharded(variables, opt, train_state_shardings(model, opt, mesh))
         jax.block_until_ready(state)
         compiles.clear()
@@ -258,12 +257,9 @@ def test_supervised_steps_compiled_ahead_compile_nothing_at_their_first_steps(sm
         assert int(state.step) == 4 and np.isfinite(float(met["loss"]))
         return before, len(compiles) - before
 
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        ahead, after = run(ahead=True)
-        _, cold = run(ahead=False)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    with _backend_compiles() as compiles:
+        ahead, after = run(compiles, ahead=True)
+        _, cold = run(compiles, ahead=False)
     assert ahead >= 2 and after == 0, (ahead, after)
     assert cold >= 2, f"without compiles ahead the steps compiled {cold} programs"
 
