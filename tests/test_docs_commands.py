@@ -121,10 +121,11 @@ def _serve() -> None:
     os.chdir(ROOT)
     import _common  # noqa: F401  (XLA flags before jax)
     import jax  # noqa: F401
+    from jax._src import xla_bridge
+
     import configs.models  # noqa: F401
     import configs.rl  # noqa: F401
     import rl.loop  # noqa: F401
-    from jax._src import xla_bridge
     assert not xla_bridge._backends, "a backend was initialised before forking"
 
     jobs = json.load(sys.stdin)
