@@ -363,10 +363,11 @@ def supervised_step(model, opt, variables, *, objective, mesh, rules, shapes=(),
                     compiler=None) -> _SupervisedStep:
     """make_sft_step for a phase; with `compiler` (a thread pool) every (rows, width) batch
     shape of `shapes` (sft_buckets') starts compiling there, lowered on the abstract train state
-    of `variables` (shapes only). XLA compiles a program on one thread, so a pool of 2 compiles
-    two shapes side by side on 2 cores, and a later phase's programs compile while an earlier
-    phase trains. No compiles ahead in a multi-process job (MeshJit compiles at the first call,
-    behind a barrier)."""
+    of `variables` (shapes only): a later phase's programs compile while an earlier phase
+    trains, and two shapes side by side. On 2 CPU cores that saves little (XLA's compile of one
+    program already keeps about 1.7 cores busy: README); where the steps run on an accelerator
+    the compiles take otherwise idle host cores. No compiles ahead in a multi-process job
+    (MeshJit compiles at the first call, behind a barrier)."""
     state_sh = train_state_shardings(model, opt, mesh, rules)
     fn = make_sft_step(model, opt, objective=objective, mesh=mesh, rules=rules,
                        state_shardings=state_sh)
@@ -1057,10 +1058,11 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     width = functools.partial(train_width, r)
     train_on = functools.partial(_train_on, algo=algo, width=width, forward=forward,
                                  step_fn=step_fn, **on_mesh)
-    # the update's programs compile on a thread while the first evaluation and rollouts run
-    compiling = precompile_updates(train_tasks, r.prompts_per_batch * r.group_size,
-                                   r.group_size, state, algo=algo, width=width, forward=forward,
-                                   step_fn=step_fn, **on_mesh) if r.precompile else None
+    compiling = None  # the update's programs, compiling behind the first evaluation and rollouts
+    if r.precompile and int(state.step) < r.steps:
+        compiling = precompile_updates(train_tasks, r.prompts_per_batch * r.group_size,
+                                       r.group_size, state, algo=algo, width=width,
+                                       forward=forward, step_fn=step_fn, **on_mesh)
     writer = MetricsWriter(workdir, config=config) if _primary() else None
     evaluate_at = functools.partial(_evaluate, e, eval_worker, val_tasks, writer, on_eval)
 
