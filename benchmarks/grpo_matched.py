@@ -24,8 +24,8 @@ it) and runs the train step (rl.train_step.make_train_step), all on the config's
 device), wired as rl.loop.run_rl wires them (mirrored here: keep the two in step). As in run_rl,
 the update's programs compile on a thread behind the first rollout (rl.loop.precompile_updates,
 started with the first iteration; `--set rl.precompile=False` compiles each at its first call).
-The reward is the matched work's host function (even-id fraction) on a thread, in place of the sandbox; its wait is the
-`score` sample. The GRPO part runs first, in a cold process with no persistent compilation cache,
+The reward is the matched work's host function (even-id fraction) on a thread, in place of the
+sandbox; its wait is the `score` sample. The GRPO part runs first, in a cold process with no persistent compilation cache,
 so its first iteration holds every compile; then the sampler alone (the rollout worker's
 generate) at 64 and 1 new tokens, batch 32 (8 prompts x 4) and 1.
 

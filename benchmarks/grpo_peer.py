@@ -18,9 +18,10 @@ and its compile seconds; the first iteration; the steady iteration and its split
 log-prob passes (old, reference), train step, scoring wait, other (host work: packing,
 advantages, transfers); the train step's compile seconds where it compiles at its first call
 (`compiled_ahead_s`: the project's update programs compiled on a thread behind the first
-rollout, rl.precompile, which the first iteration holds only where it waits); decode tokens/s at batch 32 and 1
-(B x 63 / (call at 64 new tokens - call at 1), the same definition on both sides); the other
-processes' CPU load during the steady iterations (cores) and the load average before and after.
+rollout, rl.precompile, which the first iteration holds only where it waits); decode tokens/s
+at batch 32 and 1 (B x 63 / (call at 64 new tokens - call at 1), the same definition on both
+sides); the other processes' CPU load during the steady iterations (cores) and the load average
+before and after.
 Ratios are project / peer (< 1 is faster for seconds, > 1 for tokens/s): of the medians (the
 issue's targets are marked on these) and paired (the median of the per-round ratios, each from
 two processes run back to back).
