@@ -931,13 +931,13 @@ def placeholder_group(task, rows: int, group_size: int) -> ScoredGroup:
     gives a train batch of the real batches' shapes and dtypes (precompile_updates)."""
     from rl.agent import is_agent_task
 
-    one = lambda dtype: np.zeros((rows, 1), dtype)  # [N,1]
+    zeros, ones = np.zeros((rows, 1), np.int32), np.ones((rows, 1), bool)  # [N,1]
     return ScoredGroup(
-        tasks=[task] * rows, group_ids=np.arange(rows) // group_size, prompts=one(np.int32),
-        prompt_lengths=np.ones(rows, np.int32), completions=one(np.int32),
-        completion_mask=one(bool) | True, sampler_logp=one(np.float32), texts=[""] * rows,
+        tasks=[task] * rows, group_ids=np.arange(rows) // group_size, prompts=zeros,
+        prompt_lengths=np.ones(rows, np.int32), completions=zeros, completion_mask=ones,
+        sampler_logp=np.zeros((rows, 1), np.float32), texts=[""] * rows,
         rewards=np.zeros(rows, np.float32), failed=np.zeros(rows, bool), details=[], gen_s=0.0,
-        target_mask=(one(bool) | True) if is_agent_task(task) else None)
+        target_mask=ones if is_agent_task(task) else None)
 
 
 def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 # The matched GRPO work (issue 19): 8 prompts x 4 samples = 32 rows; each prompt is BOS + 31
@@ -82,8 +83,6 @@ class Clock:
         self.phase = "setup"
 
     def listen(self, event, duration_secs, **_):
-        import threading
-
         if event in self.COMPILE_EVENTS:  # compiles on a "precompile" thread (rl.loop's
             # precompile_updates) are booked to "ahead", whatever the main thread is running
             ahead = threading.current_thread().name.startswith("precompile")
