@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 ROUTERS = ("softmax", "sigmoid")
 DISPATCH = ("dropless", "capacity")
+GROUPED_MATMUL = ("auto", "ragged_dot", "blocked")  # model/layers/moe.py:grouped_matmul
 EXPERT_PARALLEL = ("none", "all_to_all", "ragged_all_to_all")  # model/layers/moe.py
 EXPERT_FORMATS = ("bf16", "mxfp4")
 # Per-block rematerialisation (model/transformer.py:REMAT_POLICIES maps each to a jax.checkpoint
@@ -85,6 +86,10 @@ class MoEConfig:
     # Expert-parallel dispatch under model.sharding.use_mesh: "none" (GSPMD on the local path),
     # "all_to_all" (capacity-padded, every backend), "ragged_all_to_all" (GPU/TPU only).
     expert_parallel: str = "none"
+    # dropless's grouped matmul: "ragged_dot" (lax.ragged_dot), "blocked" (block-padded batched
+    # einsums), "auto" (blocked on CPU, where XLA's ragged_dot multiplies every row by every
+    # expert; ragged_dot elsewhere)
+    grouped_matmul: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +230,8 @@ class ModelConfig:
             _check(m.expert_dim > 0, "moe.expert_dim", "must be positive")
             _check(m.router in ROUTERS, "moe.router", f"must be one of {ROUTERS}")
             _check(m.dispatch in DISPATCH, "moe.dispatch", f"must be one of {DISPATCH}")
+            _check(m.grouped_matmul in GROUPED_MATMUL, "moe.grouped_matmul",
+                   f"must be one of {GROUPED_MATMUL}")
             _check(m.expert_format in EXPERT_FORMATS, "moe.expert_format",
                    f"must be one of {EXPERT_FORMATS}")
             _check(m.capacity_factor > 0, "moe.capacity_factor", "must be positive")

@@ -222,7 +222,8 @@ def device_slice_cfg(cfg: ModelConfig, mesh_shape: dict, rules=None, *, kernels:
     (`LayerKind.device_slice` in model/layers/registry.py: its heads divided over the axes the
     rules map "heads" to, when they divide) and FFN/expert widths divided over "mlp"'s axes,
     everything else whole; kernels: the impl to trace ("pallas": what impl="auto" runs on
-    GPU/TPU for these shapes, by each op's dispatch table; "xla")."""
+    GPU/TPU for these shapes, by each op's dispatch table, and lax.ragged_dot for the dropless
+    experts; "xla")."""
     import dataclasses as dc
 
     def heads(n):
@@ -237,7 +238,8 @@ def device_slice_cfg(cfg: ModelConfig, mesh_shape: dict, rules=None, *, kernels:
     return cfg.replace(
         **sections,
         moe=dc.replace(m, expert_dim=mlp(m.expert_dim), dense_dim=mlp(m.dense_dim),
-                       mxfp4_impl=kernels))
+                       mxfp4_impl=kernels,
+                       grouped_matmul="ragged_dot" if kernels == "pallas" else m.grouped_matmul))
 
 
 def _kinds_used(cfg: ModelConfig) -> set[str]:

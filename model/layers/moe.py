@@ -7,7 +7,8 @@ by `routed_scaling_factor`. `seq_balance_loss` is DeepSeek-V3's sequence-wise ba
 `aux_free_bias_update` the bias step; `router_stats` the logged statistics.
 
 Dispatch: "dropless" sorts token-expert assignments by expert and runs a grouped matmul
-(`lax.ragged_dot`, or the grouped MXFP4 kernel); "capacity" scatters into [E, C, D] buffers with
+(`grouped_matmul`: `lax.ragged_dot` on GPU/TPU, block-padded batched einsums on CPU, or the
+grouped MXFP4 kernel); "capacity" scatters into [E, C, D] buffers with
 C = ceil(capacity_factor * N * k / E), drops (and counts) assignments past capacity in token order
 and runs batched einsums. Shared experts are a dense SwiGLU MLP added to every token.
 
@@ -360,11 +361,59 @@ def expert_parallel_experts(x, weights, idx, valid, experts, *, num_experts, mes
     return fn(x, weights, idx, valid, *arrays)
 
 
-def _dense_apply(arrays, xs, gs=None):
+@jax.checkpoint  # reverse mode keeps buf and w, not the per-block copies of w [nb,D,F]
+def _per_block_matmul(buf, w, block_e):
+    return jnp.einsum("jbd,jdf->jbf", buf, w[block_e])  # [nb,b,D] x [nb,D,F] -> [nb,b,F]
+
+
+def blocked_grouped_matmul(xs: jax.Array, w: jax.Array, gs: jax.Array,
+                           block: int | None = None) -> jax.Array:
+    """`lax.ragged_dot(xs, w, gs)` as batched einsums over blocks of one expert each.
+
+    xs [M,D] rows sorted by group, w [E,D,F], gs [E] group sizes (sum <= M; rows past the sum
+    give zeros, as in ragged_dot). Each group's rows are placed at the start of its own run of
+    `block`-row blocks (at most ceil(M/block) + E blocks in all, a static bound), every block is
+    multiplied by its group's matrix ("jbd,jdf->jbf" with w gathered per block), and the rows
+    are gathered back: about (M + E * block) * D * F multiply-adds, where XLA:CPU's ragged_dot
+    computes every row against every expert (E * M * D * F). Measured on 2 cores at M=6144,
+    D=256, F=64, E=8: forward 3.1 ms against 23.8 ms, forward+backward 9.3 ms against 41.8 ms.
+    block None: the power of two nearest above M / E, within [8, 128] (decode-sized M stays
+    small)."""
+    M, D = xs.shape
+    E, _, F = w.shape
+    b = block or min(128, max(8, 1 << max(0, math.ceil(math.log2(max(1, M / E))))))
+    nb = -(-M // b) + E
+    padded = (gs + b - 1) // b * b  # [E] rows each group occupies, whole blocks
+    ends, pends = jnp.cumsum(gs), jnp.cumsum(padded)
+    row = jnp.arange(M)
+    e_row = jnp.minimum(jnp.searchsorted(ends, row, side="right"), E - 1)  # [M] group of a row
+    dst = jnp.where(row < ends[-1], row - (ends - gs)[e_row] + (pends - padded)[e_row],
+                    nb * b)  # [M] padded slot; past the groups -> the dropped row nb*b
+    buf = jnp.zeros((nb * b + 1, D), xs.dtype).at[dst].set(xs)[:-1].reshape(nb, b, D)
+    block_e = jnp.minimum(jnp.searchsorted(pends, jnp.arange(nb) * b, side="right"), E - 1)
+    out = _per_block_matmul(buf, w, block_e)  # [nb,b,F]
+    out = jnp.concatenate([out.reshape(nb * b, F), jnp.zeros((1, F), out.dtype)])
+    return out[dst]  # [M,F]
+
+
+def grouped_matmul(xs: jax.Array, w: jax.Array, gs: jax.Array, impl: str = "auto"
+                   ) -> jax.Array:
+    """xs [M,D] sorted by group, w [E,D,F], gs [E] -> [M,F]. impl (moe.grouped_matmul):
+    "ragged_dot" (`lax.ragged_dot`), "blocked" (`blocked_grouped_matmul`, the same numbers),
+    "auto": blocked on CPU (XLA:CPU lowers ragged_dot to a product against every expert),
+    ragged_dot elsewhere."""
+    if impl == "blocked" or (impl == "auto" and jax.default_backend() == "cpu"):
+        return blocked_grouped_matmul(xs, w, gs)
+    if impl not in ("auto", "ragged_dot"):
+        raise ValueError(f"grouped_matmul impl must be auto, ragged_dot or blocked, got {impl!r}")
+    return jax.lax.ragged_dot(xs, w, gs)
+
+
+def _dense_apply(impl, arrays, xs, gs=None):
     (kernel,) = arrays
     if gs is None:
         return jnp.einsum("ecd,edf->ecf", xs, kernel)
-    return jax.lax.ragged_dot(xs, kernel, gs)
+    return grouped_matmul(xs, kernel, gs, impl)
 
 
 def _mxfp4_apply(impl, arrays, xs, gs=None):
@@ -412,7 +461,8 @@ class MoE(nn.Module):
         if c.qat:
             kernel = jnp.swapaxes(mx.fake_quant(jnp.swapaxes(kernel, -1, -2), axis=-1), -1, -2)
         kernel = kernel.astype(self.dtype)
-        return ExpertMatrix((kernel,), _dense_apply, (1 if down else 2,))
+        return ExpertMatrix((kernel,), functools.partial(_dense_apply, c.grouped_matmul),
+                            (1 if down else 2,))
 
     @nn.compact
     def __call__(self, x, *, valid):

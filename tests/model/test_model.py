@@ -77,10 +77,11 @@ def test_byte_tokenizer_roundtrip():
 
 
 # ----------------------------------------------------------------------------- MoE
-def _moe_setup(dispatch="dropless", router="softmax", capacity_factor=1.25, E=4, k=2):
+def _moe_setup(dispatch="dropless", router="softmax", capacity_factor=1.25, E=4, k=2,
+               grouped_matmul="auto"):
     cfg = _cfg(**{"moe.dispatch": dispatch, "moe.router": router,
                   "moe.capacity_factor": capacity_factor, "moe.num_experts": E,
-                  "moe.num_experts_per_tok": k})
+                  "moe.num_experts_per_tok": k, "moe.grouped_matmul": grouped_matmul})
     mod = moe_lib.MoE(cfg.moe, cfg.d_model)
     x = jax.random.normal(jax.random.key(1), (2, 7, cfg.d_model))
     valid = jnp.ones((2, 7), bool).at[1, 5:].set(False)
@@ -88,9 +89,10 @@ def _moe_setup(dispatch="dropless", router="softmax", capacity_factor=1.25, E=4,
     return cfg, mod, variables, x, valid
 
 
-@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
-def test_moe_dropless_equals_token_loop(router):
-    cfg, mod, variables, x, valid = _moe_setup(router=router)
+@pytest.mark.parametrize("router, grouped_matmul", [
+    ("softmax", "blocked"), ("sigmoid", "blocked"), ("sigmoid", "ragged_dot")])
+def test_moe_dropless_equals_token_loop(router, grouped_matmul):
+    cfg, mod, variables, x, valid = _moe_setup(router=router, grouped_matmul=grouped_matmul)
     variables["router_state"]["bias"] = jnp.linspace(-0.3, 0.3, cfg.moe.num_experts)
     y, aux = mod.apply(variables, x, valid=valid)
     p = variables["params"]

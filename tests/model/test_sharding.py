@@ -17,6 +17,7 @@ waits for its own child's output.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pathlib
@@ -569,9 +570,10 @@ def child_moe_ep():
     w = w * vf[:, None]
 
     def experts(p):
-        return (M.ExpertMatrix((p["w_gate"],), M._dense_apply, (2,)),
-                M.ExpertMatrix((p["w_up"],), M._dense_apply, (2,)),
-                M.ExpertMatrix((p["w_down"],), M._dense_apply, (1,)))
+        apply = functools.partial(M._dense_apply, "auto")
+        return (M.ExpertMatrix((p["w_gate"],), apply, (2,)),
+                M.ExpertMatrix((p["w_up"],), apply, (2,)),
+                M.ExpertMatrix((p["w_down"],), apply, (1,)))
 
     def local(xf, w, p):
         return M.dropless_experts(xf, w, idx, experts(p), E)[0]
