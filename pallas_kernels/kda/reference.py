@@ -84,12 +84,13 @@ def kda_step(q, k, v, g, beta, state, *, scale=None):
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else scale
     f32 = jnp.float32
+    out_dtype = v.dtype
     q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
     S = state.astype(f32) * jnp.exp(g)[..., None]  # [B,H,K,V]
     kS = jnp.einsum("bhk,bhkv->bhv", k, S, precision=_HI)  # [B,H,V]
     S = S + jnp.einsum("bhk,bhv->bhkv", beta[..., None] * k, v - kS, precision=_HI)
     o = jnp.einsum("bhk,bhkv->bhv", scale * q, S, precision=_HI)  # [B,H,V]
-    return o.astype(v.dtype), S
+    return o.astype(out_dtype), S
 
 
 def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,

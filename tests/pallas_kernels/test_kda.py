@@ -156,6 +156,15 @@ def test_decode_steps_match_full_forward():
     assert rel_rms(state, s_full) < 1e-5
 
 
+def test_decode_step_output_in_v_dtype():
+    """kda_step returns o in v's dtype (bf16 here) and the state in f32, as documented."""
+    B, H, K, V = 2, 2, 8, 4
+    q = k = g = jnp.full((B, H, K), -0.1, jnp.bfloat16)
+    o, state = ops.kda_step(q, k, jnp.ones((B, H, V), jnp.bfloat16), g,
+                            jnp.full((B, H), 0.5, jnp.float32), jnp.zeros((B, H, K, V), f32))
+    assert o.dtype == jnp.bfloat16 and state.dtype == f32
+
+
 def test_ops_impls_agree_without_initial_state(interpret):
     """ops.kda dispatch, no initial state, output_final_state=False (final_state is None):
     every impl equals the recurrent oracle (T = 130, V != K)."""
