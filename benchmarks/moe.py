@@ -6,7 +6,8 @@
 parent keeps its own devices) that times one MoE layer (routing + routed experts, no shared
 expert), forward and forward+backward, for:
 
-  local_dropless_1dev   dropless dispatch (sort + lax.ragged_dot) on one device, all tokens
+  local_dropless_1dev   dropless dispatch (sort + grouped matmul: moe.grouped_matmul "auto", i.e.
+                        block-padded einsums on CPU, lax.ragged_dot on GPU/TPU) on one device
   local_capacity_1dev   capacity dispatch (scatter to [E,C,D] + batched einsum) on one device
   gspmd_capacity_8dev   the capacity path under jit with tokens split over the 8 devices and
                         experts over the "expert" axis; XLA's SPMD partitioner picks the comms
