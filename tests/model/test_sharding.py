@@ -17,7 +17,6 @@ waits for its own child's output.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import pathlib
