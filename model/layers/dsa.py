@@ -234,10 +234,13 @@ def masked_dense_attention(q, kv, key_mask, scale, v_dim: int) -> jax.Array:
 # `sparse_path`). Measured fwd+bwd on CPU (XLA gather path; benchmarks/rl_loop.py dsa_paths) at
 # the bench hybrid's shapes (B32 H4 D160 top-k 64) and the demo's (B32 H2 D64 top-k 32): the
 # gather is 3-10x slower than masked-dense scores at S = 1.5-4 x top-k and still slower at 8 x
-# top-k, so masked-dense is used up to 8 x top-k; its [B,T,H,S] scores are bounded by
-# MASKED_DENSE_MAX_SCORES elements (f32: 256 MiB; the indexer KL's target already holds scores
-# of that size in training).
-MASKED_DENSE_MAX_RATIO = 8
+# top-k. Longer (eleventh session, dsa_paths' functions at S = 8-32 x top-k): gather / masked
+# 1.59, 1.20, 0.87, 0.60 at 8, 12, 16, 24 x (bench shapes at B8) and 1.82, 2.73, 1.04, 0.75,
+# 0.57 at 8, 11, 16, 24, 32 x (demo shapes; the demo's RL episode rows are 352 = 11 x 32 wide:
+# its train step 1.97 s -> 1.62 s). So masked-dense is used up to 12 x top-k; its [B,T,H,S]
+# scores are bounded by MASKED_DENSE_MAX_SCORES elements (f32: 256 MiB; the indexer KL's target
+# already holds scores of that size in training).
+MASKED_DENSE_MAX_RATIO = 12
 MASKED_DENSE_MAX_SCORES = 1 << 26
 
 
