@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import functools
 import os
 import sys
@@ -251,9 +252,8 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
         if r.precompile and not generated:  # untimed forward: its compile is no logp sample
             compiling.append(loop.precompile_updates(
                 tasks, len(tasks) * r.group_size, r.group_size, state, algo=algo,
-                width=loop.train_width(r, tasks), step_fn=raw_step, forward=loop._RolloutForward(
-                    logp_fn=logp_fn, logp_value_fn=None, ref_vars=ref_vars,
-                    old_logp=old_src == "batch", **on_mesh), **on_mesh))
+                width=loop.train_width(r, tasks), step_fn=raw_step,
+                forward=dataclasses.replace(forward, logp_fn=logp_fn), **on_mesh))
         pending = start(to_sampler(state.variables), tasks, rng, version=int(state.step))
         group = pending.result()
         clock.add("score", group.score_wait_s)

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from model import sharding as shd
-from model.config import MoEConfig
+from model.config import GROUPED_MATMUL, MoEConfig
 from model.layers.linear import MLP
 from pallas_kernels.mxfp4 import ops as mx
 
@@ -404,8 +404,8 @@ def grouped_matmul(xs: jax.Array, w: jax.Array, gs: jax.Array, impl: str = "auto
     ragged_dot elsewhere."""
     if impl == "blocked" or (impl == "auto" and jax.default_backend() == "cpu"):
         return blocked_grouped_matmul(xs, w, gs)
-    if impl not in ("auto", "ragged_dot"):
-        raise ValueError(f"grouped_matmul impl must be auto, ragged_dot or blocked, got {impl!r}")
+    if impl not in GROUPED_MATMUL:
+        raise ValueError(f"grouped_matmul impl must be one of {GROUPED_MATMUL}, got {impl!r}")
     return jax.lax.ragged_dot(xs, w, gs)
 
 
