@@ -5,7 +5,12 @@ Side by side in one process, alternating rounds, medians of the per-round times:
   * RL rollouts: 8 prompts x 4 samples (32 rows), prompts right-padded to 72 tokens, 48 new
     tokens at temperature 1: plain (every row prefilled), shared (each prompt prefilled once,
     `group_size=4`), refill (`slots=R`, shared prefill into a prompt bank) for a few R;
-  * evaluation: 32 distinct prompts, greedy: plain vs refill.
+  * evaluation: 32 distinct prompts, greedy: plain vs refill;
+  * multi-turn episodes (rl/agent.py, the demo's multistep tasks in sandbox sessions, rl.agent
+    of the demo config): full (every turn re-reads its whole context) vs cached (each turn
+    continues the episode's decode cache, `rl.agent.cache_turns`), as RL plays them (8 tasks x
+    4 samples at T=1) and as evaluation does (32 tasks, greedy): seconds per batch (median),
+    context positions prefilled, turns, and whether the episodes came out the same.
 Reported per variant: seconds per generate call (median), generated tokens/s (real tokens, not
 padding), decode-loop steps of the refill variants, and the ratio to plain.
 
@@ -131,5 +136,49 @@ def run(quick: bool = False) -> dict:
     out["eval"] = _rounds(ev, rounds)
     for n, v in out["eval"].items():
         print(f"  {n:>12}: {v}", flush=True)
+    out["episodes"] = _episodes(config, model, tok, variables, 3 if quick else 5)
     out["load_after"] = os.getloadavg()
+    return out
+
+
+def _episodes(config, model, tok, variables, rounds: int) -> dict:
+    """Agent rollouts with and without the turn cache, alternating per round (module doc)."""
+    import dataclasses
+
+    from rl.agent import AgentRolloutWorker
+    from rl.loop import agent_env_config, load_task_splits
+    from rl.sampler import SamplingConfig
+    from sandbox import SandboxPool
+
+    a = config.rl.agent
+    config.tasks.update(dict(families="multistep", val_per_family=32))
+    tasks = [t for t, _ in load_task_splits(config)["val"]]
+    base = SamplingConfig(max_new_tokens=int(a.turn_tokens), eos_id=tok.eos_id)
+    shapes = {"rl": (tasks[:8], 4, 1.0), "eval": (tasks[:32], 1, 0.0)}
+    out = {}
+    with SandboxPool(workers=int(config.sandbox.workers)) as pool:
+        for shape, (ts, G, temp) in shapes.items():
+            workers = {name: AgentRolloutWorker(
+                model, tok, dataclasses.replace(base, temperature=temp), pool, group_size=G,
+                width=int(a.width), env_config=agent_env_config(a), cache_turns=cached)
+                for name, cached in (("full", False), ("cached", True))}
+            times = {n: [] for n in workers}
+            groups = {}
+            for r in range(rounds + 1):  # round 0 compiles
+                for n in (list(workers) if r % 2 else list(workers)[::-1]):
+                    t = time.perf_counter()
+                    groups[n] = workers[n].start(variables, ts, jax.random.key(r)).result()
+                    if r:
+                        times[n].append(time.perf_counter() - t)
+            res = {}
+            for n, g in groups.items():
+                res[n] = {"s": round(statistics.median(times[n]), 3),
+                          "prefill_positions": int(g.prefill_tokens),
+                          "turns_mean": round(float(np.mean([d["turns"] for d in g.details])), 2),
+                          "success": round(float(np.mean(g.rewards >= 1.0)), 3)}
+            res["speedup"] = round(res["full"]["s"] / res["cached"]["s"], 3)
+            res["same_episodes"] = bool(np.array_equal(groups["full"].completions,
+                                                       groups["cached"].completions))
+            print(f"episodes ({shape}: {len(ts)} tasks x {G}, T={temp:g}): {res}", flush=True)
+            out[shape] = res
     return out

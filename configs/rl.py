@@ -145,10 +145,11 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # `width` tokens (prompt, the model's turns, the <tool_response> observations), at most
     # `turn_tokens` per model turn, `max_turns` turns, command output cut to
     # `observation_tokens`; format_penalty per malformed tool call. SFT renders demonstrations
-    # with the same settings.
+    # with the same settings. cache_turns: each turn continues the episode's decode cache and
+    # prefills only its new tokens (rl/agent.py; False: every turn re-reads its whole context).
     c.rl.agent = ml_collections.ConfigDict(dict(
         width=448, turn_tokens=96, max_turns=6, observation_tokens=48, command_timeout_s=5.0,
-        format_penalty=0.0))
+        format_penalty=0.0, cache_turns=True))
 
     # numerics: mu_dtype = Adam's first moment; master_dtype = an f32 master copy of every
     # non-f32 parameter with the optimizer (both moments) in f32 (rl.train_step.with_master_copy;

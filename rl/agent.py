@@ -18,8 +18,13 @@ tokens as context, never as targets), and `sampler_logp` holds the sampler's log
 The same rendering gives SFT rows (`encode_episode`), so demonstrations and rollouts agree
 token for token.
 
-Batching: a turn is one sampler call over a fixed [rows, width - turn_tokens] context batch
-(one compiled program), stopping each row at `</tool_call>` or EOS. The rows are split into two
+Batching: a turn is one sampler call over the rows of a half, stopping each row at
+`</tool_call>` or EOS. With `cache_turns` (the default; without a mesh and without speculative
+decoding) each half keeps its decode cache (KDA state and conv window, DSA latent rows) between
+turns, and a turn prefills only the tokens the cache does not hold yet (the turn's last sampled
+token and the observation) before decoding: `Sampler.extend`, one compiled program per padded
+width of those new tokens (powers of two from 32). Otherwise every turn re-reads its whole
+context: a fixed [rows, width - turn_tokens] context batch (one compiled program). The rows are split into two
 halves that alternate: while one half's commands run in the sandbox pool, the other half
 generates (`overlap_s` in the metrics is the time generation spent with commands in flight).
 A row whose episode ended keeps its slot (its context is not generated from) until every row is
@@ -27,9 +32,9 @@ done. The reward is the environment's: the task's check on the session's final s
 format penalties (`info["episode_return"]`); an episode the sandbox failed is flagged in
 `failed` and dropped from the loss, like a one-shot sandbox_error.
 
-Not covered: prefix caching across turns (every turn re-reads its whole context), sharded
-multi-process agent rollouts (the sampler's mesh works, rows are this process's), and tools
-other than the environment's.
+Not covered: the turn cache on a mesh or with speculative decoding (every turn re-reads its
+context there), sharded multi-process agent rollouts (the sampler's mesh works, rows are this
+process's), and tools other than the environment's.
 """
 
 from __future__ import annotations
@@ -81,6 +86,27 @@ def encode_episode(tokenizer, prompt: str, turns) -> tuple[list[int], list[bool]
     return ids, mask
 
 
+_SEGMENT_MIN = 32  # the narrowest padded width of a turn's new tokens (cached turns)
+
+
+def _segment_width(n: int, cap: int) -> int:
+    """The padded width of n new tokens: the next power of two from _SEGMENT_MIN, at most cap
+    (a few widths, so a few compiled programs)."""
+    m = _SEGMENT_MIN
+    while m < n:
+        m *= 2
+    return min(m, cap)
+
+
+@dataclasses.dataclass
+class _HalfCache:
+    """The decode cache of one half of the rows between its turns, and how many tokens of each
+    row it holds (its lengths, read back after each call)."""
+    cache: dict | None = None
+    fed: np.ndarray | None = None
+    restarts: int = 0
+
+
 @dataclasses.dataclass
 class _Row:
     env: SessionEnv
@@ -114,11 +140,13 @@ class AgentRolloutWorker:
     top-k/top-p; its stop_sequences get `</tool_call>` added). executor: a SandboxPool or
     SandboxClient with sessions (`max_sessions` >= the rows of a batch). width: tokens per
     episode row; contexts are generated from at width - max_new_tokens, and the environment's
-    token cap is set so that an episode never outgrows it.
+    token cap is set so that an episode never outgrows it. cache_turns: keep each half's decode
+    cache between turns (module docstring); ignored on a mesh and with speculative decoding.
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingConfig, executor, *, group_size: int,
-                 width: int, env_config: EnvConfig | None = None, mesh=None, rules=None):
+                 width: int, env_config: EnvConfig | None = None, mesh=None, rules=None,
+                 cache_turns: bool = True):
         stop = tuple(tokenizer.encode(TOOL_CALL_END))
         if stop not in sampling.stop_sequences:
             sampling = dataclasses.replace(sampling,
@@ -138,6 +166,13 @@ class AgentRolloutWorker:
         self.sampling, self.width, self.group_size = sampling, width, group_size
         self.sampler = Sampler(model, sampling, mesh=mesh, rules=rules)
         self.count_tokens = lambda s: len(tokenizer.encode(s))
+        self.cache_turns = bool(cache_turns) and mesh is None and sampling.speculative == "none"
+        if width > model.cfg.max_seq_len:
+            raise ValueError(f"width {width} exceeds the model's max_seq_len "
+                             f"{model.cfg.max_seq_len}")
+        # decode-cache rows per episode row: the episode, plus room for the padded new tokens of
+        # a turn (a row's position + the padded width must fit, else the half's cache restarts)
+        self.cache_len = width + _SEGMENT_MIN * 4
 
     # ------------------------------------------------------------------------------------
     def start(self, variables, tasks: list, rng, group_size: int | None = None,
@@ -159,13 +194,15 @@ class AgentRolloutWorker:
         t0 = time.perf_counter()
         rows = self._open(rep) + [self._padding_row(rep[0]) for _ in range(total - n)]
         try:
-            overlap = self._run(variables, rows, rng)
+            overlap, prefilled = self._run(variables, rows, rng)
         finally:
             for r in rows:
                 if not r.done and r.env is not None:
                     r.env.close()
         gen_s = time.perf_counter() - t0
-        return self._group(rows[:n], G, len(tasks), gen_s, overlap)
+        g = self._group(rows[:n], G, len(tasks), gen_s, overlap)
+        g.prefill_tokens = prefilled
+        return g
 
     # ------------------------------------------------------------------------------------
     def _open(self, tasks: list) -> list[_Row]:
@@ -188,28 +225,47 @@ class AgentRolloutWorker:
         ids = [self.tok.bos_id]
         return _Row(None, task, ids, [False], [0.0], 1, done=True)
 
-    def _run(self, variables, rows: list[_Row], rng) -> float:
+    def _run(self, variables, rows: list[_Row], rng) -> tuple[float, int]:
+        """(seconds generated with commands in flight, context positions prefilled)."""
         half = len(rows) // 2
         halves = [rows[:half], rows[half:]]
-        overlap = 0.0
+        caches = [_HalfCache(), _HalfCache()]
+        overlap, prefilled = 0.0, 0
         while not all(r.done for r in rows):
-            for h in halves:
+            for h, hc in zip(halves, caches):
                 self._collect(h, wait=True)
                 if all(r.done for r in h):
                     continue
                 in_flight = any(r.pending is not None for r in rows)
                 t = time.perf_counter()
                 rng, sub = jax.random.split(rng)
-                self._turn(variables, h, sub)
+                prefilled += self._turn(variables, h, sub, hc)
                 if in_flight:
                     overlap += time.perf_counter() - t
-        return overlap
+        return overlap, prefilled
 
-    def _turn(self, variables, rows: list[_Row], rng) -> None:
-        """One sampler call for the rows of a half whose episode waits for a model turn."""
+    def _turn(self, variables, rows: list[_Row], rng, hc: _HalfCache) -> int:
+        """One sampler call for the rows of a half whose episode waits for a model turn; returns
+        the context positions it prefilled (rows x padded width)."""
         active = [i for i, r in enumerate(rows) if not r.done and r.pending is None]
         if not active:
-            return
+            return 0
+        turn = self._cached_turn if self.cache_turns else self._full_turn
+        toks, mask, lps, prefilled = turn(variables, rows, active, rng, hc)
+        for i in active:
+            r = rows[i]
+            m = mask[i]
+            gen, lp = toks[i][m].tolist(), lps[i][m].tolist()
+            r.ids += gen
+            r.target += [True] * len(gen)
+            r.logp += lp
+            r.turns += 1
+            r.pending = r.env.submit_step(self.tok.decode(gen))
+        return prefilled
+
+    def _full_turn(self, variables, rows: list[_Row], active: list[int], rng, hc=None):
+        """The turn from scratch: every row's whole context, one [rows, context] program."""
+        del hc
         W = self.context
         prompts = np.full((len(rows), W), self.tok.pad_id, np.int32)
         lens = np.ones(len(rows), np.int32)
@@ -221,15 +277,36 @@ class AgentRolloutWorker:
         out = self.sampler.generate(variables, prompts, lens, rng)
         toks, mask, lps = (np.asarray(x) for x in jax.device_get(
             (out.tokens, out.mask, out.logprobs)))
+        return toks, mask, lps, prompts.size
+
+    def _cached_turn(self, variables, rows: list[_Row], active: list[int], rng,
+                     hc: _HalfCache):
+        """The turn through the half's decode cache: each active row feeds the tokens its cache
+        does not hold yet (its position is read back from the cache after every call). A cache
+        that cannot take the padded new tokens for a row whose episode still runs (or none yet)
+        is started afresh: every active row then feeds its whole context."""
+        live = [i for i, r in enumerate(rows) if not r.done]
+
+        def width(fed):
+            return _segment_width(max(len(rows[i].ids) - fed[i] for i in active), self.context)
+
+        M = width(hc.fed) if hc.cache is not None else 0
+        if hc.cache is None or any(hc.fed[i] + M > self.cache_len for i in live):
+            hc.cache = self.sampler.new_cache(len(rows), self.cache_len)
+            hc.fed = np.zeros(len(rows), np.int64)
+            hc.restarts += 1
+            M = width(hc.fed)
+        tokens = np.full((len(rows), M), self.tok.pad_id, np.int32)
+        lens = np.zeros(len(rows), np.int32)
         for i in active:
-            r = rows[i]
-            m = mask[i]
-            gen, lp = toks[i][m].tolist(), lps[i][m].tolist()
-            r.ids += gen
-            r.target += [True] * len(gen)
-            r.logp += lp
-            r.turns += 1
-            r.pending = r.env.submit_step(self.tok.decode(gen))
+            seg = rows[i].ids[hc.fed[i]:]
+            tokens[i, :len(seg)] = seg
+            lens[i] = len(seg)
+        out, hc.cache = self.sampler.extend(variables, hc.cache, tokens, lens, rng)
+        toks, mask, lps, fed = (np.asarray(x) for x in jax.device_get(
+            (out.tokens, out.mask, out.logprobs, hc.cache["lengths"])))
+        hc.fed = fed.astype(np.int64)
+        return toks, mask, lps, tokens.size
 
     def _collect(self, rows: list[_Row], wait: bool) -> None:
         for r in rows:
@@ -340,6 +417,7 @@ class _Merged:
         out.score_wait_s = sum(g.score_wait_s for _, g in groups)
         out.score_s = max(g.score_s for _, g in groups)
         out.overlap_s = sum(g.overlap_s for _, g in groups)
+        out.prefill_tokens = sum(g.prefill_tokens for _, g in groups)
         return out
 
 

@@ -276,7 +276,7 @@ def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_si
     agent = AgentRolloutWorker(
         model, tok, dataclasses.replace(sampling, max_new_tokens=int(a.turn_tokens)), executor,
         group_size=group_size, width=int(a.width), env_config=agent_env_config(a),
-        mesh=mesh, rules=rules)
+        mesh=mesh, rules=rules, cache_turns=bool(a.cache_turns))
     return RoutingWorker(worker, agent)
 
 

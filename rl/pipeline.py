@@ -130,6 +130,7 @@ class ScoredGroup:
     # (observations are context, never targets); None: every completion token is the model's
     target_mask: np.ndarray | None = None
     overlap_s: float = 0.0  # agent rollouts: generation time with sandbox commands in flight
+    prefill_tokens: int = 0  # agent rollouts: context positions the turns prefilled (padded)
 
     def model_tokens(self) -> np.ndarray:
         """[N] tokens the model generated per row."""

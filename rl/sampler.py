@@ -26,7 +26,10 @@ R slots decode; when a slot's row ends, the next queued row takes the slot (its 
 cache and first token) inside the same compiled while_loop. Outputs stay indexed like the input
 rows, with `finish_order` / `finish_step` giving the completion order. Greedy output of both
 equals the plain sampler's token for token (tests/rl/test_sampler_fast.py); measured by
-`benchmarks/rollouts.py`. On a mesh, sharing needs the distinct prompts to split over the same
+`benchmarks/rollouts.py`. Continuing from a cache (`new_cache`, then `extend(variables, cache,
+tokens, lengths, rng)` per call): each row's new tokens are prefilled at its cache position and
+decoding runs as above; the cache comes back for the next call (multi-turn episodes, rl/agent.py:
+a turn prefills its last sampled token and the observation, not the whole context). On a mesh, sharing needs the distinct prompts to split over the same
 batch axes as the rows (otherwise every row is prefilled, logged once); refill runs on a
 one-process mesh only. `prefill_groups` is the shared prefill for other decoders. Not covered:
 either with speculative="mtp" (sharing falls back to prefilling every row, logged once; refill
@@ -217,6 +220,10 @@ def _program(model: Model, cfg: SamplingConfig, mesh=None, rules=None, mode: tup
     key = (model.cfg, dataclasses.replace(cfg, temperature=1.0), _mesh_key(mesh, rules), mode)
     fn = _PROGRAMS.get(key)
     if fn is None:
+        if mode[0] == "extend":  # (variables, cache, tokens, lengths, rng, temperature)
+            fn = _PROGRAMS[key] = jax.jit(functools.partial(_extend_impl, model, key[1]),
+                                          donate_argnums=(1,))
+            return fn
         if cfg.speculative == "mtp":
             from rl.speculative import generate_speculative_impl as impl
         elif mode[0] == "refill":
@@ -387,6 +394,39 @@ class Sampler:
             prompts, lengths = shd.to_global((prompts, lengths), self.mesh, self.rules)
         return fn(variables, prompts, lengths, rng, np.float32(self.cfg.temperature))
 
+    def new_cache(self, batch: int, max_len: int):
+        """An empty decode cache of `batch` rows and `max_len` positions for `extend`."""
+        if self.mesh is not None or self.cfg.speculative != "none":
+            raise ValueError("Sampler.extend runs without a mesh and without speculative "
+                             "decoding: use generate (every call prefills its prompts)")
+        return self.model.init_cache(batch, max_len)
+
+    def extend(self, variables, cache, tokens, lengths, rng):
+        """Continue rows from a decode cache (multi-turn episodes: the next turn's context is the
+        cached one plus a few new tokens). tokens [B,M] right-padded: each row's tokens that the
+        cache does not hold yet (the last sampled token, an observation); lengths [B] how many
+        (0: the row sits the call out, its cache is not advanced and it generates nothing).
+        They are prefilled at each row's cache position (cache["lengths"]) and decoding runs as
+        in `generate`. Returns (SampleOutput, cache); the passed cache is donated (do not reuse
+        it). The cache needs room for every row's position + M + max_new_tokens (a row that sits
+        out may have garbage written past its length: only use it again after its episode has
+        ended). One compiled program per (B, M, cache size). Greedy output equals `generate` on
+        the whole context up to float reassociation (tests/rl/test_agent.py)."""
+        if self.mesh is not None or self.cfg.speculative != "none":
+            raise ValueError("Sampler.extend runs without a mesh and without speculative "
+                             "decoding: use generate (every call prefills its prompts)")
+        tokens = np.asarray(tokens, np.int32)
+        lengths = np.asarray(lengths, np.int32)
+        if (tokens.ndim != 2 or lengths.shape != tokens.shape[:1]
+                or cache["lengths"].shape != lengths.shape):
+            raise ValueError(f"tokens must be [B,M] and lengths [B] for a cache of "
+                             f"{cache['lengths'].shape[0]} rows; got {tokens.shape}, "
+                             f"{lengths.shape}")
+        if lengths.min() < 0 or lengths.max() > tokens.shape[1]:
+            raise ValueError(f"lengths must be in [0, {tokens.shape[1]}], got {lengths}")
+        fn = _program(self.model, self.cfg, mode=("extend",))
+        return fn(variables, cache, tokens, lengths, rng, np.float32(self.cfg.temperature))
+
 
 def repeat_rows(tree, group: int):
     """Each row of every leaf (leading dim = batch) repeated group times, consecutively."""
@@ -419,16 +459,39 @@ def _generate_impl(model: Model, cfg: SamplingConfig, variables, prompts, length
                    temperature, *, group: int = 1):
     """prompts [U,P]: the distinct prompts (every row when group == 1); U * group rows out."""
     U, P = prompts.shape
-    G = cfg.max_new_tokens
-    B = U * group
-    cache, logits, _ = prefill_groups(model, cfg, variables, prompts, lengths, P + G, group)
+    cache, logits, _ = prefill_groups(model, cfg, variables, prompts, lengths,
+                                      P + cfg.max_new_tokens, group)
     last = repeat_rows(_last_logits(logits, lengths), group)  # [B,V]
+    return _decode(model, cfg, variables, cache, last, rng, temperature)[0]
+
+
+def _extend_impl(model: Model, cfg: SamplingConfig, variables, cache, tokens, lengths, rng,
+                 temperature):
+    """Continue rows from their cache: tokens [B,M] right-padded new tokens per row, lengths [B]
+    how many (0: the row sits the call out: its cache is not advanced, nothing is generated).
+    The new tokens are prefilled at each row's cache position, then decoding runs as in
+    `_generate_impl`. Returns (SampleOutput, cache)."""
+    logits, cache, _ = model.prefill(variables, tokens, lengths, cache, chunk=cfg.prefill_chunk)
+    last = _last_logits(logits, jnp.maximum(lengths, 1))  # [B,V]
+    return _decode(model, cfg, variables, cache, last, rng, temperature, skip=lengths == 0)
+
+
+def _decode(model: Model, cfg: SamplingConfig, variables, cache, last, rng, temperature,
+            skip=None):
+    """The decode loop from a prefilled cache and each row's last logits [B,V]: the first token
+    is drawn from `last`, then one decode step per token until every row is done. skip [B]
+    bool: rows that generate nothing (done from the start, cache untouched). Returns
+    (SampleOutput, cache)."""
+    B = last.shape[0]
+    G = cfg.max_new_tokens
     rng, sub = jax.random.split(rng)
     tok, lp = _sample(last, sub, cfg, temperature)
     buf = jnp.zeros((B, G), jnp.int32).at[:, 0].set(tok)
     lps = jnp.zeros((B, G), jnp.float32).at[:, 0].set(lp)
     done = (tok == cfg.eos_id) | _hits_stop(buf, 0, cfg)
     n_gen = jnp.ones((B,), jnp.int32)
+    if skip is not None:
+        done, n_gen = done | skip, jnp.where(skip, 0, n_gen)
 
     def cond(carry):
         t, _, _, _, _, done, _, _ = carry
@@ -448,10 +511,11 @@ def _generate_impl(model: Model, cfg: SamplingConfig, variables, prompts, length
         return t + 1, nxt, buf, lps, cache, done, n_gen, rng
 
     carry = (jnp.int32(1), tok, buf, lps, cache, done, n_gen, rng)
-    _, _, buf, lps, _, done, n_gen, _ = jax.lax.while_loop(cond, body, carry)
+    _, _, buf, lps, cache, done, n_gen, _ = jax.lax.while_loop(cond, body, carry)
     mask = jnp.arange(G)[None] < n_gen[:, None]
+    finished = done if skip is None else done & ~skip
     return SampleOutput(tokens=jnp.where(mask, buf, 0), logprobs=jnp.where(mask, lps, 0.0),
-                        mask=mask, lengths=n_gen, finished=done)
+                        mask=mask, lengths=n_gen, finished=finished), cache
 
 
 def _refill_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths, rng,

@@ -9,7 +9,8 @@ tests). The benchmarks live in benchmarks/ (one module per topic); this file onl
   mxfp4    MXFP4 vs bf16 bytes and matmul time (decode M=8, prefill M=2048)
   sandbox  isolated runs/s and latency vs a plain subprocess, and through the HTTP server
   rl       sampler with cache vs recompute, train step time, RL iteration split
-  rollouts prefix sharing and row refill vs the plain sampler (RL and eval batch shapes)
+  rollouts prefix sharing and row refill vs the plain sampler (RL and eval batch shapes);
+           multi-turn episodes with the turn cache vs re-reading the context every turn
   spec     MTP speculative (k = 1, 2, 3 drafts) vs plain decoding: tokens/s, acceptance per
            draft position, trunk passes per token, greedy outputs identical
   moe      expert-parallel dispatch vs local dispatch on 8 host devices
