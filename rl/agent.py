@@ -24,9 +24,10 @@ decoding) each half keeps its decode cache (KDA state and conv window, DSA laten
 turns, and a turn prefills only the tokens the cache does not hold yet (the turn's last sampled
 token and the observation) before decoding: `Sampler.extend`, one compiled program per padded
 width of those new tokens (powers of two from 32). Otherwise every turn re-reads its whole
-context: a fixed [rows, width - turn_tokens] context batch (one compiled program). The rows are split into two
-halves that alternate: while one half's commands run in the sandbox pool, the other half
-generates (`overlap_s` in the metrics is the time generation spent with commands in flight).
+context: a fixed [rows, width - turn_tokens] context batch (one compiled program). The rows are
+split into two halves that alternate: while one half's commands run in the sandbox pool, the
+other half generates (`overlap_s` in the metrics is the time generation spent with commands in
+flight).
 A row whose episode ended keeps its slot (its context is not generated from) until every row is
 done. The reward is the environment's: the task's check on the session's final state minus the
 format penalties (`info["episode_return"]`); an episode the sandbox failed is flagged in
@@ -104,7 +105,6 @@ class _HalfCache:
     row it holds (its lengths, read back after each call)."""
     cache: dict | None = None
     fed: np.ndarray | None = None
-    restarts: int = 0
 
 
 @dataclasses.dataclass
@@ -294,7 +294,6 @@ class AgentRolloutWorker:
         if hc.cache is None or any(hc.fed[i] + M > self.cache_len for i in live):
             hc.cache = self.sampler.new_cache(len(rows), self.cache_len)
             hc.fed = np.zeros(len(rows), np.int64)
-            hc.restarts += 1
             M = width(hc.fed)
         tokens = np.full((len(rows), M), self.tok.pad_id, np.int32)
         lens = np.zeros(len(rows), np.int32)

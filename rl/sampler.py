@@ -28,10 +28,11 @@ rows, with `finish_order` / `finish_step` giving the completion order. Greedy ou
 equals the plain sampler's token for token (tests/rl/test_sampler_fast.py); measured by
 `benchmarks/rollouts.py`. Continuing from a cache (`new_cache`, then `extend(variables, cache,
 tokens, lengths, rng)` per call): each row's new tokens are prefilled at its cache position and
-decoding runs as above; the cache comes back for the next call (multi-turn episodes, rl/agent.py:
-a turn prefills its last sampled token and the observation, not the whole context). On a mesh, sharing needs the distinct prompts to split over the same
-batch axes as the rows (otherwise every row is prefilled, logged once); refill runs on a
-one-process mesh only. `prefill_groups` is the shared prefill for other decoders. Not covered:
+decoding runs as above; the cache comes back for the next call (multi-turn episodes,
+rl/agent.py: a turn prefills its last sampled token and the observation, not the whole
+context). On a mesh, sharing needs the distinct prompts to split over the same batch axes as
+the rows (otherwise every row is prefilled, logged once); refill runs on a one-process mesh
+only. `prefill_groups` is the shared prefill for other decoders. Not covered:
 either with speculative="mtp" (sharing falls back to prefilling every row, logged once; refill
 raises), refill across several processes (raises), sharing a common prefix of different prompts.
 
@@ -394,11 +395,14 @@ class Sampler:
             prompts, lengths = shd.to_global((prompts, lengths), self.mesh, self.rules)
         return fn(variables, prompts, lengths, rng, np.float32(self.cfg.temperature))
 
-    def new_cache(self, batch: int, max_len: int):
-        """An empty decode cache of `batch` rows and `max_len` positions for `extend`."""
+    def _check_extend(self):
         if self.mesh is not None or self.cfg.speculative != "none":
             raise ValueError("Sampler.extend runs without a mesh and without speculative "
                              "decoding: use generate (every call prefills its prompts)")
+
+    def new_cache(self, batch: int, max_len: int):
+        """An empty decode cache of `batch` rows and `max_len` positions for `extend`."""
+        self._check_extend()
         return self.model.init_cache(batch, max_len)
 
     def extend(self, variables, cache, tokens, lengths, rng):
@@ -408,13 +412,13 @@ class Sampler:
         (0: the row sits the call out, its cache is not advanced and it generates nothing).
         They are prefilled at each row's cache position (cache["lengths"]) and decoding runs as
         in `generate`. Returns (SampleOutput, cache); the passed cache is donated (do not reuse
-        it). The cache needs room for every row's position + M + max_new_tokens (a row that sits
-        out may have garbage written past its length: only use it again after its episode has
-        ended). One compiled program per (B, M, cache size). Greedy output equals `generate` on
-        the whole context up to float reassociation (tests/rl/test_agent.py)."""
-        if self.mesh is not None or self.cfg.speculative != "none":
-            raise ValueError("Sampler.extend runs without a mesh and without speculative "
-                             "decoding: use generate (every call prefills its prompts)")
+        it). Room: every row's position + M must fit the cache (every row's padded tokens are
+        written past its position, where decoding or the next call overwrites them before any
+        query attends them; a write that does not fit lands inside the row's history), and a
+        generating row's position + its new tokens + max_new_tokens too. One compiled program
+        per (B, M, cache size). Greedy output equals `generate` on the whole context up to
+        float reassociation (tests/rl/test_agent.py)."""
+        self._check_extend()
         tokens = np.asarray(tokens, np.int32)
         lengths = np.asarray(lengths, np.int32)
         if (tokens.ndim != 2 or lengths.shape != tokens.shape[:1]
@@ -458,7 +462,7 @@ def _last_logits(logits, lengths):
 def _generate_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths, rng,
                    temperature, *, group: int = 1):
     """prompts [U,P]: the distinct prompts (every row when group == 1); U * group rows out."""
-    U, P = prompts.shape
+    P = prompts.shape[1]
     cache, logits, _ = prefill_groups(model, cfg, variables, prompts, lengths,
                                       P + cfg.max_new_tokens, group)
     last = repeat_rows(_last_logits(logits, lengths), group)  # [B,V]

@@ -167,40 +167,41 @@ def test_routing_worker_merges_one_shot_and_agent_rows_in_task_order(agent):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_turn_cache_equals_rereading_the_whole_context(agent, temperature, monkeypatch):
+def test_turn_cache_equals_rereading_the_whole_context(agent, monkeypatch):
     """Turns that continue the episode's decode cache (prefilling only the last sampled token and
     the observation) give the episodes of turns that re-read the whole context: token for token
-    (greedy, and sampled from the same rng), log-probs within 2e-4, the same rewards; they
-    prefill a fraction of the positions. Also when the cache has to start afresh mid-episode
-    (a padded segment that does not fit: forced here by a narrow cache)."""
+    greedy and sampled from the same rng (T=0.7), log-probs within 2e-4, the same rewards; they
+    prefill a fraction of the positions. The sampled run also has the cache start afresh
+    mid-episode (a padded segment that does not fit: forced by a narrow cache)."""
     import rl.agent as agent_mod
 
     model, variables, tok, task = agent["model"], agent["variables"], agent["tok"], agent["task"]
     tasks = [task] + multistep.make_split("train", 3, seed=5, difficulty=1)
-    sampling = SamplingConfig(max_new_tokens=TURN, temperature=temperature, eos_id=tok.eos_id)
-    groups, restarts = {}, {}
+    runs = {}
     with SandboxPool(workers=2) as pool:
-        for name, cached in (("full", False), ("cached", True), ("restarts", True)):
+        for temperature, cached, narrow in ((0.0, False, False), (0.0, True, False),
+                                            (0.7, False, False), (0.7, True, True)):
+            sampling = SamplingConfig(max_new_tokens=TURN, temperature=temperature,
+                                      eos_id=tok.eos_id)
             w = AgentRolloutWorker(model, tok, sampling, pool, group_size=2, width=WIDTH,
                                    env_config=ENV, cache_turns=cached)
-            if name == "restarts":  # segments padded to 256 in a cache of exactly WIDTH rows
+            if narrow:  # segments padded to 256 in a cache of exactly WIDTH positions
                 monkeypatch.setattr(agent_mod, "_SEGMENT_MIN", 256)
                 w.cache_len = WIDTH
             calls = []
             new_cache = w.sampler.new_cache
             w.sampler.new_cache = lambda *a, calls=calls, f=new_cache: calls.append(a) or f(*a)
-            groups[name] = w.start(variables, tasks, jax.random.key(7)).result()
-            restarts[name] = len(calls)
-    full = groups["full"]
-    assert max(d["turns"] for d in full.details) >= 3 and (full.rewards == 1.0).any()
-    assert restarts["full"] == 0 and restarts["cached"] == 2  # one cache per half, kept
-    assert restarts["restarts"] > 2
-    for name in ("cached", "restarts"):
-        g = groups[name]
-        np.testing.assert_array_equal(g.completions, full.completions)
-        np.testing.assert_array_equal(g.target_mask, full.target_mask)
-        np.testing.assert_array_equal(g.rewards, full.rewards)
-        np.testing.assert_allclose(g.sampler_logp, full.sampler_logp, atol=2e-4)
-    assert groups["cached"].prefill_tokens * 3 < full.prefill_tokens, (
-        groups["cached"].prefill_tokens, full.prefill_tokens)
+            g = w.start(variables, tasks, jax.random.key(7)).result()
+            runs[temperature, cached] = g, len(calls)
+    for temperature in (0.0, 0.7):
+        (full, n_full), (cached, n_cached) = runs[temperature, False], runs[temperature, True]
+        assert max(d["turns"] for d in full.details) >= 3 and (full.rewards == 1.0).any()
+        # one cache per half, kept across turns; the narrow one (T=0.7) started afresh too
+        assert n_full == 0 and (n_cached == 2 if temperature == 0 else n_cached > 2), n_cached
+        np.testing.assert_array_equal(cached.completions, full.completions)
+        np.testing.assert_array_equal(cached.target_mask, full.target_mask)
+        np.testing.assert_array_equal(cached.rewards, full.rewards)
+        np.testing.assert_allclose(cached.sampler_logp, full.sampler_logp, atol=2e-4)
+    full, cached = runs[0.0, False][0], runs[0.0, True][0]
+    assert cached.prefill_tokens * 3 < full.prefill_tokens, (cached.prefill_tokens,
+                                                             full.prefill_tokens)
