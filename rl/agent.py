@@ -88,6 +88,9 @@ def encode_episode(tokenizer, prompt: str, turns) -> tuple[list[int], list[bool]
 
 
 _SEGMENT_MIN = 32  # the narrowest padded width of a turn's new tokens (cached turns)
+# decode-cache positions past the episode width: room for a turn's padded new tokens written past
+# a row's position (a row whose position + padded width does not fit restarts the half's cache)
+_CACHE_SLACK = 128
 
 
 def _segment_width(n: int, cap: int) -> int:
@@ -170,9 +173,7 @@ class AgentRolloutWorker:
         if width > model.cfg.max_seq_len:
             raise ValueError(f"width {width} exceeds the model's max_seq_len "
                              f"{model.cfg.max_seq_len}")
-        # decode-cache rows per episode row: the episode, plus room for the padded new tokens of
-        # a turn (a row's position + the padded width must fit, else the half's cache restarts)
-        self.cache_len = width + _SEGMENT_MIN * 4
+        self.cache_len = width + _CACHE_SLACK  # decode-cache positions per row (cached turns)
 
     # ------------------------------------------------------------------------------------
     def start(self, variables, tasks: list, rng, group_size: int | None = None,
