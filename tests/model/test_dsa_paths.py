@@ -92,3 +92,42 @@ def test_layer_paths_equal_the_sparse_gather(T, path, monkeypatch):
                                rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(g_rule), jax.tree.leaves(g_sp)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("S,path", [(6, "dense"), (3 * K, "masked"),
+                                    (dsa.MASKED_DENSE_MAX_RATIO * K + 3, "sparse")])
+def test_cached_paths_equal_the_sparse_gather(S, path, monkeypatch):
+    """With a decode cache of S rows the rule picks by S too: a prefill of the rows' prompts
+    (lengths S-3 and S-5) then two one-token steps give the same outputs as the token-sparse
+    gather forced by monkeypatching, and as the no-cache forward over the whole sequences."""
+    layer = _layer()
+    B, P = 2, S - 3
+    x = jax.random.normal(jax.random.key(1), (B, P + 2, 24))
+    lengths = jnp.array([P, P - 2])
+    assert dsa.sparse_path(S, K, "auto", jnp.float32, 16, 24) == path
+    params = layer.init(jax.random.key(0), x[:, :P], valid=jnp.ones((B, P), bool),
+                        positions=jnp.broadcast_to(jnp.arange(P), (B, P)))
+
+    def run(params):
+        cache = dsa.DSALayer.init_cache(layer.cfg, B, S, jnp.float32)
+        valid = jnp.arange(P)[None] < lengths[:, None]
+        _, cache, _ = layer.apply(params, x[:, :P], valid=valid,
+                                  positions=jnp.broadcast_to(jnp.arange(P), (B, P)),
+                                  cache=cache, offset=jnp.zeros((B,), jnp.int32))
+        outs = []
+        for j in range(2):  # row b's token j sits at position lengths[b] + j
+            xj = jnp.take_along_axis(x, (lengths + j)[:, None, None], axis=1)  # [B,1,24]
+            o, cache, _ = layer.apply(params, xj, valid=jnp.ones((B, 1), bool),
+                                      positions=(lengths + j)[:, None], cache=cache,
+                                      offset=lengths + j)
+            outs.append(o)
+        return jnp.concatenate(outs, axis=1)  # [B,2,24]
+
+    o_rule = jax.jit(run)(params)
+    full, _, _ = layer.apply(params, x, valid=jnp.ones((B, P + 2), bool),
+                             positions=jnp.broadcast_to(jnp.arange(P + 2), (B, P + 2)))
+    want = jnp.stack([full[b, int(n):int(n) + 2] for b, n in enumerate(lengths)])  # [B,2,24]
+    monkeypatch.setattr(dsa, "sparse_path", lambda *a, **k: "sparse")
+    o_sp = jax.jit(run)(params)
+    np.testing.assert_allclose(np.asarray(o_rule), np.asarray(o_sp), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(o_rule), np.asarray(want), rtol=1e-4, atol=1e-5)

@@ -124,12 +124,18 @@ def ref_moe(x, valid, params, bias, *, router, top_k, norm_topk_prob, scaling):
     return routed + shared
 
 
-@pytest.mark.parametrize("router,norm_topk,dispatch", [
-    ("sigmoid", True, "dropless"), ("softmax", False, "capacity")])
-def test_moe_routed_scaling_factor_matches_reference(router, norm_topk, dispatch):
+@pytest.mark.parametrize("router,norm_topk,dispatch,all_experts_max", [
+    ("sigmoid", True, "dropless", 0), ("sigmoid", True, "dropless", 12),
+    ("softmax", False, "capacity", 0), ("softmax", False, "capacity", 12)])
+def test_moe_routed_scaling_factor_matches_reference(router, norm_topk, dispatch,
+                                                     all_experts_max):
+    """all_experts_max 0: the dispatch sorts and groups (dropless) or fills capacity buffers;
+    12 (the 2 x 6 tokens, and a capacity of 48 cannot drop): every expert on every token
+    (moe.all_experts_max_tokens)."""
     cfg = _cfg(**{"moe.router": router, "moe.norm_topk_prob": norm_topk,
                   "moe.dispatch": dispatch, "moe.capacity_factor": 8.0,
-                  "moe.routed_scaling_factor": SCALE})
+                  "moe.routed_scaling_factor": SCALE,
+                  "moe.all_experts_max_tokens": all_experts_max})
     m = cfg.moe
     mod = MoE(m, cfg.d_model)
     x = jax.random.normal(jax.random.key(1), (2, 6, cfg.d_model))
@@ -138,6 +144,9 @@ def test_moe_routed_scaling_factor_matches_reference(router, norm_topk, dispatch
     bias = jnp.linspace(-0.2, 0.2, m.num_experts)
     variables["router_state"]["bias"] = bias
     y, aux = jax.jit(lambda v: mod.apply(v, x, valid=valid))(variables)
+    # the path taken: the grouped one sorts, the capacity one counts slots with a cumsum
+    jaxpr = str(jax.make_jaxpr(lambda v: mod.apply(v, x, valid=valid))(variables))
+    assert (" sort[" in jaxpr or " cumsum[" in jaxpr) == (all_experts_max == 0)
     want = ref_moe(np.asarray(x).reshape(-1, cfg.d_model), np.asarray(valid).reshape(-1),
                    variables["params"], bias, router=router, top_k=m.num_experts_per_tok,
                    norm_topk_prob=norm_topk, scaling=SCALE)
