@@ -10,7 +10,10 @@ Dispatch: "dropless" sorts token-expert assignments by expert and runs a grouped
 (`grouped_matmul`: `lax.ragged_dot` on GPU/TPU, block-padded batched einsums on CPU, or the
 grouped MXFP4 kernel); "capacity" scatters into [E, C, D] buffers with
 C = ceil(capacity_factor * N * k / E), drops (and counts) assignments past capacity in token order
-and runs batched einsums. Shared experts are a dense SwiGLU MLP added to every token.
+and runs batched einsums. With few tokens (at most `all_experts_max_tokens`, e.g. a decode step)
+where no assignment can be dropped (dropless, or C >= N), `all_experts` runs every expert on every
+token and weights the outputs by the router (zero for unselected experts): the same result
+without the sort, grouping or buffers. Shared experts are a dense SwiGLU MLP added to every token.
 
 Expert weights are [E, D, F] (gate, up) and [E, F, D] (down) in bf16/f32, or, with
 expert_format="mxfp4", packed MXFP4 stored [E, out, in/32, 16] + scales [E, out, in/32] (the
