@@ -47,7 +47,7 @@ def _base(**kw) -> ml_collections.ConfigDict:
         first_dense_layers=0, router="sigmoid", norm_topk_prob=True, routed_scaling_factor=1.0,
         dispatch="dropless", capacity_factor=1.25, aux_loss_coef=0.0, bias_update_rate=1e-3,
         expert_format="bf16", qat=False, mxfp4_impl="auto", expert_parallel="none",
-        grouped_matmul="auto", all_experts_max_tokens=256))
+        grouped_matmul="auto", all_experts_max_rows=2048))
     c.mtp = ml_collections.ConfigDict(dict(depth=1, loss_weight=0.3, layer_kind="D"))
     for k, v in kw.items():
         if isinstance(v, dict):

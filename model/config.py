@@ -77,11 +77,11 @@ class MoEConfig:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     dispatch: str = "dropless"  # or "capacity" (drops past capacity, counted)
-    # at most this many tokens (decode steps, short prefills), where no assignment can be dropped
-    # (dropless, or a capacity >= the token count), every expert runs on every token, weighted by
-    # the router (model/layers/moe.py:all_experts): the same numbers without sorting, grouping
-    # or capacity buffers; 0 turns it off
-    all_experts_max_tokens: int = 256
+    # few tokens (decode steps, short prefills): where tokens x num_experts is at most this, no
+    # assignment can be dropped (dropless, or a capacity >= the token count) and E/k <= 8, every
+    # expert runs on every token, weighted by the router (model/layers/moe.py:takes_all_experts):
+    # the same numbers without sorting, grouping or capacity buffers; 0 turns it off
+    all_experts_max_rows: int = 2048
     capacity_factor: float = 1.25
     aux_loss_coef: float = 0.0  # sequence-wise load-balancing loss weight (alpha)
     bias_update_rate: float = 1e-3  # aux-free bias step (gamma)
@@ -240,7 +240,7 @@ class ModelConfig:
             _check(m.expert_format in EXPERT_FORMATS, "moe.expert_format",
                    f"must be one of {EXPERT_FORMATS}")
             _check(m.capacity_factor > 0, "moe.capacity_factor", "must be positive")
-            _check(m.all_experts_max_tokens >= 0, "moe.all_experts_max_tokens",
+            _check(m.all_experts_max_rows >= 0, "moe.all_experts_max_rows",
                    "must be >= 0 (0: always sort and group)")
             _check(0 <= m.first_dense_layers <= self.num_layers, "moe.first_dense_layers",
                    f"must be in [0, num_layers={self.num_layers}]")

@@ -73,6 +73,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from model import sharding as shd  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
+from model.layers import moe as moe_lib  # noqa: E402
 from model.layers import registry  # noqa: E402
 from model.transformer import Model  # noqa: E402
 
@@ -310,13 +311,13 @@ def activation_bytes(cfg: ModelConfig, mesh_shape: dict, batch: int, seq: int, r
     """
     # one trace per (slice, block kind, policy): the configured policy is not part of the key
     scfg = device_slice_cfg(cfg, mesh_shape, rules, kernels=kernels).replace(remat="none")
-    # the expert path the step takes at these shapes (model/layers/moe.py): every expert on
-    # every token only without expert parallelism and at most all_experts_max_tokens tokens (the
-    # traced blocks hold 1 and 2 sequences: they take the path of the planned batch)
-    every = (cfg.moe.expert_parallel == "none"
-             and batch * seq <= cfg.moe.all_experts_max_tokens)
-    scfg = scfg.replace(moe=dataclasses.replace(
-        scfg.moe, all_experts_max_tokens=2 * max(1, batch) * seq if every else 0))
+    # the expert path the step takes at these shapes (model/layers/moe.py:takes_all_experts;
+    # never under expert parallelism): the traced blocks of 1 and 2 sequences take the path of
+    # the planned batch
+    every = (cfg.moe.num_experts > 0 and cfg.moe.expert_parallel == "none"
+             and moe_lib.takes_all_experts(cfg.moe, batch * seq))
+    scfg = scfg.replace(moe=dataclasses.replace(scfg.moe, all_experts_max_rows=(
+        2 * max(1, batch) * seq * cfg.moe.num_experts if every else 0)))
     baxes = shd.batch_axes(mesh_shape, batch, rules)
     b_loc = batch // math.prod(mesh_shape[x] for x in baxes)
     tok = b_loc * seq

@@ -10,10 +10,9 @@ Dispatch: "dropless" sorts token-expert assignments by expert and runs a grouped
 (`grouped_matmul`: `lax.ragged_dot` on GPU/TPU, block-padded batched einsums on CPU, or the
 grouped MXFP4 kernel); "capacity" scatters into [E, C, D] buffers with
 C = ceil(capacity_factor * N * k / E), drops (and counts) assignments past capacity in token order
-and runs batched einsums. With few tokens (at most `all_experts_max_tokens`, e.g. a decode step)
-where no assignment can be dropped (dropless, or C >= N), `all_experts` runs every expert on every
-token and weights the outputs by the router (zero for unselected experts): the same result
-without the sort, grouping or buffers. Shared experts are a dense SwiGLU MLP added to every token.
+and runs batched einsums. With few tokens (a decode step; `takes_all_experts`) `all_experts`
+runs every expert on every token and weights the outputs by the router (zero for unselected
+experts): the same result without the sort, grouping or buffers. Shared experts are a dense SwiGLU MLP added to every token.
 
 Expert weights are [E, D, F] (gate, up) and [E, F, D] (down) in bf16/f32, or, with
 expert_format="mxfp4", packed MXFP4 stored [E, out, in/32, 16] + scales [E, out, in/32] (the
@@ -143,7 +142,7 @@ def all_experts(x, weights, idx, experts, num_experts):
     """Every expert on every token, each output weighted by the token's router weight for that
     expert (zero where the expert is not in its top-k): the dropless result, without sorting,
     grouping or capacity buffers. E/k times the routed multiply-adds, so only for few tokens
-    (decode; `moe.all_experts_max_tokens`). At the matched benchmark's layer (D 256, E 8, k 2,
+    (decode; `takes_all_experts`). At the matched benchmark's layer (D 256, E 8, k 2,
     F 64, one MoE layer on 2 cores): 0.40 ms against the grouped path's 0.52 at 32 tokens, about
     even at 512, 0.8x at 1024. Plain kernels contract the expert axis inside the down
     projection ("enf,efd->nd"); MXFP4 ones run per expert and sum.
@@ -160,6 +159,21 @@ def all_experts(x, weights, idx, experts, num_experts):
     xs = jnp.broadcast_to(x[None], (num_experts, N, D))  # [E,N,D]
     h = _swiglu(gate(xs), up(xs)) * comb.T[:, :, None].astype(x.dtype)  # [E,N,F]
     return jnp.sum(down(h), axis=0), jnp.zeros((), jnp.float32)  # [N,D]
+
+
+ALL_EXPERTS_MAX_FACTOR = 8  # all_experts does E/k times the routed multiply-adds
+
+
+def takes_all_experts(c: MoEConfig, n_tokens: int) -> bool:
+    """Whether the local dispatch of n_tokens runs `all_experts`: no assignment can be dropped
+    (dropless, or a capacity >= n_tokens: an expert gets at most n_tokens), n_tokens x E <=
+    moe.all_experts_max_rows, and E/k <= ALL_EXPERTS_MAX_FACTOR (with many experts per selected
+    one, a few tokens would read every expert's weights: the 1000-expert preset never takes it)."""
+    E, k = c.num_experts, c.num_experts_per_tok
+    cap = max(1, math.ceil(c.capacity_factor * n_tokens * k / E))
+    no_drops = c.dispatch == "dropless" or cap >= n_tokens
+    return (no_drops and n_tokens * E <= c.all_experts_max_rows
+            and E <= ALL_EXPERTS_MAX_FACTOR * k)
 
 
 def _capacity_slots(idx, valid, num_experts, capacity):
@@ -518,15 +532,14 @@ class MoE(nn.Module):
             if ep_out is None:
                 logging.warning("MoE: %d tokens cannot be split over the batch axes including "
                                 "the expert axis; using the local %s dispatch", B * T, c.dispatch)
-        cap = max(1, math.ceil(c.capacity_factor * B * T * k / E))
-        no_drops = c.dispatch == "dropless" or cap >= B * T  # an expert gets <= B*T tokens
         if ep_out is not None:
             y, dropped = ep_out
-        elif no_drops and B * T <= c.all_experts_max_tokens:
+        elif takes_all_experts(c, B * T):
             y, dropped = all_experts(xf, w, idx, experts, E)
         elif c.dispatch == "dropless":
             y, dropped = dropless_experts(xf, w, idx, experts, E)
         else:
+            cap = max(1, math.ceil(c.capacity_factor * B * T * k / E))
             y, dropped = capacity_experts(xf, w, idx, vf, experts, E, cap)
         y = shd.constrain(y.reshape(B, T, D).astype(x.dtype), shd.BLOCK_AXES)
         if c.num_shared_experts > 0:

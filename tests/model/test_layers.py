@@ -18,6 +18,8 @@ Not covered here: YaRN scaling, capacity drops (tests/model/test_model.py), expe
 (tests/model/test_sharding.py), the DSA kernels (tests/pallas_kernels/test_dsa.py).
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -125,17 +127,17 @@ def ref_moe(x, valid, params, bias, *, router, top_k, norm_topk_prob, scaling):
 
 
 @pytest.mark.parametrize("router,norm_topk,dispatch,all_experts_max", [
-    ("sigmoid", True, "dropless", 0), ("sigmoid", True, "dropless", 12),
-    ("softmax", False, "capacity", 0), ("softmax", False, "capacity", 12)])
+    ("sigmoid", True, "dropless", 0), ("sigmoid", True, "dropless", 48),
+    ("softmax", False, "capacity", 0), ("softmax", False, "capacity", 48)])
 def test_moe_routed_scaling_factor_matches_reference(router, norm_topk, dispatch,
                                                      all_experts_max):
     """all_experts_max 0: the dispatch sorts and groups (dropless) or fills capacity buffers;
-    12 (the 2 x 6 tokens, and a capacity of 48 cannot drop): every expert on every token
-    (moe.all_experts_max_tokens)."""
+    48 (the 2 x 6 tokens x 4 experts, and a capacity of 48 cannot drop): every expert on every
+    token (moe.all_experts_max_rows)."""
     cfg = _cfg(**{"moe.router": router, "moe.norm_topk_prob": norm_topk,
                   "moe.dispatch": dispatch, "moe.capacity_factor": 8.0,
                   "moe.routed_scaling_factor": SCALE,
-                  "moe.all_experts_max_tokens": all_experts_max})
+                  "moe.all_experts_max_rows": all_experts_max})
     m = cfg.moe
     mod = MoE(m, cfg.d_model)
     x = jax.random.normal(jax.random.key(1), (2, 6, cfg.d_model))
@@ -152,6 +154,25 @@ def test_moe_routed_scaling_factor_matches_reference(router, norm_topk, dispatch
                    norm_topk_prob=norm_topk, scaling=SCALE)
     np.testing.assert_allclose(np.asarray(y).reshape(want.shape), want, rtol=1e-4, atol=1e-5)
     assert float(aux["router"]["dropped_fraction"]) == 0.0
+
+
+def test_takes_all_experts_rule():
+    """Every expert on every token only for few tokens (tokens x E within the row budget), where
+    nothing can be dropped, and with at most 8 experts per selected one."""
+    from model.config import MoEConfig
+    from model.layers.moe import takes_all_experts
+
+    m = MoEConfig(num_experts=8, num_experts_per_tok=2, expert_dim=16)  # dropless, 2048 rows
+    assert takes_all_experts(m, 1) and takes_all_experts(m, 256)
+    assert not takes_all_experts(m, 257)
+    assert not takes_all_experts(dataclasses.replace(m, all_experts_max_rows=0), 1)
+    # capacity: C = ceil(cf * n * k / E) >= n exactly when cf * k / E >= 1
+    assert takes_all_experts(dataclasses.replace(m, dispatch="capacity", capacity_factor=4.0), 32)
+    assert not takes_all_experts(dataclasses.replace(m, dispatch="capacity"), 32)
+    # many experts per selected one (the reference preset's 1000 / 8): never
+    wide = dataclasses.replace(m, num_experts=1000, num_experts_per_tok=8, all_experts_max_rows=10**9)
+    assert not takes_all_experts(wide, 1)
+    assert takes_all_experts(dataclasses.replace(m, num_experts=32, num_experts_per_tok=4), 64)
 
 
 # ----------------------------------------------------------------------------- DSA
