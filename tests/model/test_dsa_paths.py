@@ -123,11 +123,14 @@ def test_cached_paths_equal_the_sparse_gather(S, path, monkeypatch):
             outs.append(o)
         return jnp.concatenate(outs, axis=1)  # [B,2,24]
 
-    o_rule = jax.jit(run)(params)
+    taken, rule = [], dsa.sparse_path
+    monkeypatch.setattr(dsa, "sparse_path", lambda *a, **k: taken.append(rule(*a, **k)) or taken[-1])
+    o_rule = jax.jit(lambda p: run(p))(params)  # a fresh function: traced after each patch
+    assert set(taken) == {path}, taken  # the prefill and both steps took the rule's path
     full, _, _ = layer.apply(params, x, valid=jnp.ones((B, P + 2), bool),
                              positions=jnp.broadcast_to(jnp.arange(P + 2), (B, P + 2)))
     want = jnp.stack([full[b, int(n):int(n) + 2] for b, n in enumerate(lengths)])  # [B,2,24]
     monkeypatch.setattr(dsa, "sparse_path", lambda *a, **k: "sparse")
-    o_sp = jax.jit(run)(params)
+    o_sp = jax.jit(lambda p: run(p))(params)
     np.testing.assert_allclose(np.asarray(o_rule), np.asarray(o_sp), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(o_rule), np.asarray(want), rtol=1e-4, atol=1e-5)
