@@ -12,7 +12,8 @@ grouped MXFP4 kernel); "capacity" scatters into [E, C, D] buffers with
 C = ceil(capacity_factor * N * k / E), drops (and counts) assignments past capacity in token order
 and runs batched einsums. With few tokens (a decode step; `takes_all_experts`) `all_experts`
 runs every expert on every token and weights the outputs by the router (zero for unselected
-experts): the same result without the sort, grouping or buffers. Shared experts are a dense SwiGLU MLP added to every token.
+experts): the same result without the sort, grouping or buffers. Shared experts are a dense
+SwiGLU MLP added to every token.
 
 Expert weights are [E, D, F] (gate, up) and [E, F, D] (down) in bf16/f32, or, with
 expert_format="mxfp4", packed MXFP4 stored [E, out, in/32, 16] + scales [E, out, in/32] (the
@@ -145,13 +146,13 @@ def all_experts(x, weights, idx, experts, num_experts):
     (decode; `takes_all_experts`). At the matched benchmark's layer (D 256, E 8, k 2,
     F 64, one MoE layer on 2 cores): 0.40 ms against the grouped path's 0.52 at 32 tokens, about
     even at 512, 0.8x at 1024. Plain kernels contract the expert axis inside the down
-    projection ("enf,efd->nd"); MXFP4 ones run per expert and sum.
+    projection ("nef,efd->nd"); MXFP4 ones run per expert and sum.
     x [N,D], weights/idx [N,k] -> (y [N,D], 0 dropped)."""
     N, D = x.shape
     comb = jnp.zeros((N, num_experts), weights.dtype).at[
         jnp.arange(N)[:, None], idx].add(weights)  # [N,E]: the router weight of each expert
     gate, up, down = experts
-    if all(m.fn.func is _dense_apply for m in experts):
+    if all(getattr(m.fn, "func", None) is _dense_apply for m in experts):
         (wg,), (wu,), (wd,) = gate.arrays, up.arrays, down.arrays  # [E,D,F] x2, [E,F,D]
         h = _swiglu(jnp.einsum("nd,edf->nef", x, wg), jnp.einsum("nd,edf->nef", x, wu))
         h = h * comb[:, :, None].astype(h.dtype)  # [N,E,F]
