@@ -9,7 +9,10 @@ Covered:
   MoE (`MoE` module): routed + shared output with routed_scaling_factor 2.827 (the presets'
     value) against a dense einsum reference, for the sigmoid router (renormalised top-k, bias
     steering selection only) with dropless dispatch and the softmax router (not renormalised)
-    with capacity dispatch at ample capacity; padding tokens get only the shared expert.
+    with capacity dispatch at ample capacity, each also through the all-experts path (every
+    expert on every token, `moe.all_experts_max_rows`; the jaxpr shows which path ran); padding
+    tokens get only the shared expert. `takes_all_experts`: the row budget, the no-drop
+    condition and the E/k guard.
   DSA: `causal_mask` with per-row query offsets; `indexer_kl` against a numpy KL; and the layer
     itself at indexer_stage "dense_warmup" and "sparse": changing the tokens after the last
     counted query changes neither the indexer KL nor the earlier outputs (no query sees a later
