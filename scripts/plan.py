@@ -510,7 +510,7 @@ def ep_buffer_bytes(cfg: ModelConfig, mesh_shape: dict, tokens_local: int, rules
     ep = mesh_shape.get("expert", 1)
     E, k, n = m.num_experts, m.num_experts_per_tok, tokens_local
     if m.expert_parallel == "all_to_all":
-        C = n if m.dispatch == "dropless" else max(1, math.ceil(m.capacity_factor * n * k / E))
+        C = n if m.dispatch == "dropless" else moe_lib.expert_capacity(m, n)
         rows = E * C
     else:
         rows = (ep * n * min(k, E // max(ep, 1)) if m.dispatch == "dropless"

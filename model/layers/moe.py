@@ -165,14 +165,19 @@ def all_experts(x, weights, idx, experts, num_experts):
 ALL_EXPERTS_MAX_FACTOR = 8  # all_experts does E/k times the routed multiply-adds
 
 
+def expert_capacity(c: MoEConfig, n_tokens: int) -> int:
+    """The capacity dispatch's rows per expert for n_tokens: ceil(capacity_factor * N * k / E)."""
+    return max(1, math.ceil(c.capacity_factor * n_tokens * c.num_experts_per_tok
+                            / c.num_experts))
+
+
 def takes_all_experts(c: MoEConfig, n_tokens: int) -> bool:
     """Whether the local dispatch of n_tokens runs `all_experts`: no assignment can be dropped
     (dropless, or a capacity >= n_tokens: an expert gets at most n_tokens), n_tokens x E <=
     moe.all_experts_max_rows, and E/k <= ALL_EXPERTS_MAX_FACTOR (with many experts per selected
     one, a few tokens would read every expert's weights: the 1000-expert preset never takes it)."""
     E, k = c.num_experts, c.num_experts_per_tok
-    cap = max(1, math.ceil(c.capacity_factor * n_tokens * k / E))
-    no_drops = c.dispatch == "dropless" or cap >= n_tokens
+    no_drops = c.dispatch == "dropless" or expert_capacity(c, n_tokens) >= n_tokens
     return (no_drops and n_tokens * E <= c.all_experts_max_rows
             and E <= ALL_EXPERTS_MAX_FACTOR * k)
 
@@ -540,8 +545,7 @@ class MoE(nn.Module):
         elif c.dispatch == "dropless":
             y, dropped = dropless_experts(xf, w, idx, experts, E)
         else:
-            cap = max(1, math.ceil(c.capacity_factor * B * T * k / E))
-            y, dropped = capacity_experts(xf, w, idx, vf, experts, E, cap)
+            y, dropped = capacity_experts(xf, w, idx, vf, experts, E, expert_capacity(c, B * T))
         y = shd.constrain(y.reshape(B, T, D).astype(x.dtype), shd.BLOCK_AXES)
         if c.num_shared_experts > 0:
             y = y + MLP(F * c.num_shared_experts, dtype=self.dtype, param_dtype=self.param_dtype,
