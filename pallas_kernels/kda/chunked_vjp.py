@@ -230,8 +230,12 @@ def _backward(cfg, xs, states, do, dS_final):
         flat = lambda xs_: jnp.stack(xs_, 1).reshape(BH * G, *xs_[0].shape[1:])
         S0, delta, dD, dS1 = flat(S0s), flat(deltas), flat(dDs), flat(dS1s)
         dA_qk = _bmm("xiv,xjv->xij", dO, delta) * incl
-        dqw = _bmm("xcv,xkv->xck", jnp.concatenate([dO, -dD], 1), S0)  # [X,2C,K]
-        dkd = _bmm("xcv,xkv->xck", delta, dS1)
+        # S0^T and dS1^T materialised once: XLA:CPU runs A @ B^T (both contracted on their last
+        # axis) at about half the rate of A @ B here, and the barrier keeps it from folding the
+        # transpose back into the dot (B=1 H=4 K=V=128 T=2048: fwd+bwd 121 -> 111 ms, same bits).
+        S0T, dS1T = lax.optimization_barrier((jnp.swapaxes(S0, 1, 2), jnp.swapaxes(dS1, 1, 2)))
+        dqw = _bmm("xcv,xvk->xck", jnp.concatenate([dO, -dD], 1), S0T)  # [X,2C,K]
+        dkd = _bmm("xcv,xvk->xck", delta, dS1T)  # [X,C,K]
         ddecay = jnp.sum(S0 * dS1, axis=-1)
         grads = _chunk_terms_bwd(q, k, v, beta, P, dA_qk, dqw[:, C:], dD, dqw[:, :C], dkd,
                                  ddecay)
