@@ -78,6 +78,35 @@ class KDACache(TypedDict):
     state: jax.Array  # [B, H, K, V] f32 recurrent state
 
 
+@jax.custom_vjp
+def _taps(xp, w):
+    """y[:, t] = sum_j w[j] xp[:, t + j]: xp [B,T+W-1,C], w [W,C] -> y [B,T,C]."""
+    T = xp.shape[1] - w.shape[0] + 1
+    return sum(xp[:, j:j + T, :] * w[j] for j in range(w.shape[0]))
+
+
+def _taps_fwd(xp, w):
+    return _taps(xp, w), (xp, w)
+
+
+def _taps_bwd(res, dy):
+    """The same cotangents as autodiff, with each tap's weight gradient summed over the rows
+    of a materialised [B*T,C] product: autodiff sums over axes (0, 1) of a strided [B,T,C]
+    slice, which XLA:CPU runs as a windowed reduction (16 against 4 ms for the 4 taps at
+    [32,96,768]; 5% of the matched RL train step)."""
+    xp, w = res
+    W, T, C = w.shape[0], dy.shape[1], w.shape[1]
+    dyp = jnp.pad(dy, [(0, 0), (W - 1, W - 1), (0, 0)])  # [B,T+2W-2,C]
+    dxp = sum(dyp[:, W - 1 - j:W - 1 - j + xp.shape[1], :] * w[j] for j in range(W))
+    dw = jnp.stack([
+        jnp.sum(jax.lax.optimization_barrier((xp[:, j:j + T, :] * dy).reshape(-1, C)), axis=0)
+        for j in range(W)])  # [W,C]
+    return dxp, dw.astype(w.dtype)
+
+
+_taps.defvjp(_taps_fwd, _taps_bwd)
+
+
 def causal_depthwise_conv(x: jax.Array, w: jax.Array, window: jax.Array,
                           lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Causal depthwise conv with a carried window.
@@ -87,9 +116,8 @@ def causal_depthwise_conv(x: jax.Array, w: jax.Array, window: jax.Array,
     = the last W-1 inputs up to each row's length).
     """
     W = w.shape[0]
-    T = x.shape[1]
     xp = jnp.concatenate([window.astype(x.dtype), x], axis=1)  # [B,W-1+T,C]
-    y = sum(xp[:, j:j + T, :] * w[j] for j in range(W))  # y[t] = sum_j w[j] x[t+j-(W-1)]
+    y = _taps(xp, w)  # [B,T,C]
     new_window = jax.vmap(
         lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, W - 1, axis=0))(xp, lengths)
     return y, new_window
@@ -135,18 +163,21 @@ class KDALayer(nn.Module):
 
         # Low-rank channel-wise decay gate.
         f = dense(c.rank, ("embed", "rank"), "gate_down", **kw)(x)
-        f = dense(H * K, ("rank", "heads"), "gate_up", **kw)(f).reshape(B, T, H, K)
+        f = dense(H * K, ("rank", "heads"), "gate_up", **kw)(f).reshape(B * T, H * K)
         a_log = self.param("A_log", nn.with_logical_partitioning(
             lambda key, s, d: jnp.log(jax.random.uniform(key, s, d, 1.0, 16.0)), ("heads",)),
             (H,), jnp.float32)
         dt_bias = self.param("dt_bias", nn.with_logical_partitioning(
             _dt_bias_init, ("heads",)), (H * K,), jnp.float32)
-        f = f.astype(jnp.float32) + dt_bias.reshape(H, K)
-        a = jnp.exp(a_log)[:, None]  # [H,1]
+        # On the [B*T, H*K] view: the gradients of dt_bias and A_log then sum over one leading
+        # axis (norms.scale_rows says why that is several times faster on XLA:CPU).
+        f = f.astype(jnp.float32) + dt_bias  # [B*T,H*K]
+        a = jnp.repeat(jnp.exp(a_log), K)  # [H*K]
         if c.gate_lower_bound is None:
-            g = -a * jax.nn.softplus(f)  # [B,T,H,K]
+            g = -a * jax.nn.softplus(f)
         else:
             g = c.gate_lower_bound * jax.nn.sigmoid(a * f)
+        g = g.reshape(B, T, H, K)  # [B,T,H,K]
         beta = jax.nn.sigmoid(
             dense(H, ("embed", "heads"), "beta", **kw)(x).astype(jnp.float32))  # [B,T,H]
         g = jnp.where(valid[:, :, None, None], g, 0.0)

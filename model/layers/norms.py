@@ -10,8 +10,16 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if weight is not None:
-        y = y * weight.astype(jnp.float32)
+        y = scale_rows(y, weight.astype(jnp.float32))
     return y.astype(x.dtype)
+
+
+def scale_rows(y: jax.Array, w: jax.Array) -> jax.Array:
+    """y [..., C] * w [C], multiplied on the [rows, C] view of y. Same values; what changes is
+    w's gradient: autodiff sums y * dy over one leading axis instead of several, and XLA:CPU
+    runs a sum over axes (0, 1) of [B,T,C] as a windowed reduction about 7x slower than over
+    axis 0 of [B*T,C] (3.3 against 0.48 ms at [32,96,768])."""
+    return (y.reshape(-1, y.shape[-1]) * w).reshape(y.shape)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -47,5 +55,6 @@ class LayerNorm(nn.Module):
         xf = x.astype(jnp.float32)
         mu = jnp.mean(xf, -1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mu), -1, keepdims=True)
-        y = (xf - mu) * jax.lax.rsqrt(var + self.eps) * w + b
+        y = scale_rows((xf - mu) * jax.lax.rsqrt(var + self.eps), w)
+        y = (y.reshape(-1, d) + b).reshape(y.shape)  # b's gradient: one leading axis summed
         return y.astype(x.dtype)

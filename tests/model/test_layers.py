@@ -248,3 +248,58 @@ def test_dsa_layer_indexer_kl_and_output_are_causal(stage):
     np.testing.assert_allclose(np.asarray(out2[:, :M]), np.asarray(out[:, :M]), rtol=1e-6,
                                atol=1e-6)
     assert float(jnp.max(jnp.abs(out2[:, M:] - out[:, M:]))) > 1e-3  # the change is real
+
+
+@pytest.mark.parametrize("B,T,C,W", [(2, 7, 6, 4), (3, 1, 5, 4), (2, 5, 4, 1)])
+def test_causal_conv_value_and_grads_match_numpy(B, T, C, W):
+    """KDA's short conv (`causal_depthwise_conv`, hand-written backward): outputs and the
+    cotangents of x, w and the carried window equal a numpy loop over taps, for T = 1 (decode)
+    and W = 1 too; each tap's weight gradient is checked separately, so a backward that swapped
+    or dropped a tap, or summed only part of the rows, fails."""
+    from model.layers.kda import causal_depthwise_conv
+
+    rng = np.random.default_rng(T * 10 + W)
+    x, window = rng.normal(size=(B, T, C)), rng.normal(size=(B, W - 1, C))
+    w, dy = rng.normal(size=(W, C)), rng.normal(size=(B, T, C))
+    xp = np.concatenate([window, x], axis=1)
+    y_ref = sum(xp[:, j:j + T] * w[j] for j in range(W))
+    dxp_ref = np.zeros_like(xp)
+    for j in range(W):
+        dxp_ref[:, j:j + T] += dy * w[j]
+    dw_ref = np.stack([np.sum(xp[:, j:j + T] * dy, axis=(0, 1)) for j in range(W)])
+
+    def f(x, w, window):
+        return causal_depthwise_conv(x, w, window, jnp.full((B,), T))[0]
+
+    args = [jnp.asarray(a, jnp.float32) for a in (x, w, window)]
+    y, vjp = jax.vjp(f, *args)
+    dx, dw, dwin = vjp(jnp.asarray(dy, jnp.float32))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, dxp_ref[:, W - 1:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dwin, dxp_ref[:, :W - 1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_scale_grads_match_numpy():
+    """rms_norm and LayerNorm multiply their scale (and add the bias) on the [rows, C] view
+    (`scale_rows`): values and every gradient equal numpy's for a [B,T,C] input."""
+    from model.layers.norms import LayerNorm, rms_norm
+
+    rng = np.random.default_rng(0)
+    x, w, b, dy = (rng.normal(size=s) for s in ((3, 5, 8), (8,), (8,), (3, 5, 8)))
+    xh = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
+    y, vjp = jax.vjp(lambda x, w: rms_norm(x, w, 1e-6), jnp.asarray(x, jnp.float32),
+                     jnp.asarray(w, jnp.float32))
+    np.testing.assert_allclose(y, xh * w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(vjp(jnp.asarray(dy, jnp.float32))[1],
+                               np.sum(xh * dy, axis=(0, 1)), rtol=1e-4, atol=1e-5)
+
+    ln = LayerNorm()
+    params = {"params": {"scale": jnp.asarray(w, jnp.float32), "bias": jnp.asarray(b, jnp.float32)}}
+    xc = x - x.mean(-1, keepdims=True)
+    xn = xc / np.sqrt(np.mean(xc * xc, -1, keepdims=True) + 1e-6)
+    y, vjp = jax.vjp(lambda p: ln.apply(p, jnp.asarray(x, jnp.float32)), params)
+    np.testing.assert_allclose(y, xn * w + b, rtol=1e-5, atol=1e-5)
+    g = vjp(jnp.asarray(dy, jnp.float32))[0]["params"]
+    np.testing.assert_allclose(g["scale"], np.sum(xn * dy, axis=(0, 1)), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(g["bias"], np.sum(dy, axis=(0, 1)), rtol=1e-4, atol=1e-5)
