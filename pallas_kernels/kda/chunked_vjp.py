@@ -1,7 +1,7 @@
 """The chunked KDA with a hand-written backward (`jax.custom_vjp`), for training on XLA.
 
     kda_chunked_vjp(q, k, v, g, beta, *, scale=None, initial_state=None,
-                    output_final_state=False, chunk_size=32, sub_chunk=4, chunks_per_step=None)
+                    output_final_state=False, chunk_size=16, sub_chunk=2, chunks_per_step=None)
 
 Same contract, layouts and forward numbers as `reference.kda_chunked`: not differentiated, the
 call IS `reference.kda_chunked`; under differentiation the forward is the same grouped scan over
@@ -290,8 +290,8 @@ def kda_chunked_vjp(
     scale=None,
     initial_state=None,
     output_final_state=False,
-    chunk_size=32,
-    sub_chunk=4,
+    chunk_size=reference.CPU_CHUNK,
+    sub_chunk=reference.CPU_SUB_CHUNK,
     chunks_per_step=None,
 ):
     """`reference.kda_chunked` with the hand-written backward (module docstring). Same contract:

@@ -35,7 +35,7 @@ platform compiles that family. `impl="pallas", kernel="gpu", interpret=False` fo
 Triton kernels (on a CPU host: lowering only, e.g. under jax.export for "cuda").
 All implementations accept any T (not only multiples of chunk_size) and are differentiable
 w.r.t. q, k, v, g, beta and initial_state. `chunk_size` is the Pallas kernels' chunk; the pure-JAX
-chunked paths use min(chunk_size, reference.CPU_CHUNK) (32: measured fastest on XLA:CPU). The
+chunked paths use min(chunk_size, reference.CPU_CHUNK) (16: measured fastest on XLA:CPU). The
 result does not depend on the chunk size beyond rounding.
 """
 

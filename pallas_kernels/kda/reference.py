@@ -54,7 +54,8 @@ import jax.numpy as jnp
 from jax import lax
 
 _HI = lax.Precision.HIGHEST
-CPU_CHUNK = 32  # default chunk of `kda_chunked` (fastest measured on XLA:CPU; ops.kda caps at it)
+CPU_CHUNK = 16  # default chunk of `kda_chunked` (fastest measured on XLA:CPU; ops.kda caps at it)
+CPU_SUB_CHUNK = 2  # default base sub-chunk of the chunked forms
 
 
 def _check_shapes(q, k, v, g, beta, initial_state):
@@ -329,8 +330,8 @@ def kda_chunked(
     scale=None,
     initial_state=None,
     output_final_state=False,
-    chunk_size=32,
-    sub_chunk=4,
+    chunk_size=CPU_CHUNK,
+    sub_chunk=CPU_SUB_CHUNK,
     chunks_per_step=None,
 ):
     """Chunked WY form in pure JAX (f32 math). Same contract and results as `kda_recurrent`.
@@ -338,10 +339,14 @@ def kda_chunked(
     A `lax.scan` walks over groups of `chunks_per_step` chunks; the state-independent math of a
     group is batched, the state recurrence over its chunks is unrolled. Working in groups keeps
     every intermediate small (cache-resident on CPU) instead of materialising [B,H,T,*] temps.
-    chunks_per_step=None unrolls the whole sequence when it has at most 4 chunks (training and RL
-    rows of ~128 tokens: one scan step, measured 1.2-1.4x faster fwd+bwd than one chunk per step at
-    B*H = 32-64) and otherwise picks about 32 (batch x head x chunk) tiles per step (8 chunks at
-    B*H=4). sub_chunk=4 measured 1.2-1.4x faster than 2 for fwd+bwd and equal for fwd.
+    chunks_per_step=None unrolls the whole sequence when it has at most 4 chunks and otherwise
+    picks about 32 (batch x head x chunk) tiles per step (8 chunks at B*H=4, one chunk at B*H >=
+    32: at chunk 16 the 6-8 chunks of training rows of 96-128 tokens were faster one per step,
+    80 against 107 ms fwd+bwd at the matched RL shape, than all in one step). The defaults (chunk 16, sub-chunk 2) were measured against chunk 32 / sub-chunk 4
+    (fourteenth session, 2 cores, f32, forward + `chunked_vjp` backward): 103 -> 80 ms at the
+    matched RL shape (B32 T96 H4 K=V=64; forward 32 -> 21 ms), 34 -> 24 and 68 -> 59 ms at the
+    demo's SFT and RL shapes (H2 K=V=64, B16 T128 and B32 T120), 93 -> 87 ms at B1 T2048 H4
+    K=V=128; sub-chunk 1 and 4 at chunk 16 were slower for forward + backward.
     """
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
