@@ -1,5 +1,5 @@
-"""Layer math against independent numpy references: RoPE, the MoE layer's routed scaling, and
-the DSA layer's causal masks at both indexer stages.
+"""Layer math against independent numpy references: RoPE, the MoE layer's routed scaling, the
+DSA layer's causal masks at both indexer stages, KDA's short conv and the norms' gradients.
 
 Covered:
   RoPE (`apply_rope`, default arguments): equal to rotating each channel pair (i, i + d/2) as a
@@ -17,6 +17,9 @@ Covered:
     itself at indexer_stage "dense_warmup" and "sparse": changing the tokens after the last
     counted query changes neither the indexer KL nor the earlier outputs (no query sees a later
     key).
+  KDA's short conv (`causal_depthwise_conv`, hand-written backward): output and the cotangents
+    of x, each tap's weight and the carried window against numpy, T = 1 and W = 1 included;
+    rms_norm / LayerNorm (scale and bias applied on the [rows, C] view): values and gradients.
 Not covered here: YaRN scaling, capacity drops (tests/model/test_model.py), expert parallelism
 (tests/model/test_sharding.py), the DSA kernels (tests/pallas_kernels/test_dsa.py).
 """
