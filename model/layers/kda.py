@@ -93,15 +93,17 @@ def _taps_bwd(res, dy):
     """The same cotangents as autodiff, with each tap's weight gradient summed over the rows
     of a materialised [B*T,C] product: autodiff sums over axes (0, 1) of a strided [B,T,C]
     slice, which XLA:CPU runs as a windowed reduction (16 against 4 ms for the 4 taps at
-    [32,96,768]; 5% of the matched RL train step)."""
+    [32,96,768]; 5% of the matched RL train step). Each cotangent has its primal's dtype; the
+    weight gradient's row sums accumulate in f32."""
     xp, w = res
     W, T, C = w.shape[0], dy.shape[1], w.shape[1]
     dyp = jnp.pad(dy, [(0, 0), (W - 1, W - 1), (0, 0)])  # [B,T+2W-2,C]
     dxp = sum(dyp[:, W - 1 - j:W - 1 - j + xp.shape[1], :] * w[j] for j in range(W))
     dw = jnp.stack([
-        jnp.sum(jax.lax.optimization_barrier((xp[:, j:j + T, :] * dy).reshape(-1, C)), axis=0)
+        jnp.sum(jax.lax.optimization_barrier((xp[:, j:j + T, :] * dy).reshape(-1, C)), axis=0,
+                dtype=jnp.float32)
         for j in range(W)])  # [W,C]
-    return dxp, dw.astype(w.dtype)
+    return dxp.astype(xp.dtype), dw.astype(w.dtype)
 
 
 _taps.defvjp(_taps_fwd, _taps_bwd)

@@ -19,6 +19,7 @@ Covered:
     key).
   KDA's short conv (`causal_depthwise_conv`, hand-written backward): output and the cotangents
     of x, each tap's weight and the carried window against numpy, T = 1 and W = 1 included;
+    with bf16 / f32 mixes each cotangent keeps its primal's dtype;
     rms_norm / LayerNorm (scale and bias applied on the [rows, C] view): values and gradients.
 Not covered here: YaRN scaling, capacity drops (tests/model/test_model.py), expert parallelism
 (tests/model/test_sharding.py), the DSA kernels (tests/pallas_kernels/test_dsa.py).
@@ -281,6 +282,32 @@ def test_causal_conv_value_and_grads_match_numpy(B, T, C, W):
     np.testing.assert_allclose(dx, dxp_ref[:, W - 1:], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dwin, dxp_ref[:, :W - 1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_conv_cotangents_keep_their_dtypes():
+    """Mixed dtypes (bf16 activations, f32 taps, and the reverse): each cotangent has its
+    primal's dtype, as autodiff gives, and the bf16 run stays close to the f32 one."""
+    from model.layers.kda import causal_depthwise_conv
+
+    rng = np.random.default_rng(1)
+    x, w, window = rng.normal(size=(2, 6, 8)), rng.normal(size=(4, 8)), rng.normal(size=(2, 3, 8))
+    lengths = jnp.array([6, 4])
+
+    def grads(xd, wd):
+        def f(x, w, window):
+            y, _ = causal_depthwise_conv(x, w, window, lengths)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        args = (jnp.asarray(x, xd), jnp.asarray(w, wd), jnp.asarray(window, xd))
+        return args, jax.grad(f, argnums=(0, 1, 2))(*args)
+
+    _, exact = grads(jnp.float32, jnp.float32)
+    for xd, wd in ((jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16),
+                   (jnp.bfloat16, jnp.bfloat16)):
+        args, gs = grads(xd, wd)
+        assert [g.dtype for g in gs] == [a.dtype for a in args], (xd, wd)
+        for g, e in zip(gs, exact):
+            np.testing.assert_allclose(np.asarray(g, np.float32), e, rtol=0.1,
+                                       atol=0.05 * float(jnp.max(jnp.abs(e))))
 
 
 def test_norm_scale_grads_match_numpy():
