@@ -179,14 +179,18 @@ def sampled_logprobs(logits: jax.Array, targets: jax.Array, cfg: SamplingConfig 
 
 
 def _sample(logits, rng, cfg: SamplingConfig, temperature):
-    """temperature: traced f32 scalar; 0 -> greedy (argmax, log-prob reported as 0)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logp = process_logits(logits, cfg, jnp.maximum(temperature, 1e-6))
-    drawn = jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32)
-    is_greedy = temperature <= 0
-    tok = jnp.where(is_greedy, greedy, drawn)
-    lp = jnp.where(is_greedy, 0.0, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0])
-    return tok, lp
+    """temperature: traced f32 scalar; 0 -> greedy (argmax, log-prob reported as 0). A
+    `lax.cond` on it: greedy steps skip the truncation, the random bits and the draw."""
+    def greedy():
+        return (jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                jnp.zeros(logits.shape[:-1], jnp.float32))
+
+    def sampled():
+        logp = process_logits(logits, cfg, jnp.maximum(temperature, 1e-6))
+        tok = jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32)
+        return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+    return jax.lax.cond(temperature <= 0, greedy, sampled)
 
 
 def _hits_stop(buf, t, cfg: SamplingConfig):

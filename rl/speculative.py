@@ -33,9 +33,10 @@ from rl.sampler import SampleOutput, SamplingConfig, _hits_stop, _sample, proces
 
 
 def _sample_rows(logp, rng, greedy):
-    """One token per row from log-probs [B,V] (argmax when greedy): [B] int32."""
-    drawn = jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32)
-    return jnp.where(greedy, jnp.argmax(logp, axis=-1).astype(jnp.int32), drawn)
+    """One token per row from log-probs [B,V] (argmax when greedy, a traced scalar; the random
+    draw is skipped then): [B] int32."""
+    return jax.lax.cond(greedy, lambda: jnp.argmax(logp, axis=-1).astype(jnp.int32),
+                        lambda: jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32))
 
 
 def _take(x, idx):
@@ -50,16 +51,22 @@ def verify_draft(p, q, draft, rng, greedy):
     p, q [B,V] target and draft log-probs; draft [B] drawn from q. Greedy: accept iff draft ==
     argmax p, else emit argmax p. Sampled: accept with probability min(1, p(d)/q(d)), else emit
     a draw from normalise(max(p - q, 0)); the emitted token is then distributed as p exactly.
-    Returns (token [B] int32, accepted [B] bool)."""
-    k_acc, k_res = jax.random.split(rng)
-    u = jax.random.uniform(k_acc, draft.shape)
-    accept = jnp.where(greedy, jnp.argmax(p, -1) == draft,
-                       jnp.log(u) < _take(p, draft) - _take(q, draft))
-    resid = jnp.maximum(jnp.exp(p) - jnp.exp(q), 0.0)
-    # p == q everywhere: rejection has probability 0; keep the draw well defined anyway
-    resid_logp = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, jnp.log(resid), p)
-    rejected = jnp.where(greedy, jnp.argmax(p, -1).astype(jnp.int32),
-                         jax.random.categorical(k_res, resid_logp, axis=-1).astype(jnp.int32))
+    Returns (token [B] int32, accepted [B] bool). `greedy` is a traced scalar: a `lax.cond`,
+    so greedy steps skip the random draws and the residual."""
+    def greedy_rule():
+        top = jnp.argmax(p, -1).astype(jnp.int32)
+        return top, top == draft
+
+    def sampled_rule():
+        k_acc, k_res = jax.random.split(rng)
+        u = jax.random.uniform(k_acc, draft.shape)
+        accept = jnp.log(u) < _take(p, draft) - _take(q, draft)
+        resid = jnp.maximum(jnp.exp(p) - jnp.exp(q), 0.0)
+        # p == q everywhere: rejection has probability 0; keep the draw well defined anyway
+        resid_logp = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, jnp.log(resid), p)
+        return jax.random.categorical(k_res, resid_logp, axis=-1).astype(jnp.int32), accept
+
+    rejected, accept = jax.lax.cond(greedy, greedy_rule, sampled_rule)
     return jnp.where(accept, draft, rejected), accept
 
 
