@@ -342,8 +342,9 @@ def kda_chunked(
     chunks_per_step=None unrolls the whole sequence when it has at most 4 chunks and otherwise
     picks about 32 (batch x head x chunk) tiles per step (8 chunks at B*H=4, one chunk at B*H >=
     32: at chunk 16 the 6-8 chunks of training rows of 96-128 tokens were faster one per step,
-    80 against 107 ms fwd+bwd at the matched RL shape, than all in one step). The defaults (chunk 16, sub-chunk 2) were measured against chunk 32 / sub-chunk 4
-    (fourteenth session, 2 cores, f32, forward + `chunked_vjp` backward): 103 -> 80 ms at the
+    80 against 107 ms fwd+bwd at the matched RL shape, than all in one step). The defaults
+    (chunk 16, sub-chunk 2) were measured against chunk 32 / sub-chunk 4 (fourteenth session,
+    2 cores, f32, forward + `chunked_vjp` backward): 103 -> 80 ms at the
     matched RL shape (B32 T96 H4 K=V=64; forward 32 -> 21 ms), 34 -> 24 and 68 -> 59 ms at the
     demo's SFT and RL shapes (H2 K=V=64, B16 T128 and B32 T120), 93 -> 87 ms at B1 T2048 H4
     K=V=128; sub-chunk 1 and 4 at chunk 16 were slower for forward + backward.
