@@ -55,6 +55,7 @@ class LayerNorm(nn.Module):
         xf = x.astype(jnp.float32)
         mu = jnp.mean(xf, -1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mu), -1, keepdims=True)
-        y = scale_rows((xf - mu) * jax.lax.rsqrt(var + self.eps), w)
-        y = (y.reshape(-1, d) + b).reshape(y.shape)  # b's gradient: one leading axis summed
-        return y.astype(x.dtype)
+        y = ((xf - mu) * jax.lax.rsqrt(var + self.eps)).reshape(-1, d)  # [rows,d]
+        # scale and bias on the [rows, d] view: their gradients sum over one leading axis
+        # (scale_rows says why)
+        return (y * w + b).reshape(x.shape).astype(x.dtype)
