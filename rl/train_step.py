@@ -490,7 +490,10 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
     micro_loss = make_rl_loss(model, algo, micro_batches=micro_batches, sampling=sampling,
                               critic=critic, old_logp=old_logp, mtp_loss_weight=mtp_loss_weight)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    # jitted so its trace is cached: the eval_shape below (the scan carry's shapes) and the
+    # scan body then trace the model's forward and backward once, not twice (the step's
+    # lowering 4.0 -> 2.6 s on the matched GRPO work; the compiled program is the same)
+    grad_fn = jax.jit(jax.value_and_grad(micro_loss, has_aux=True))
 
     def step(state: TrainState, batch: dict):
         mask = batch["loss_mask"]
