@@ -29,14 +29,21 @@ import numpy as np
 
 from model import sharding as shd
 from model.transformer import Model
-from rl.sampler import SampleOutput, SamplingConfig, _hits_stop, _sample, process_logits
+from rl.sampler import (
+    SampleOutput,
+    SamplingConfig,
+    _hits_stop,
+    _sample,
+    argmax_last,
+    categorical_last,
+    process_logits,
+)
 
 
 def _sample_rows(logp, rng, greedy):
     """One token per row from log-probs [B,V] (argmax when greedy, a traced scalar; the random
     draw is skipped then): [B] int32."""
-    return jax.lax.cond(greedy, lambda: jnp.argmax(logp, axis=-1).astype(jnp.int32),
-                        lambda: jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32))
+    return jax.lax.cond(greedy, lambda: argmax_last(logp), lambda: categorical_last(rng, logp))
 
 
 def _take(x, idx):
@@ -54,7 +61,7 @@ def verify_draft(p, q, draft, rng, greedy):
     Returns (token [B] int32, accepted [B] bool). `greedy` is a traced scalar: a `lax.cond`,
     so greedy steps skip the random draws and the residual."""
     def greedy_rule():
-        top = jnp.argmax(p, -1).astype(jnp.int32)
+        top = argmax_last(p)
         return top, top == draft
 
     def sampled_rule():
@@ -64,7 +71,7 @@ def verify_draft(p, q, draft, rng, greedy):
         resid = jnp.maximum(jnp.exp(p) - jnp.exp(q), 0.0)
         # p == q everywhere: rejection has probability 0; keep the draw well defined anyway
         resid_logp = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, jnp.log(resid), p)
-        return jax.random.categorical(k_res, resid_logp, axis=-1).astype(jnp.int32), accept
+        return categorical_last(k_res, resid_logp), accept
 
     rejected, accept = jax.lax.cond(greedy, greedy_rule, sampled_rule)
     return jnp.where(accept, draft, rejected), accept

@@ -8,7 +8,8 @@ sampler's first-token frequencies (4096 draws per prompt and temperature, fixed 
 top-p picked at least 2e-3 away from every cut-off) within a total-variation bound of the
 reference distribution and more than twice that bound away from the untempered one, the
 reported log-probs equal to the reference's, and no token drawn outside the truncated support.
-Not covered here: greedy decoding, EOS/stop sequences and trainer log-probs
+`argmax_last` / `categorical_last` (the sampler's draw) equal jnp.argmax / jax.random.categorical
+index for index: ties, NaN, all -inf rows, 300 keys. Not covered here: greedy decoding, EOS/stop sequences and trainer log-probs
 (tests/rl/test_engine.py), speculative sampling (tests/rl/test_speculative.py).
 Ties at a top-k / top-p cut-off are avoided (the reference keeps them, as the sampler does).
 """
@@ -18,9 +19,35 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.sampler import Sampler, SamplingConfig, process_logits
+from rl.sampler import Sampler, SamplingConfig, argmax_last, categorical_last, process_logits
 
 MARGIN = 1e-4  # generic cases keep every decision this far from its threshold (f32 error ~1e-7)
+
+
+# ----------------------------------------------------------------------------- the draw
+def test_argmax_last_is_jnp_argmax():
+    x = jax.random.normal(jax.random.key(0), (64, 37))
+    rows = jnp.array([[1.0, 3.0, 3.0, 0.0, 3.0],  # ties: the first maximum
+                      [-jnp.inf] * 5,  # all -inf: index 0
+                      [0.0, jnp.nan, 5.0, jnp.nan, 1.0],  # NaN: the first NaN
+                      [jnp.inf, 0.0, jnp.inf, -jnp.inf, 2.0],
+                      [-1.0, -2.0, -0.5, -0.5, -jnp.inf]])
+    for a in (x, rows, x[:, :1], jnp.round(x * 2)):  # rounding makes many ties
+        got, want = jax.jit(argmax_last)(a), jnp.argmax(a, axis=-1)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, want)
+
+
+def test_categorical_last_is_jax_categorical():
+    logp = jax.nn.log_softmax(3 * jax.random.normal(jax.random.key(1), (8, 50)))
+    logp = logp.at[:, 7].set(-jnp.inf)  # truncated support stays out
+    keys = jax.random.split(jax.random.key(2), 300)
+    draw = jax.jit(jax.vmap(categorical_last, in_axes=(0, None)))
+    want = jax.vmap(lambda k: jax.random.categorical(k, logp, axis=-1))(keys)
+    got = draw(keys, logp)
+    np.testing.assert_array_equal(got, want)
+    assert not np.any(np.asarray(got) == 7)
+    assert len(np.unique(np.asarray(got))) > 20  # the draws are spread, not one constant
 
 
 # ----------------------------------------------------------------------------- the reference
