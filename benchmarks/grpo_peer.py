@@ -58,7 +58,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PEER_VENVS_ENV = "PEER_VENVS"
 SIDE_TIMEOUT_S = 900
 
-# (metric, better when, issue 19's target on project / peer or None)
+# (metric, better when (None: a load reading, no ratio), issue 19's target on project / peer or
+# None)
 TABLE = (
     ("setup_s", "lower", None),
     ("setup_compile_s", "lower", None),
@@ -78,7 +79,7 @@ TABLE = (
     ("decode_tok_s_b32", "higher", 2.0),
     ("decode_tok_s_b1", "higher", None),
     ("sampler_call_tok_s_b32", "higher", None),
-    ("foreign_cores", "lower", None),
+    ("foreign_cores", None, None),
 )
 
 
@@ -204,9 +205,10 @@ def aggregate(summaries: list) -> dict:
 
 
 def ratios(project: dict, peer: dict) -> dict:
-    """project / peer per metric both sides have (None where either is missing or 0)."""
+    """project / peer per metric both sides have (None where either is missing or 0, and for
+    the other processes' load, foreign_cores: a ratio of two near-zero loads means nothing)."""
     return {k: (project[k] / peer[k] if project.get(k) is not None and peer.get(k) else None)
-            for k, _, _ in TABLE if k in project and k in peer}
+            for k, better, _ in TABLE if better is not None and k in project and k in peer}
 
 
 def paired_ratios(project_rounds: list, peer_rounds: list) -> dict:

@@ -162,6 +162,7 @@ def test_split_medians_and_ratios_of_recorded_runs():
     r = grpo_peer.ratios(h, t)
     assert r["iteration_s"] == pytest.approx(h["iteration_s"] / t["iteration_s"])
     assert r["logp_old_s"] is None  # the peer has no such pass
+    assert "foreign_cores" not in r  # a load reading: no ratio (two near-zero loads)
     paired = grpo_peer.paired_ratios([h, slower], [t, dict(t, iteration_s=t["iteration_s"] * 2)])
     assert paired["iteration_s"] == pytest.approx(
         (h["iteration_s"] / t["iteration_s"] + 1.5 * h["iteration_s"] / t["iteration_s"]) / 2)
