@@ -182,9 +182,9 @@ def argmax_last(x: jax.Array) -> jax.Array:
     """jnp.argmax(x, axis=-1) as int32, the same index (the first maximum; the first NaN where
     there is one), from two plain reductions (the maximum, then the first position holding it)
     over x materialised once (an optimization_barrier, so both read the same values). XLA:CPU
-    runs argmax's (value, index) reduction one element at a time, and the elementwise work fused
-    into it (a Gumbel draw's logs) with it: a [32, 512] categorical draw 274 -> 129 us on 2
-    cores, most of it the per-step draw of batch-32 decoding."""
+    runs argmax's (value, index) reduction one element at a time, together with the elementwise
+    work fused into it (a Gumbel draw's logs): a [32, 512] categorical draw takes 274 us that
+    way and 129 us this way on 2 cores (batch-32 decoding draws one per step)."""
     x = jax.lax.optimization_barrier(x)
     top = jnp.max(x, axis=-1, keepdims=True)
     hit = (x == top) | jnp.isnan(x)
