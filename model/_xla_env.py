@@ -15,6 +15,14 @@ XLA_FLAGS. Scripts keep XLA's defaults. A value already in XLA_FLAGS wins.
 
 It also keeps jax's backend probe quiet ("Unable to initialize backend 'tpu'" on every start of a
 machine without a TPU); real warnings still print.
+
+`unroll_threefry_on_cpu()` (called when model/transformer.py is imported, so after jax is) lowers
+jax's threefry2x32 hash on CPU as straight-line code, as jax does on GPU and TPU, instead of its
+CPU default, a 5-trip rolled loop. The rounds and so the bits are the same. XLA:CPU then fuses each hash
+into one kernel instead of a loop of small ones. Every parameter initialiser draws through it: the
+matched GRPO model's jitted init (compile + run) went 13.5 -> 9.2-10.4 s, and that run's set-up
+15.9 / 12.5 -> 9.7 / 8.9 s (2 alternating pairs, identical parameters). The sampler's per-step
+draw did not change.
 """
 
 import logging
@@ -37,3 +45,33 @@ def configure_xla_env(fast_compile: bool = False) -> None:
     # jax logs "Unable to initialize backend 'tpu' ... libtpu.so" at INFO on every start on a
     # machine without a TPU; absl's handler (scripts run under absl.app) would print it.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
+def _threefry2x32_unrolled(key1, key2, x1, x2):
+    """Threefry-2x32, 20 rounds (Salmon et al. 2011, Random123): jax's own rounds, unrolled."""
+    import numpy as np
+
+    def rotl(v, r):
+        return (v << np.uint32(r)) | (v >> np.uint32(32 - r))
+
+    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+    ks = (key1, key2, key1 ^ key2 ^ np.uint32(0x1BD11BDA))
+    x = [x1 + ks[0], x2 + ks[1]]
+    for i in range(5):
+        for r in rotations[i % 2]:
+            x[0] = x[0] + x[1]
+            x[1] = x[0] ^ rotl(x[1], r)
+        x[0] = x[0] + ks[(i + 1) % 3]
+        x[1] = x[1] + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return tuple(x)
+
+
+def unroll_threefry_on_cpu() -> None:
+    """Lower jax.extend.random.threefry2x32_p on CPU with `_threefry2x32_unrolled` (module
+    docstring). Idempotent; the values jax.random returns do not change."""
+    from jax.extend.random import threefry2x32_p
+    from jax.interpreters import mlir
+
+    mlir.register_lowering(threefry2x32_p,
+                           mlir.lower_fun(_threefry2x32_unrolled, multiple_results=True),
+                           platform="cpu")

@@ -40,6 +40,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from model._xla_env import unroll_threefry_on_cpu
 from model.config import ModelConfig
 from model.layers import registry
 from model.layers.embeddings import Embedder
@@ -49,6 +50,8 @@ from model.layers.mtp import MTPCombine
 from model.layers.norms import RMSNorm
 
 PAD_ID = 0
+
+unroll_threefry_on_cpu()  # same random bits, a cheaper init compile (model/_xla_env.py)
 
 
 @flax.struct.dataclass

@@ -1,7 +1,11 @@
 """Model tests: configs and validation, MoE routing/dispatch, DSA sparse == dense, decode parity,
-training signal, and the full-size presets under jax.eval_shape."""
+training signal, the full-size presets under jax.eval_shape, and the unrolled threefry lowering
+(model/_xla_env.py) giving jax.random's bits."""
 
 import math
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -31,6 +35,51 @@ def test_model():
 def jit_prefill(test_model):
     """One compiled prefill (batch 2, prompt width 6, cache of 32) for the decode tests."""
     return jax.jit(test_model[0].prefill)
+
+
+# ----------------------------------------------------------------------------- random bits
+_RANDOM_DIGEST = """
+import hashlib, sys
+import jax, numpy as np
+if sys.argv[1] == "unrolled":
+    import model.transformer  # registers the unrolled CPU lowering
+k = jax.random.key(7)
+outs = [jax.random.bits(k, (1001,)), jax.random.normal(k, (7, 13)),
+        jax.random.uniform(jax.random.fold_in(k, 3), (2, 3, 5)),
+        jax.random.gumbel(k, (32, 512)), jax.random.key_data(jax.random.split(k, 5)),
+        jax.random.truncated_normal(k, -2.0, 2.0, (33,))]
+print(hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in outs)).hexdigest())
+"""
+
+
+def test_unrolled_threefry_gives_jax_random_bits():
+    """jax.random draws through the unrolled lowering (this process: model.transformer is
+    imported) equal those of jax's own rolled-loop lowering (a child that does not import it),
+    and the Random123 known-answer vectors hold; the lowering in use has no loop."""
+    from jax.extend.random import threefry_2x32
+
+    known = [((0x0, 0x0), (0x0, 0x0), (0x6B200159, 0x99BA4EFE)),
+             ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+             ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0))]
+    for key, count, want in known:
+        got = jax.jit(threefry_2x32)(np.array(key, np.uint32), np.array(count, np.uint32))
+        assert tuple(int(v) for v in got) == want
+    hlo = jax.jit(lambda k: jax.random.bits(k, (64,))).lower(jax.random.key(0)).as_text()
+    assert "while" not in hlo and "threefry" in hlo.lower()
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))}
+    digests = {}
+    for mode in ("rolled", "unrolled"):
+        r = subprocess.run([sys.executable, "-c", _RANDOM_DIGEST, mode], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        digests[mode] = r.stdout.split()[-1]
+    rolled_hlo = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.jit(lambda k: jax.random.bits(k, (64,)))"
+         ".lower(jax.random.key(0)).as_text())"], env=env, capture_output=True, text=True,
+        timeout=300).stdout
+    assert "while" in rolled_hlo  # the child really used jax's rolled CPU lowering
+    assert len(digests["rolled"]) == 64 and digests["rolled"] == digests["unrolled"]
 
 
 # ----------------------------------------------------------------------------- config
