@@ -4,6 +4,7 @@ training signal, the full-size presets under jax.eval_shape, and the unrolled th
 
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -66,8 +67,7 @@ def test_unrolled_threefry_gives_jax_random_bits():
         assert tuple(int(v) for v in got) == want
     hlo = jax.jit(lambda k: jax.random.bits(k, (64,))).lower(jax.random.key(0)).as_text()
     assert "while" not in hlo and "threefry" in hlo.lower()
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))}
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
     digests = {}
     for mode in ("rolled", "unrolled"):
         r = subprocess.run([sys.executable, "-c", _RANDOM_DIGEST, mode], env=env,
