@@ -15,7 +15,8 @@ is reverse mode: instead of autodiff through the chunk terms and the scan, the b
      only sequential part (per chunk, with dO = scale * do and dS the state cotangent)
          dDelta = A_qk^T dO + kd dS
          dS    <- qg^T dO - w^T dDelta + e^(G_C) * dS
-     and then, batched over the group's chunks, the rest with chunked matmuls:
+     and then the rest (the state products per chunk, as S0 [dO | -dDelta]^T and dS1 delta^T
+     with the small results transposed; dA_qk batched over the group's chunks):
          dA_qk = tril(dO delta^T), d(qg) = dO S0^T, dw = -dDelta S0^T, du = dDelta,
          d(kd) = delta dS1^T, d(e^(G_C)) = rowsum(S0 * dS1);
   3. maps those to q, k, v, g, beta through the chunk terms (`_chunk_terms_bwd`):
