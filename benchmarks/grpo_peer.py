@@ -9,7 +9,9 @@ in odd ones), medians over rounds.
 
 The peer runs with the python of $PEER_VENVS/tunix (default ~/peer-venvs/tunix) on XLA's default
 flags; the project side (benchmarks/grpo_matched.py) with this interpreter and the scripts' flags;
-neither uses a persistent compilation cache, so each first iteration holds its compiles.
+neither uses a persistent compilation cache, so each first iteration holds its compiles
+(`--warm-cache`: each side with its own cache, filled by one untimed run first: what a re-run
+of the same config sees; the issue's first-iteration target stays on the cold runs).
 
 Printed per side (medians over rounds; within a round, steady = the median over the iterations
 after the first): the set-up before the first iteration (models, train state, programs built)
@@ -99,11 +101,16 @@ def peer_python(peer: str = "tunix", venvs: str | None = None) -> str:
     return py
 
 
-def _child_env(peer: bool) -> dict:
-    """The environment of a side's process: no persistent compilation cache, none of this
-    interpreter's paths; the peer on XLA's default flags (without the project's YNN switch)."""
+def _child_env(peer: bool, cache_dir: str | None = None) -> dict:
+    """The environment of a side's process: none of this interpreter's paths; the peer on XLA's
+    default flags (without the project's YNN switch); no persistent compilation cache, or with
+    `cache_dir` jax's persistent cache there for every compile (jax reads these variables)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    if cache_dir is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     if peer:
         flags = [f for f in env.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_cpu_experimental_ynn_fusion_type")]
@@ -127,13 +134,15 @@ def side_command(side: str, steps: int, reps: int, out: str, overrides=(), venvs
     return cmd + (["--set", *overrides] if overrides else [])
 
 
-def run_side(side: str, steps: int, reps: int, overrides=(), venvs=None) -> dict:
-    """One side in a fresh process; its JSON record."""
+def run_side(side: str, steps: int, reps: int, overrides=(), venvs=None,
+             cache_dir: str | None = None) -> dict:
+    """One side in a fresh process (with jax's persistent compilation cache in `cache_dir`, or
+    none); its JSON record."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record.json")
         cmd = side_command(side, steps, reps, out, overrides, venvs)
-        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(side == "tunix"), text=True,
-                              capture_output=True, timeout=SIDE_TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(side == "tunix", cache_dir),
+                              text=True, capture_output=True, timeout=SIDE_TIMEOUT_S)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"{side} run failed (exit {proc.returncode}): {' '.join(cmd)}\n"
                                f"{proc.stderr[-3000:]}")
@@ -263,6 +272,9 @@ def report(result: dict) -> str:
     if result.get("sampler_rounds", n) < n:
         lines.append(f"prefill, decode and the sampler rates: the first {result['sampler_rounds']}"
                      " round(s) only")
+    if result.get("warm_cache"):
+        lines.append("warm persistent compilation cache on both sides (each filled by one untimed "
+                     "run first): issue 19's first-iteration target is on cold runs")
     lines.append(f"load average before {result['load_before']}, after {result['load_after']}; "
                  "targets (issue 19, on the ratio of medians): iteration and first iteration "
                  "<= 1x tunix, decode b32 >= 2x; '!!' = not met; paired = median of the "
@@ -272,10 +284,12 @@ def report(result: dict) -> str:
 
 def run(quick: bool = False, rounds: int | None = None, steps: int | None = None,
         reps: int | None = None, variants=("hybrid",), overrides=(), venvs=None,
-        sampler_rounds: int | None = None) -> dict:
+        sampler_rounds: int | None = None, warm_cache: bool = False) -> dict:
     """N rounds of tunix and each project variant in fresh processes; medians and ratios. The
     sampler-alone part (decode tokens/s) runs in the first `sampler_rounds` rounds (default:
-    all)."""
+    all). warm_cache: each side gets its own persistent compilation cache, filled by one
+    untimed run of the same work before the rounds (a re-run of a config, as the project's
+    scripts do by default); the issue's first-iteration target is on the cold runs."""
     rounds = (1 if quick else 3) if rounds is None else rounds
     steps = (2 if quick else 3) if steps is None else steps
     reps = (2 if quick else 3) if reps is None else reps
@@ -289,11 +303,18 @@ def run(quick: bool = False, rounds: int | None = None, steps: int | None = None
         side_command(v, 1, 1, "-")  # an unknown variant fails here
     result = {"rounds": rounds, "steps": steps, "reps": reps, "sampler_rounds": sampler_rounds,
               "sides": sides, "overrides": list(overrides), "spec": MATCHED,
+              "warm_cache": warm_cache,
               "load_before": loadavg(), "per_round": {s: [] for s in sides},
               "records": {s: [] for s in sides}}
+    caches = tempfile.TemporaryDirectory(prefix="grpo_peer_cache_") if warm_cache else None
+    cache_of = (lambda side: os.path.join(caches.name, side)) if caches else (lambda side: None)
+    for side in sides if caches else ():  # untimed: fills the side's cache
+        run_side(side, steps, reps, overrides, venvs, cache_of(side))
+        print(f"  {side}: compilation cache filled", flush=True)
     for r in range(rounds):
         for side in (sides if r % 2 == 0 else sides[::-1]):
-            rec = run_side(side, steps, reps if r < sampler_rounds else 0, overrides, venvs)
+            rec = run_side(side, steps, reps if r < sampler_rounds else 0, overrides, venvs,
+                           cache_of(side))
             summary = summarize(rec)
             summary.update(load_before=rec["load_before"][0], load_after=rec["load_after"][0])
             result["per_round"][side].append(summary)
@@ -301,6 +322,8 @@ def run(quick: bool = False, rounds: int | None = None, steps: int | None = None
             print(f"  round {r + 1} {side}: iteration {summary['iteration_s']:.3f} s, first "
                   f"{summary['first_iteration_s']:.2f} s, load {rec['load_before'][0]} -> "
                   f"{rec['load_after'][0]}", flush=True)
+    if caches:
+        caches.cleanup()
     result["load_after"] = loadavg()
     result["median"] = {s: aggregate(result["per_round"][s]) for s in sides}
     result["ratios"] = {v: ratios(result["median"][v], result["median"]["tunix"])
@@ -325,6 +348,9 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=["hybrid"], choices=VARIANTS)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="project-side config overrides (benchmarks/grpo_matched.py)")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="each side with its own persistent compilation cache, filled by one "
+                        "untimed run first (what a re-run of a config sees)")
     p.add_argument("--json", help="write the result (with every process's record) here")
     args = p.parse_args(argv)
     for name in ("rounds", "steps", "reps", "sampler_rounds"):
@@ -332,7 +358,8 @@ def main(argv=None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         result = run(args.quick, args.rounds, args.steps, args.reps, tuple(args.variants),
-                     tuple(args.set), sampler_rounds=args.sampler_rounds)
+                     tuple(args.set), sampler_rounds=args.sampler_rounds,
+                     warm_cache=args.warm_cache)
     except PeerMissing as e:
         print(f"grpo_peer: {e}", file=sys.stderr)
         return 2

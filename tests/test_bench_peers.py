@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -192,6 +194,19 @@ def test_peer_runs_on_default_xla_flags_without_a_cache(monkeypatch):
     peer, project = grpo_peer._child_env(True), grpo_peer._child_env(False)
     assert peer["XLA_FLAGS"] == "--xla_foo=1" and "ynn" in project["XLA_FLAGS"]
     assert "JAX_COMPILATION_CACHE_DIR" not in peer and "JAX_COMPILATION_CACHE_DIR" not in project
+
+
+def test_warm_cache_env_reaches_jax_in_a_side_process(tmp_path, monkeypatch):
+    """--warm-cache hands each side its cache through jax's own environment variables: a child
+    started with that environment writes its compile there (and a cold one does not)."""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "outer"))
+    env = grpo_peer._child_env(False, str(tmp_path / "side"))
+    assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "side")
+    code = "import jax, jax.numpy as jnp; jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).block_until_ready()"
+    for e in (env, grpo_peer._child_env(False)):
+        subprocess.run([sys.executable, "-c", code], env=e, check=True, timeout=120)
+    assert list((tmp_path / "side").iterdir()), "the side process wrote no cache entry"
+    assert not (tmp_path / "outer").exists()
 
 
 def test_both_sides_get_the_same_prompts_and_reward():
