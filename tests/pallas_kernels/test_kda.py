@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +42,13 @@ def _impl_fn(impl: str, spec, interpret: bool):
     if impl == "chunked":
         return lambda q, k, v, g, b, h0: reference.kda_chunked(
             q, k, v, g, b, initial_state=h0, output_final_state=True)
-    if impl.startswith("chunked_vjp"):  # "chunked_vjp" or "chunked_vjp_g<chunks per step>"
-        steps = int(impl.rsplit("_g", 1)[1]) if "_g" in impl else None
+    if impl.startswith("chunked_vjp"):  # "chunked_vjp[_g<chunks per step>][_c<chunk>]"
+        opts = dict(re.findall(r"_([gc])(\d+)", impl))
+        steps = int(opts["g"]) if "g" in opts else None
+        chunk = dict(chunk_size=int(opts["c"]), sub_chunk=4) if "c" in opts else {}
         return lambda q, k, v, g, b, h0: chunked_vjp.kda_chunked_vjp(
-            q, k, v, g, b, initial_state=h0, output_final_state=True, chunks_per_step=steps)
+            q, k, v, g, b, initial_state=h0, output_final_state=True, chunks_per_step=steps,
+            **chunk)
     cfg = pallas_kda.get_config(T=spec.T, K=spec.K, V=spec.V,
                                 seq_mode=spec.seq_mode if interpret else None)
     return lambda q, k, v, g, b, h0: pallas_kda.kda_pallas(
@@ -206,6 +210,16 @@ def test_chunked_vjp_matches_oracle_and_autodiff(case, gate):
         assert bool(jnp.all(jnp.isfinite(x)))
     _assert_close(got, _evaluate("recurrent", spec), 1e-4, spec.name + " vs recurrent")
     _assert_close(got, _evaluate("chunked", spec), 1e-4, spec.name + " vs autodiff chunked")
+
+
+def test_chunked_vjp_large_chunk_matches_oracle():
+    """chunk 64 with sub-chunk 4: tree joins of blocks of s = 4, 8 (the small-block forms,
+    reference._pair_dots and the broadcast-multiply-sums of the backward) and s = 16, 32 (the
+    batched dots), against jax.grad through the recurrent oracle, with initial state; gates of
+    -0.5 per token, so the cross blocks between tokens far apart count."""
+    spec = dataclasses.replace(arg_specs.REFERENCE[0], name="ref_t130_h0_gate0.5", gate=0.5)
+    got = _evaluate("chunked_vjp_c64", spec)
+    _assert_close(got, _evaluate("recurrent", spec), 1e-4, spec.name + " chunk 64 vs recurrent")
 
 
 def test_chunked_vjp_numerical_gradients():
