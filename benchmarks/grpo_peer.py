@@ -47,6 +47,7 @@ spec`) and the KDA kernel against ejkernel.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -306,24 +307,25 @@ def run(quick: bool = False, rounds: int | None = None, steps: int | None = None
               "warm_cache": warm_cache,
               "load_before": loadavg(), "per_round": {s: [] for s in sides},
               "records": {s: [] for s in sides}}
-    caches = tempfile.TemporaryDirectory(prefix="grpo_peer_cache_") if warm_cache else None
-    cache_of = (lambda side: os.path.join(caches.name, side)) if caches else (lambda side: None)
-    for side in sides if caches else ():  # untimed: fills the side's cache
-        run_side(side, steps, reps, overrides, venvs, cache_of(side))
-        print(f"  {side}: compilation cache filled", flush=True)
-    for r in range(rounds):
-        for side in (sides if r % 2 == 0 else sides[::-1]):
-            rec = run_side(side, steps, reps if r < sampler_rounds else 0, overrides, venvs,
-                           cache_of(side))
-            summary = summarize(rec)
-            summary.update(load_before=rec["load_before"][0], load_after=rec["load_after"][0])
-            result["per_round"][side].append(summary)
-            result["records"][side].append(rec)
-            print(f"  round {r + 1} {side}: iteration {summary['iteration_s']:.3f} s, first "
-                  f"{summary['first_iteration_s']:.2f} s, load {rec['load_before'][0]} -> "
-                  f"{rec['load_after'][0]}", flush=True)
-    if caches:
-        caches.cleanup()
+    with contextlib.ExitStack() as stack:  # the warm caches go when the rounds end or fail
+        root = (stack.enter_context(tempfile.TemporaryDirectory(prefix="grpo_peer_cache_"))
+                if warm_cache else None)
+        cache_of = (lambda side: os.path.join(root, side)) if root else (lambda side: None)
+        for side in sides if root else ():  # untimed: fills the side's cache
+            run_side(side, steps, reps, overrides, venvs, cache_of(side))
+            print(f"  {side}: compilation cache filled", flush=True)
+        for r in range(rounds):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
+                rec = run_side(side, steps, reps if r < sampler_rounds else 0, overrides, venvs,
+                               cache_of(side))
+                summary = summarize(rec)
+                summary.update(load_before=rec["load_before"][0],
+                               load_after=rec["load_after"][0])
+                result["per_round"][side].append(summary)
+                result["records"][side].append(rec)
+                print(f"  round {r + 1} {side}: iteration {summary['iteration_s']:.3f} s, first "
+                      f"{summary['first_iteration_s']:.2f} s, load {rec['load_before'][0]} -> "
+                      f"{rec['load_after'][0]}", flush=True)
     result["load_after"] = loadavg()
     result["median"] = {s: aggregate(result["per_round"][s]) for s in sides}
     result["ratios"] = {v: ratios(result["median"][v], result["median"]["tunix"])

@@ -100,8 +100,8 @@ def _chunk_terms_bwd(q, k, v, beta, P: reference.ChunkParts, dA_qk, dw, du, dqg,
         Rl = Rc5[:, :, 0]  # [X,np,s,K] decay from j to m
         rows = Z.reshape(X, 2, np_, 2, s, K)[:, :, :, 1] * Rr[:, None]  # [X,2,np,s,K]
         colv = k.reshape(X, np_, 2, s, K)[:, :, 0] * Rl  # [X,np,s,K]
-        if s <= 8:  # contractions over s: broadcast-multiply-sums (reference._pair_dots)
-            drows = jnp.sum(dcross[..., None] * colv[:, None, :, None], axis=-2) * Rr[:, None]
+        if s <= reference.SMALL_BLOCK:  # contractions over s: broadcast-multiply-sums
+            drows = reference._mm(dcross, colv[:, None]) * Rr[:, None]
             dcolv = jnp.sum(dcross[..., None] * rows[..., :, None, :], axis=(1, 3)) * Rl
         else:
             drows = _bmm("xzpij,xpjk->xzpik", dcross, colv) * Rr[:, None]
@@ -237,13 +237,12 @@ def _backward(cfg, xs, states, do, dS_final):
         # the [C,V] rows as the right one, then the small [K,C] results transposed: XLA:CPU runs
         # X @ S^T with a materialised S^T (a 2 MB transposing copy per group) or as A @ B^T
         # slower (B=1 H=4 K=V=128 T=2048, per group: 1.0 ms and 1.4 ms against 0.73 ms).
-        ones_v = jnp.ones((V,), f32)
         dqwT, dkdT, ddecay = [], [], []
         for j in range(G):
             dqwT.append(_bmm("xkv,xcv->xkc", S0s[j],
                              jnp.concatenate([dOs[:, j], -dDs[j]], 1)))  # [BH,K,2C]
             dkdT.append(_bmm("xkv,xcv->xkc", dS1s[j], deltas[j]))  # [BH,K,C]
-            ddecay.append((S0s[j] * dS1s[j]) @ ones_v)  # [BH,K] rowsum as a GEMV
+            ddecay.append(reference.row_sums(S0s[j] * dS1s[j]))  # [BH,K]
         dqw = jnp.swapaxes(flat(dqwT), 1, 2)  # [X,2C,K]
         dkd = jnp.swapaxes(flat(dkdT), 1, 2)  # [X,C,K]
         ddecay = flat(ddecay)

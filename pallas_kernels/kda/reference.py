@@ -171,20 +171,29 @@ def pad_time(x, T_pad: int):
     return x if T_pad == T else jnp.pad(x, [(0, 0), (0, T_pad - T)] + [(0, 0)] * (x.ndim - 2))
 
 
+SMALL_BLOCK = 8  # contractions / outputs of at most this many tokens run elementwise (below)
+
+
+def row_sums(x):
+    """x [..., K] -> [...] summed over K as a GEMV: faster than a reduce on XLA:CPU."""
+    return x @ jnp.ones((x.shape[-1],), x.dtype)
+
+
 def _mm(a, b):
-    """Batched [..., n, m] @ [..., m, p]. Tiny blocks (m <= 8) as one broadcast-multiply-sum:
-    XLA:CPU runs thousands of 4x4 dots far slower than one fused elementwise pass."""
-    if a.shape[-1] <= 8:
+    """Batched [..., n, m] @ [..., m, p]. Tiny blocks (m <= SMALL_BLOCK) as one
+    broadcast-multiply-sum: XLA:CPU runs thousands of 4x4 dots far slower than one fused
+    elementwise pass."""
+    if a.shape[-1] <= SMALL_BLOCK:
         return jnp.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2)
     return jnp.einsum("...ij,...jk->...ik", a, b, precision=_HI)
 
 
 def _pair_dots(a, b):
-    """[..., i, K] x [..., j, K] -> [..., i, j] = sum_k a_ik b_jk. Small blocks (i, j <= 8) as one
-    multiply and a GEMV over K: XLA:CPU runs such batched dots with an s x s output at 1-5
-    GFLOP/s, against ~40 for the chunk's large dots."""
-    if a.shape[-2] <= 8 and b.shape[-2] <= 8:
-        return (a[..., :, None, :] * b[..., None, :, :]) @ jnp.ones((a.shape[-1],), a.dtype)
+    """[..., i, K] x [..., j, K] -> [..., i, j] = sum_k a_ik b_jk. Small blocks (i, j <=
+    SMALL_BLOCK) as one multiply and a GEMV over K: XLA:CPU runs such batched dots with an s x s
+    output at 1-5 GFLOP/s, against ~40 for the chunk's large dots."""
+    if a.shape[-2] <= SMALL_BLOCK and b.shape[-2] <= SMALL_BLOCK:
+        return row_sums(a[..., :, None, :] * b[..., None, :, :])
     return jnp.einsum("...ik,...jk->...ij", a, b, precision=_HI)
 
 
@@ -262,9 +271,7 @@ def chunk_parts(q, k, v, g, beta, c) -> ChunkParts:
     kb = k.reshape(X, nb, c, K)
 
     # Base blocks: band by offset d, D[i, i-d] = z_i . k_{i-d} exp(Gin_i - Gin_{i-d}).
-    ones_k = jnp.ones((K,), q.dtype)
-    rowdot = lambda a, b: (a * b) @ ones_k  # sum over K as a GEMV: faster than reduce on XLA:CPU
-    cols = [rowdot(Z, kb[:, None])]
+    cols = [row_sums(Z * kb[:, None])]
     win = None
     band_dec, levels = [], []
     for d in range(1, c):
@@ -272,7 +279,7 @@ def chunk_parts(q, k, v, g, beta, c) -> ChunkParts:
         win = gb[:, :, d:, :] if d == 1 else win[:, :, 1:, :] + gb[:, :, 1 : c - d + 1, :]
         dec = jnp.exp(win)  # [X,nb,c-d,K] exp(G_i - G_{i-d}), exponent <= 0
         band_dec.append(dec)
-        s = rowdot(Z[:, :, :, d:, :], (kb[:, :, : c - d, :] * dec)[:, None])
+        s = row_sums(Z[:, :, :, d:, :] * (kb[:, :, : c - d, :] * dec)[:, None])
         cols.append(jnp.pad(s, [(0, 0), (0, 0), (0, 0), (d, 0)]))
     band = jnp.stack(cols, axis=-1)  # [X,2,nb,c(i),c(d)]
     ic = jnp.arange(c)
