@@ -186,15 +186,20 @@ def main(argv=None) -> int:
 
     configure_xla_env()  # the scripts' XLA flags
     import jax
+    from jax.experimental.compilation_cache import compilation_cache
 
     # a cold compile every time: no persistent cache, even where the caller (the test suite)
-    # configured one (restored afterwards)
+    # configured one (restored afterwards). jax decides once per process whether compiles use
+    # the cache, so turning the option off is not enough in a process that has compiled before
+    # (an earlier run's entry would be read back): reset_cache makes it decide again.
     cache_was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         rec = measure(args, config)
     finally:
         jax.config.update("jax_enable_compilation_cache", cache_was)
+        compilation_cache.reset_cache()
     rec["load_after"] = loadavg()
     emit(rec, args.out)
     return 0

@@ -34,6 +34,41 @@ def test_probe_reports_every_stage(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == rec
 
 
+def test_probe_compiles_cold_in_a_process_that_used_the_cache(tmp_path):
+    """jax decides once per process whether compiles use the persistent cache, so a probe run
+    after compiles that used it (a suite worker, a notebook) must still compile cold -- also the
+    second probe of the same step, whose program the first would otherwise have left in the
+    cache -- write nothing there, and leave the cache in use for what follows."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compilation_cache import compilation_cache
+
+    cache = tmp_path / "cache"
+    saved = {k: getattr(jax.config, k) for k in (
+        "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes")}
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()
+    try:
+        jax.jit(lambda x: x * 3.0 + 1.0)(jnp.ones(5))  # this process now uses the cache
+        entries = set(cache.iterdir())
+        assert entries, "the warm-up compile wrote no cache entry"
+        for i in range(2):
+            out = tmp_path / f"rec{i}.json"
+            assert train_step_compile.main(["--set", *TINY, "--profile", "--out", str(out)]) == 0
+            xla = json.loads(out.read_text())["xla"]
+            assert xla["backend_s"] > 0 and xla["llvm_functions"] > 0, (i, xla)
+        assert set(cache.iterdir()) == entries  # the probe neither read nor wrote the cache
+        jax.jit(lambda x: x * 5.0 - 2.0)(jnp.ones(7))
+        assert set(cache.iterdir()) > entries  # and later compiles use it again
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
+
+
 def test_bad_arguments_fail_early():
     with pytest.raises(ValueError, match="no field"):
         train_step_compile.main(["--set", "rl.nope=1"])
