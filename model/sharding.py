@@ -72,7 +72,8 @@ DEFAULT_RULES: dict[str, Any] = {
     "embed": ("fsdp", "expert"),
     # MTP combine input (2*d_model). Not "tensor": with it, value_and_grad of the test model on
     # (2,2,1,2) / (2,1,2,2) meshes gave wrong values (an XLA SPMD partitioning problem, seen on
-    # XLA:CPU with jax 0.10.2; tests/model/test_sharding.py would catch a regression).
+    # XLA:CPU with jax 0.10.2; tests/rl/test_sharded_rl.py's (2,1,2,2) mesh and
+    # the two-process step in tests/model/test_sharding.py would catch a regression).
     "embed2": None,
     "heads": "tensor",
     "mlp": "tensor",

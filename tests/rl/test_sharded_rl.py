@@ -4,7 +4,7 @@ On 8 fake CPU devices, one step of `rl.train_step.make_train_step` (GRPO with th
 reference policy in the loss, TIS against rollout log-probs, sampled log-probs at temperature
 0.8, the test model cut to a KDA layer and an MTP block with a DSA layer, MoE with expert
 parallelism (all_to_all dispatch) in both)
-on the meshes (data, fsdp, expert, tensor) = (8,1,1,1), (2,2,2,1), (1,2,4,1), (2,1,2,2) gives
+on the meshes (data, fsdp, expert, tensor) = (2,2,2,1), (1,2,4,1), (2,1,2,2) gives
 the loss, metrics, gradients, updated parameters, router state and optimizer state of the
 single-device step (f32); the mesh step's state keeps the shardings the rules give (experts
 over "expert", Adam moments like their parameters) and the old state is donated; greedy
@@ -17,9 +17,9 @@ keeps the last gradient in its state, so one compiled step per mesh yields every
 
 Multi-device work runs in child processes (`python tests/rl/test_sharded_rl.py CHILD ...`,
 XLA_FLAGS=--xla_force_host_platform_device_count=8 set before jax is imported): the
-single-device reference and two children with two meshes each start at once; every child
-builds the same inputs (numpy), and the mesh children wait for the reference's pickled results
-before comparing. Not covered here: more than one process (tests/rl/test_multihost.py),
+single-device reference and two mesh children (one mesh and the planner check; two meshes)
+start at once; every child builds the same inputs (numpy), and the mesh children wait for the
+reference's pickled results before comparing. Not covered here: more than one process (tests/rl/test_multihost.py),
 micro-batches on a mesh (the split is tested against the full batch in
 tests/rl/test_engine.py).
 """
@@ -37,8 +37,10 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MESHES = [(8, 1, 1, 1), (2, 2, 2, 1), (1, 2, 4, 1), (2, 1, 2, 2)]  # (data, fsdp, expert, tensor)
-GROUPS = [MESHES[:2], MESHES[2:]]  # two meshes per child process
+# (data, fsdp, expert, tensor). Every one splits the batch 8 ways (the batch axes are data, fsdp
+# and expert); pure data parallelism, (8,1,1,1), is tests/model/test_sharding.py's.
+MESHES = [(2, 2, 2, 1), (1, 2, 4, 1), (2, 1, 2, 2)]
+GROUPS = [MESHES[:1], MESHES[1:]]  # the first child also runs the planner check
 N, P, L, G = 8, 6, 16, 6  # rows, prompt width, packed width, greedy tokens
 TOL = dict(rtol=1e-5, atol=1e-5)  # f32; see _close
 

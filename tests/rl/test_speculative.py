@@ -104,22 +104,23 @@ def test_verify_draft_emits_the_target_distribution():
     assert tok.tolist() == [1, 1] and acc.tolist() == [True, False]
 
 
-@pytest.mark.parametrize("stop", ["none", "eos_and_stop_sequence"])
-def test_greedy_speculative_equals_plain_greedy(trained, bad_drafts, stop):
+def test_greedy_speculative_equals_plain_greedy(trained, bad_drafts):
+    """k = 1: row 0 ends by EOS, row 1 by a stop sequence, row 2 at max_new_tokens."""
     model, good = trained
     prompts, lengths = _prompts()
-    G = 12
+    G = 10  # row 2's greedy text would reach the EOS token at its 11th token
     rate = {}
     for name, variables in (("good", good), ("bad", bad_drafts)):
         base = SamplingConfig(max_new_tokens=G, temperature=0.0, eos_id=-1)
         ref = Sampler(model, base).generate(variables, prompts, lengths, jax.random.key(0))
-        if stop != "none":  # row 0 ends by EOS at its 5th token, row 1 by a stop sequence
-            eos, seq = int(ref.tokens[0, 4]), tuple(int(t) for t in ref.tokens[1, 5:7])
-            base = SamplingConfig(max_new_tokens=G, temperature=0.0, eos_id=eos,
-                                  stop_sequences=(seq,))
-            ref = Sampler(model, base).generate(variables, prompts, lengths, jax.random.key(0))
-            assert int(ref.lengths[0]) <= 5 and int(ref.lengths[1]) <= 7
-            assert bool(ref.finished[0]) and bool(ref.finished[1])
+        # row 0 ends by EOS at its 5th token, row 1 by a stop sequence
+        eos, seq = int(ref.tokens[0, 4]), tuple(int(t) for t in ref.tokens[1, 5:7])
+        base = SamplingConfig(max_new_tokens=G, temperature=0.0, eos_id=eos,
+                              stop_sequences=(seq,))
+        ref = Sampler(model, base).generate(variables, prompts, lengths, jax.random.key(0))
+        assert int(ref.lengths[0]) <= 5 and int(ref.lengths[1]) <= 7
+        assert bool(ref.finished[0]) and bool(ref.finished[1])
+        assert int(ref.lengths[2]) == G and not bool(ref.finished[2])
         spec = SamplingConfig(**{**base.__dict__, "speculative": "mtp"})
         out = Sampler(model, spec).generate(variables, prompts, lengths, jax.random.key(1))
         for f in ("tokens", "mask", "lengths", "finished", "logprobs"):
