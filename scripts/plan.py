@@ -247,6 +247,23 @@ def _kinds_used(cfg: ModelConfig) -> set[str]:
     return set(cfg.layer_kinds()) | ({cfg.mtp.layer_kind} if cfg.mtp.depth else set())
 
 
+@functools.lru_cache(maxsize=64)
+def _block_variables(cfg: ModelConfig, kind: str, moe: bool, seq: int):
+    """Abstract variables of one block (jax.eval_shape of its init at batch 1): the same for
+    every remat policy and batch (model.transformer.block_class), so traced once for all."""
+    import flax.linen as nn
+
+    from model.transformer import block_class
+
+    def init(x):
+        valid = jnp.ones((1, seq), bool)
+        pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (1, seq))
+        return nn.meta.unbox(block_class("none")(cfg, kind, moe).init(
+            jax.random.key(0), x, valid=valid, positions=pos))
+
+    return jax.eval_shape(init, jax.ShapeDtypeStruct((1, seq, cfg.d_model), jnp.dtype(cfg.dtype)))
+
+
 @functools.lru_cache(maxsize=256)
 def block_residual_bytes(cfg: ModelConfig, kind: str, moe: bool, remat: str, batch: int,
                          seq: int) -> int:
@@ -254,7 +271,6 @@ def block_residual_bytes(cfg: ModelConfig, kind: str, moe: bool, remat: str, bat
     jax.vjp, parameters excluded) under the remat policy: the real block module
     (model.transformer.block_class), traced with jax.make_jaxpr only (no compile, no
     allocation), batch x seq tokens, loss = sum of the output and the aux losses."""
-    import flax.linen as nn
     from jax._src.ad_checkpoint import saved_residuals
 
     from model.transformer import block_class
@@ -268,12 +284,7 @@ def block_residual_bytes(cfg: ModelConfig, kind: str, moe: bool, remat: str, bat
         pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
         return blk.apply(variables, x, valid=valid, positions=pos)
 
-    def init(x):
-        valid = jnp.ones((batch, seq), bool)
-        pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-        return nn.meta.unbox(blk.init(jax.random.key(0), x, valid=valid, positions=pos))
-
-    variables = jax.eval_shape(init, x)
+    variables = _block_variables(cfg, kind, moe, seq)
 
     def loss(params, x):
         y, _, aux = apply({**variables, "params": params}, x)
