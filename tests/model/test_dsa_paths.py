@@ -6,7 +6,9 @@ token-sparse gather otherwise.
 Covered: the rule's choices; masked_dense_attention equals sparse_attention on the same indices
 (values and gradients), dense equals sparse when S <= top-k; the whole layer (output, indexer KL
 and parameter gradients) on each path equals the token-sparse path forced by monkeypatching the
-rule, at lengths below top-k, between top-k and the masked limit, and past it.
+rule, at lengths below top-k, between top-k and the masked limit, and past it; with a decode
+cache, the same by the cache's length, and the run-time dense choice while every row holds at
+most top-k keys (model/layers/dsa.py: RUNTIME_DENSE_DECODE) equal to selecting at every step.
 Not covered: the timings (benchmarks/dsa.py measures the crossover).
 """
 
@@ -134,3 +136,51 @@ def test_cached_paths_equal_the_sparse_gather(S, path, monkeypatch):
     o_sp = jax.jit(lambda p: run(p))(params)
     np.testing.assert_allclose(np.asarray(o_rule), np.asarray(o_sp), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(o_rule), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_decode_takes_the_dense_path_while_every_row_fits_topk(monkeypatch):
+    """A cache longer than top-k (S = 3K: the masked path) decoded from short prompts: while
+    every row holds at most top-k causal keys the layer attends densely at run time (no indexer,
+    no selection), later steps select; the outputs equal the selection path run at every step
+    and the no-cache forward. The dense branch is checked to be taken by making the selection
+    path's output wrong at the steps that fit (a selection that ignored the fit would show)."""
+    layer = _layer()
+    B, P, S, n = 2, 4, 3 * K, 9  # prompts of 4 and 2 tokens, then 9 steps: rows cross K
+    x = jax.random.normal(jax.random.key(1), (B, P + n, 24))
+    lengths = jnp.array([P, P - 2])
+    params = layer.init(jax.random.key(0), x[:, :P], valid=jnp.ones((B, P), bool),
+                        positions=jnp.broadcast_to(jnp.arange(P), (B, P)))
+
+    def run(params):
+        cache = dsa.DSALayer.init_cache(layer.cfg, B, S, jnp.float32)
+        valid = jnp.arange(P)[None] < lengths[:, None]
+        _, cache, _ = layer.apply(params, x[:, :P], valid=valid,
+                                  positions=jnp.broadcast_to(jnp.arange(P), (B, P)),
+                                  cache=cache, offset=jnp.zeros((B,), jnp.int32))
+        outs = []
+        for j in range(n):
+            xj = jnp.take_along_axis(x, (lengths + j)[:, None, None], axis=1)  # [B,1,24]
+            o, cache, _ = layer.apply(params, xj, valid=jnp.ones((B, 1), bool),
+                                      positions=(lengths + j)[:, None], cache=cache,
+                                      offset=lengths + j)
+            outs.append(o)
+        return jnp.concatenate(outs, axis=1)  # [B,n,24]
+
+    assert dsa.sparse_path(S, K, "auto", jnp.float32, 16, 24) == "masked"
+    o_rule = jax.jit(lambda p: run(p))(params)  # fresh functions: traced after each patch
+    full, _, _ = layer.apply(params, x, valid=jnp.ones((B, P + n), bool),
+                             positions=jnp.broadcast_to(jnp.arange(P + n), (B, P + n)))
+    want = jnp.stack([full[b, int(m):int(m) + n] for b, m in enumerate(lengths)])
+    np.testing.assert_allclose(np.asarray(o_rule), np.asarray(want), rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(dsa, "RUNTIME_DENSE_DECODE", False)
+    o_sel = jax.jit(lambda p: run(p))(params)
+    np.testing.assert_allclose(np.asarray(o_rule), np.asarray(o_sel), rtol=1e-5, atol=1e-6)
+    # the attack: a selection path that is wrong everywhere changes only the steps past K
+    monkeypatch.setattr(dsa, "RUNTIME_DENSE_DECODE", True)
+    monkeypatch.setattr(dsa, "masked_dense_attention", lambda q, *a: jnp.zeros(
+        q.shape[:3] + (a[-1],), q.dtype))
+    o_bad = np.asarray(jax.jit(lambda p: run(p))(params))
+    fits = np.asarray(jnp.max(lengths) + jnp.arange(n) + 1 <= K)  # step j: keys max(len)+j+1
+    assert fits.any() and not fits.all()
+    np.testing.assert_allclose(o_bad[:, fits], np.asarray(o_rule)[:, fits], rtol=1e-6, atol=1e-7)
+    assert np.abs(o_bad[:, ~fits] - np.asarray(o_rule)[:, ~fits]).max() > 1e-3
