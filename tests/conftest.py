@@ -42,7 +42,9 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_collection_modifyitems(config, items):
     """Test files with a `slow` test run first. Under `--dist loadfile` each file is one unit of
-    work, handed to the workers in this order: long units start early, while short ones can still
+    work, handed to the workers in this order (setup.cfg's `--no-loadscope-reorder`: without it
+    pytest-xdist reorders the files by their number of tests, which put the demo's and the
+    loop's files, 2-3 long tests each, last): long units start early, while short ones can still
     fill the other worker (a long file started last would run alone at the end). Order within a
     file is kept (a stable sort), so module fixtures are built once."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}

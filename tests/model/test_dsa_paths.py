@@ -145,7 +145,7 @@ def test_decode_takes_the_dense_path_while_every_row_fits_topk(monkeypatch):
     and the no-cache forward. The dense branch is checked to be taken by making the selection
     path's output wrong at the steps that fit (a selection that ignored the fit would show)."""
     layer = _layer()
-    B, P, S, n = 2, 4, 3 * K, 9  # prompts of 4 and 2 tokens, then 9 steps: rows cross K
+    B, P, S, n = 2, 4, 3 * K, 6  # prompts of 4 and 2 tokens, then 6 steps: rows cross K
     x = jax.random.normal(jax.random.key(1), (B, P + n, 24))
     lengths = jnp.array([P, P - 2])
     params = layer.init(jax.random.key(0), x[:, :P], valid=jnp.ones((B, P), bool),
