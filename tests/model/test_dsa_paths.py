@@ -96,6 +96,26 @@ def test_layer_paths_equal_the_sparse_gather(T, path, monkeypatch):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+def _cached_decode(layer, params, x, lengths, P, S, n):
+    """Prefill of each row's prompt (lengths [B], the prompts padded to P = max(lengths)) into a
+    cache of S rows, then n one-token steps: row b's token j sits at position lengths[b] + j.
+    Returns the steps' outputs [B,n,D]."""
+    B = x.shape[0]
+    cache = dsa.DSALayer.init_cache(layer.cfg, B, S, jnp.float32)
+    valid = jnp.arange(P)[None] < lengths[:, None]
+    _, cache, _ = layer.apply(params, x[:, :P], valid=valid,
+                              positions=jnp.broadcast_to(jnp.arange(P), (B, P)),
+                              cache=cache, offset=jnp.zeros((B,), jnp.int32))
+    outs = []
+    for j in range(n):
+        xj = jnp.take_along_axis(x, (lengths + j)[:, None, None], axis=1)  # [B,1,D]
+        o, cache, _ = layer.apply(params, xj, valid=jnp.ones((B, 1), bool),
+                                  positions=(lengths + j)[:, None], cache=cache,
+                                  offset=lengths + j)
+        outs.append(o)
+    return jnp.concatenate(outs, axis=1)
+
+
 @pytest.mark.parametrize("S,path", [(6, "dense"), (3 * K, "masked"),
                                     (dsa.MASKED_DENSE_MAX_RATIO * K + 3, "sparse")])
 def test_cached_paths_equal_the_sparse_gather(S, path, monkeypatch):
@@ -110,20 +130,8 @@ def test_cached_paths_equal_the_sparse_gather(S, path, monkeypatch):
     params = layer.init(jax.random.key(0), x[:, :P], valid=jnp.ones((B, P), bool),
                         positions=jnp.broadcast_to(jnp.arange(P), (B, P)))
 
-    def run(params):
-        cache = dsa.DSALayer.init_cache(layer.cfg, B, S, jnp.float32)
-        valid = jnp.arange(P)[None] < lengths[:, None]
-        _, cache, _ = layer.apply(params, x[:, :P], valid=valid,
-                                  positions=jnp.broadcast_to(jnp.arange(P), (B, P)),
-                                  cache=cache, offset=jnp.zeros((B,), jnp.int32))
-        outs = []
-        for j in range(2):  # row b's token j sits at position lengths[b] + j
-            xj = jnp.take_along_axis(x, (lengths + j)[:, None, None], axis=1)  # [B,1,24]
-            o, cache, _ = layer.apply(params, xj, valid=jnp.ones((B, 1), bool),
-                                      positions=(lengths + j)[:, None], cache=cache,
-                                      offset=lengths + j)
-            outs.append(o)
-        return jnp.concatenate(outs, axis=1)  # [B,2,24]
+    def run(params):  # [B,2,24]
+        return _cached_decode(layer, params, x, lengths, P, S, 2)
 
     taken, rule = [], dsa.sparse_path
     monkeypatch.setattr(dsa, "sparse_path", lambda *a, **k: taken.append(rule(*a, **k)) or taken[-1])
@@ -151,20 +159,8 @@ def test_decode_takes_the_dense_path_while_every_row_fits_topk(monkeypatch):
     params = layer.init(jax.random.key(0), x[:, :P], valid=jnp.ones((B, P), bool),
                         positions=jnp.broadcast_to(jnp.arange(P), (B, P)))
 
-    def run(params):
-        cache = dsa.DSALayer.init_cache(layer.cfg, B, S, jnp.float32)
-        valid = jnp.arange(P)[None] < lengths[:, None]
-        _, cache, _ = layer.apply(params, x[:, :P], valid=valid,
-                                  positions=jnp.broadcast_to(jnp.arange(P), (B, P)),
-                                  cache=cache, offset=jnp.zeros((B,), jnp.int32))
-        outs = []
-        for j in range(n):
-            xj = jnp.take_along_axis(x, (lengths + j)[:, None, None], axis=1)  # [B,1,24]
-            o, cache, _ = layer.apply(params, xj, valid=jnp.ones((B, 1), bool),
-                                      positions=(lengths + j)[:, None], cache=cache,
-                                      offset=lengths + j)
-            outs.append(o)
-        return jnp.concatenate(outs, axis=1)  # [B,n,24]
+    def run(params):  # [B,n,24]
+        return _cached_decode(layer, params, x, lengths, P, S, n)
 
     assert dsa.sparse_path(S, K, "auto", jnp.float32, 16, 24) == "masked"
     o_rule = jax.jit(lambda p: run(p))(params)  # fresh functions: traced after each patch
