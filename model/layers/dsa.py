@@ -360,9 +360,11 @@ class DSALayer(nn.Module):
             return dsa_ops.dense_causal_attention(q_full, kv_q, scale=scale, v_dim=L,
                                                   q_offset=q_offset)
 
+        def index_scores():  # [B,T,S]
+            return dsa_ops.indexer_scores(q_idx, k_idx.astype(q_idx.dtype), w_idx, impl=c.impl)
+
         def selected_attention():  # -> (o_lat, scores, sel_mask or None)
-            scores = dsa_ops.indexer_scores(q_idx, k_idx.astype(q_idx.dtype), w_idx,
-                                            impl=c.impl)  # [B,T,S]
+            scores = index_scores()
             idx = dsa_ops.select_topk(scores, c.index_topk, q_offset=q_offset)  # [B,T,k]
             sel_mask = None  # [B,T,S] causal & selected keys
             if path == "masked" or (cache is None and c.indexer_loss_weight > 0):
@@ -374,27 +376,26 @@ class DSALayer(nn.Module):
                                              impl=c.impl)
             return o, scores, sel_mask
 
-        sel_mask = None
+        scores = sel_mask = None
         if path == "dense":  # dense warm-up, or top-k covers every causal key
             o_lat = dense_attention()
-        elif cache is not None and not RUNTIME_DENSE_DECODE:
-            o_lat = selected_attention()[0]
-        elif cache is not None:
+        elif cache is None:
+            o_lat, scores, sel_mask = selected_attention()
+        elif RUNTIME_DENSE_DECODE:
             # A cache longer than top-k whose rows all hold at most top-k causal keys so far (a
             # decode's first steps): the selection is every causal key, as on the dense path,
             # so skip the indexer and the selection at run time.
             fits = jnp.max(q_offset) + T <= c.index_topk
             o_lat = jax.lax.cond(fits, dense_attention, lambda: selected_attention()[0])
         else:
-            o_lat, scores, sel_mask = selected_attention()
+            o_lat = selected_attention()[0]
         o = jnp.einsum("bthl,hlv->bthv", o_lat, w_uv.astype(o_lat.dtype))  # [B,T,H,v]
         out = dense(self.d_model, ("heads", "embed"), "out", **kw)(o.reshape(B, T, -1))
 
         aux = {}
-        if cache is None and path == "dense" and (c.indexer_loss_weight > 0 or
-                                                  self.is_mutable_collection("diagnostics")):
-            scores = dsa_ops.indexer_scores(q_idx, k_idx.astype(q_idx.dtype), w_idx,
-                                            impl=c.impl)  # [B,T,S]
+        if cache is None and scores is None and (c.indexer_loss_weight > 0 or
+                                                 self.is_mutable_collection("diagnostics")):
+            scores = index_scores()  # the dense path attended without them
         if cache is None and c.indexer_loss_weight > 0:
             # KL over the attended keys: every causal key (dense paths), else the selection
             key_mask = causal_mask(T, S, q_offset) if sel_mask is None else sel_mask
