@@ -255,8 +255,12 @@ def chunk_terms(q, k, v, g, beta, c):
     return chunk_parts(q, k, v, g, beta, c)[:6]
 
 
-def chunk_parts(q, k, v, g, beta, c) -> ChunkParts:
-    """`chunk_terms` with its intermediates (`ChunkParts`): the same operations, the same numbers."""
+def chunk_parts(q, k, v, g, beta, c, pairs=None) -> ChunkParts:
+    """`chunk_terms` with its intermediates (`ChunkParts`): the same operations, the same numbers.
+
+    pairs: (A_qk, A_kk, Tinv) of these inputs, as an earlier call returned them (the hand-written
+    backward keeps them from the forward): only the decays, w, u, qg and kd are then computed,
+    not the pairwise products and the inverse (the same numbers either way)."""
     X, C, K = q.shape
     nb = C // c
     gb = g.reshape(X, nb, c, K)
@@ -267,20 +271,52 @@ def chunk_parts(q, k, v, g, beta, c) -> ChunkParts:
     g_after = jnp.concatenate([gb[:, :, 1:, :], jnp.zeros_like(gb[:, :, :1, :])], axis=2)
     Rcs = jnp.exp(jnp.flip(jnp.cumsum(jnp.flip(g_after, 2), axis=2), 2))  # decay from j (excl.) to block end
     tot = Rs[:, :, -1, :]  # [X,nb,K] decay over each block
-    Z = jnp.stack([q, k], axis=1).reshape(X, 2, nb, c, K)  # row vectors: q for A_qk, k for A_kk
-    kb = k.reshape(X, nb, c, K)
 
-    # Base blocks: band by offset d, D[i, i-d] = z_i . k_{i-d} exp(Gin_i - Gin_{i-d}).
-    cols = [row_sums(Z * kb[:, None])]
+    band_dec = []  # base blocks: exp(G_i - G_{i-d}) for rows i = d..c-1, offset d = 1..c-1
     win = None
-    band_dec, levels = [], []
     for d in range(1, c):
         # win[i] = sum_{s in (i-d, i]} g_s for rows i = d..c-1, built one term at a time.
         win = gb[:, :, d:, :] if d == 1 else win[:, :, 1:, :] + gb[:, :, 1 : c - d + 1, :]
-        dec = jnp.exp(win)  # [X,nb,c-d,K] exp(G_i - G_{i-d}), exponent <= 0
-        band_dec.append(dec)
-        s = row_sums(Z[:, :, :, d:, :] * (kb[:, :, : c - d, :] * dec)[:, None])
-        cols.append(jnp.pad(s, [(0, 0), (0, 0), (0, 0), (d, 0)]))
+        band_dec.append(jnp.exp(win))  # [X,nb,c-d,K], exponent <= 0
+    levels = []  # per sibling join of blocks of s = c, 2c, ..: (Rs5, Rc5)
+    s = c
+    while s < C:
+        np_ = C // (2 * s)
+        Rs5, Rc5 = Rs.reshape(X, np_, 2, s, K), Rcs.reshape(X, np_, 2, s, K)
+        t2 = tot.reshape(X, np_, 2, K)
+        levels.append((Rs5, Rc5))
+        # Decays at the parent granularity (products only).
+        Rs = jnp.concatenate([Rs5[:, :, 0], Rs5[:, :, 1] * t2[:, :, 0, None, :]], axis=2)
+        Rcs = jnp.concatenate([Rc5[:, :, 0] * t2[:, :, 1, None, :], Rc5[:, :, 1]], axis=2)
+        tot = t2[:, :, 0] * t2[:, :, 1]
+        s *= 2
+
+    if pairs is None:
+        A_qk, A_kk, Tinv = _chunk_pairs(q, k, beta, c, band_dec, levels)
+    else:
+        A_qk, A_kk, Tinv = pairs
+    eG = Rs.reshape(X, C, K)  # e^(G_i)
+    eGc = Rcs.reshape(X, C, K)  # e^(G_C - G_j)
+    kd = k * eGc  # k_j e^(G_C - G_j)
+    decay = tot.reshape(X, K)  # e^(G_C)
+    rhs = jnp.concatenate([k * eG, v], axis=-1) * beta[:, :, None]
+    wu = jnp.einsum("xij,xjd->xid", Tinv, rhs, precision=_HI)  # [X,C,K+V]
+    return ChunkParts(A_qk, wu[..., :K], wu[..., K:], q * eG, kd, decay, A_kk, Tinv, eG, eGc,
+                      tuple(band_dec), tuple(levels))
+
+
+def _chunk_pairs(q, k, beta, c, band_dec, levels):
+    """(A_qk, A_kk, Tinv) [X,C,C] of `chunk_parts` from its decays: the base blocks' band, then
+    the tree's sibling joins (cross blocks and the inverse's off-diagonal blocks)."""
+    X, C, K = q.shape
+    nb = C // c
+    Z = jnp.stack([q, k], axis=1).reshape(X, 2, nb, c, K)  # row vectors: q for A_qk, k for A_kk
+    kb = k.reshape(X, nb, c, K)
+    # Base blocks: band by offset d, D[i, i-d] = z_i . k_{i-d} exp(Gin_i - Gin_{i-d}).
+    cols = [row_sums(Z * kb[:, None])]
+    for d in range(1, c):
+        sd = row_sums(Z[:, :, :, d:, :] * (kb[:, :, : c - d, :] * band_dec[d - 1])[:, None])
+        cols.append(jnp.pad(sd, [(0, 0), (0, 0), (0, 0), (d, 0)]))
     band = jnp.stack(cols, axis=-1)  # [X,2,nb,c(i),c(d)]
     ic = jnp.arange(c)
     onehot = (ic[:, None, None] - ic[None, :, None] == ic[None, None, :]).astype(q.dtype)
@@ -290,13 +326,9 @@ def chunk_parts(q, k, v, g, beta, c) -> ChunkParts:
     Tinv = _neumann_inverse(A[:, 1] * strict * bb[..., None])  # [X,nb,c,c] of I + A_kk blocks
 
     s = c
-    Zr = Z
-    while s < C:  # join sibling blocks of size s
+    for Rs5, Rc5 in levels:  # join sibling blocks of size s
         np_ = C // (2 * s)
-        Rs5, Rc5 = Rs.reshape(X, np_, 2, s, K), Rcs.reshape(X, np_, 2, s, K)
-        levels.append((Rs5, Rc5))
-        t2 = tot.reshape(X, np_, 2, K)
-        Z6 = Zr.reshape(X, 2, np_, 2, s, K)
+        Z6 = Z.reshape(X, 2, np_, 2, s, K)
         k5 = kb.reshape(X, np_, 2, s, K)
         rows = Z6[:, :, :, 1] * Rs5[:, None, :, 1]  # [X,2,np,s,K] right child, decayed from m
         colv = k5[:, :, 0] * Rc5[:, :, 0]  # [X,np,s,K] left child, decayed to m
@@ -313,23 +345,10 @@ def chunk_parts(q, k, v, g, beta, c) -> ChunkParts:
         Tinv = jnp.concatenate(
             [jnp.concatenate([T5[:, :, 0], jnp.zeros_like(T21)], -1),
              jnp.concatenate([T21, T5[:, :, 1]], -1)], axis=-2)  # [X,np,2s,2s]
-        # Decays at the parent granularity (products only).
-        Rs = jnp.concatenate([Rs5[:, :, 0], Rs5[:, :, 1] * t2[:, :, 0, None, :]], axis=2)
-        Rcs = jnp.concatenate([Rc5[:, :, 0] * t2[:, :, 1, None, :], Rc5[:, :, 1]], axis=2)
-        tot = t2[:, :, 0] * t2[:, :, 1]
         s *= 2
-
     A_qk = A[:, 0, 0]  # [X,C,C]
-    eG = Rs.reshape(X, C, K)  # e^(G_i)
-    eGc = Rcs.reshape(X, C, K)  # e^(G_C - G_j)
-    kd = k * eGc  # k_j e^(G_C - G_j)
-    decay = tot.reshape(X, K)  # e^(G_C)
-    rhs = jnp.concatenate([k * eG, v], axis=-1) * beta[:, :, None]
-    Tinv = Tinv.reshape(X, C, C)
-    wu = jnp.einsum("xij,xjd->xid", Tinv, rhs, precision=_HI)  # [X,C,K+V]
     A_kk = A[:, 1, 0] * (jnp.arange(C)[:, None] > jnp.arange(C)[None, :]).astype(q.dtype)
-    return ChunkParts(A_qk, wu[..., :K], wu[..., K:], q * eG, kd, decay, A_kk, Tinv, eG, eGc,
-                      tuple(band_dec), tuple(levels))
+    return A_qk, A_kk, Tinv.reshape(X, C, C)
 
 
 @functools.partial(
