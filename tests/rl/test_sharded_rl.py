@@ -9,7 +9,10 @@ the loss, metrics, gradients, updated parameters, router state and optimizer sta
 single-device step (f32); the mesh step's state keeps the shardings the rules give (experts
 over "expert", Adam moments like their parameters) and the old state is donated; greedy
 rollouts of the sharded sampler (`rl.sampler.Sampler(mesh=...)`, KDA/DSA caches sharded over
-the batch) equal the single-device ones token for token.
+the batch) equal the single-device ones token for token. The sampler's model is the test
+preset's KDA + DSA trunk (MoE, all_to_all) with a DSA top-k of 8, so its 6-token greedy decode
+over a 12-position cache crosses top-k: the first steps attend densely by the run-time choice
+(model/layers/dsa.py RUNTIME_DENSE_DECODE), the later ones select, on every mesh.
 
 The gradients are read from the optimizer state: the step's optimizer is the real
 `make_optimizer` (clipping + AdamW with the weight-decay mask) behind a transformation that
@@ -171,6 +174,22 @@ def _greedy(model):
     return SamplingConfig(max_new_tokens=G, temperature=0.0, eos_id=-1)
 
 
+def _sample_model():
+    """The sampler's model: the test preset's trunk (a KDA and a DSA layer, MoE with
+    all_to_all in both) with DSA top-k 8 < the 12-position cache (prompts <= P, G new tokens):
+    prefill and the first decode steps fit top-k (dense at run time), the rest select."""
+    from configs import models
+    from model.config import ModelConfig
+    from model.transformer import Model
+
+    c = models.get_config("test")
+    assert c.layer_pattern == "KD"
+    c.moe.expert_parallel, c.moe.router = "all_to_all", "sigmoid"
+    c.dsa.index_topk = 8
+    assert P + 1 <= c.dsa.index_topk < P + G  # the longest row crosses top-k while decoding
+    return Model(ModelConfig.from_dict(c))
+
+
 def _inputs():
     """Prompts [N,P] (+ lengths) and one packed RL batch, from numpy only (every child builds
     the same): old log-probs near the random-init policy's (log 1/259, so ratios sit near 1 and
@@ -210,7 +229,9 @@ def child_reference(path):
     step = make_train_step(model, algo, opt, sampling=sampling, donate=False)
     new, met = step(init_train_state(variables, opt), {k: jnp.asarray(v) for k, v in
                                                         batch.items()})
-    out = Sampler(model, _greedy(model)).generate(variables, prompts, plen, jax.random.key(3))
+    sm = _sample_model()
+    out = Sampler(sm, _greedy(sm)).generate(sm.init(jax.random.key(1)), prompts, plen,
+                                            jax.random.key(3))
     tmp = pathlib.Path(str(path) + ".tmp")
     with open(tmp, "wb") as f:
         pickle.dump(jax.device_get({"state": new, "metrics": met, "tokens": out.tokens,
@@ -258,6 +279,8 @@ def child_meshes(path, meshes):
 
     model, algo, opt, sampling = _parts()
     prompts, plen, host_batch = _inputs()
+    sm = _sample_model()
+    sample_vars = sm.init(jax.random.key(1))
     ref = None  # the reference child's results, read when the first comparison needs them
     import time
 
@@ -294,8 +317,9 @@ def child_meshes(path, meshes):
                                                              for k, v in errs.items())
               + f" ({time.perf_counter() - t0:.1f} s)")
         t0 = time.perf_counter()
-        out = Sampler(model, _greedy(model), mesh=mesh).generate(
-            variables, prompts, plen, jax.random.key(3))
+        sv = jax.device_put(sample_vars, shd.variables_shardings(  # (one init compile per child)
+            shd.model_shardings(sm, mesh), sample_vars, mesh))
+        out = Sampler(sm, _greedy(sm), mesh=mesh).generate(sv, prompts, plen, jax.random.key(3))
         assert out.tokens.sharding.spec == shd.batch_sharding(mesh, N).spec
         np.testing.assert_array_equal(shd.host_rows(out.tokens), ref["tokens"])
         np.testing.assert_array_equal(shd.host_rows(out.mask), ref["rollout_mask"])
