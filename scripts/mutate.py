@@ -121,6 +121,10 @@ CATALOGUE = (
        ("tests/pallas_kernels/test_kda.py::test_chunked_matches_recurrent_moderate_gates",),
        "a joined block's right half decays by its own total instead of the left half's (the "
        "-50/token oracle test misses it)"),
+    _m("kda.backward_keeps_wrong_pair", "pallas_kernels/kda/chunked_vjp.py",
+       [("pairs = (P.A_qk, P.A_kk, P.Tinv)", "pairs = (P.A_qk, P.A_qk, P.Tinv)")],
+       ("tests/pallas_kernels/test_kda.py::test_chunked_vjp_matches_oracle_and_autodiff",),
+       "the hand-written backward is handed A_qk where it reuses the forward's A_kk"),
     _m("checkpoint.data_of_latest_step", "rl/checkpoint.py",
        [("self._mngr.restore(step, args=ocp.args.Composite(\n"
          "                    data=_grain_ckpt.CheckpointRestore(data_iter)))",
