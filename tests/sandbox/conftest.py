@@ -18,7 +18,7 @@ def pool():
 
 def leftover_processes(pool) -> dict[int, list[int]]:
     """uid -> pids of processes still running as one of the pool's sandbox uids."""
-    return {u: pids_of_uid(u) for u in pool.worker_uids() if u is not None and pids_of_uid(u)}
+    return {u: pids for u in pool.worker_uids() if u is not None and (pids := pids_of_uid(u))}
 
 
 def assert_no_leftovers(pool, grace_s: float = 5.0):
@@ -26,8 +26,14 @@ def assert_no_leftovers(pool, grace_s: float = 5.0):
     torn down: a run's result can arrive while its sandbox's last processes still exit (seen on
     a loaded 2-core host: 3 pids of the slot's uid right after the result, in a run of the full
     suite). The attacks the tests leave behind sleep 30-1000 s, so a leak still fails."""
-    wait_for(lambda: not leftover_processes(pool), timeout_s=grace_s)
-    left = leftover_processes(pool)
+    left = {}
+
+    def clean():  # keeps the last look, for the message
+        nonlocal left
+        left = leftover_processes(pool)
+        return not left
+
+    wait_for(clean, timeout_s=grace_s)
     assert not left, f"sandbox processes survived the run: {left}"
 
 
