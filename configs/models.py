@@ -28,6 +28,9 @@ def _base(**kw) -> ml_collections.ConfigDict:
     c.dtype = "float32"
     c.param_dtype = "float32"
     c.remat = "none"  # per-block rematerialisation: "none" | "full" | "save_dots" (model/config.py)
+    # stack repeated layer groups and lax.scan over them (one compile per distinct group;
+    # model/config.py:layer_groups)
+    c.scan_layers = False
     c.kda = ml_collections.ConfigDict(dict(
         num_heads=2, head_dim=32, v_head_dim=0, conv_size=4, gate_rank=0,
         gate_lower_bound=ml_collections.FieldReference(None, field_type=float),

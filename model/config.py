@@ -120,6 +120,10 @@ class ModelConfig:
     dtype: str = "float32"  # activations
     param_dtype: str = "float32"
     remat: str = "none"  # per-block rematerialisation policy, one of REMAT (see above)
+    # scan repeated layer groups (`layer_groups`): identical consecutive periods of the pattern
+    # run as one lax.scan over parameters stacked on a leading "layers" axis, so XLA compiles
+    # each distinct group once instead of once per layer (model/transformer.py)
+    scan_layers: bool = False
     name: str = "custom"
     # sections of layer kinds registered outside this file: ((section name, config), ...),
     # sorted by name; built by from_dict / replace from keyword sections (`conv=...`)
@@ -133,6 +137,32 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe.num_experts > 0 and i >= self.moe.first_dense_layers
+
+    def layer_groups(self) -> tuple[tuple[int, int, int], ...]:
+        """The trunk as (start, period, repeats) spans, in layer order, covering every layer
+        once. Without `scan_layers` every layer is its own span (i, 1, 1). With it, a span
+        (s, p, r) with r >= 2 stacks r consecutive copies of the p = len(layer_pattern) layers
+        from s (same kinds, same MoE/dense choice; layer s + t*p + j is copy t of block j);
+        layers that start no such repeat (e.g. the first dense layers) stay (i, 1, 1).
+        Greedy from layer 0: KKKD x 16 layers with one dense first layer gives (0, 1, 1),
+        (1, 4, 3), (13, 1, 1), (14, 1, 1), (15, 1, 1)."""
+        n = self.num_layers
+        if not self.scan_layers:
+            return tuple((i, 1, 1) for i in range(n))
+        p = len(self.layer_pattern)
+        sig = [(k, self.is_moe_layer(i)) for i, k in enumerate(self.layer_kinds())]
+        groups, i = [], 0
+        while i < n:
+            r = 1
+            while i + (r + 1) * p <= n and sig[i:i + p] == sig[i + r * p:i + (r + 1) * p]:
+                r += 1
+            if r >= 2:
+                groups.append((i, p, r))
+                i += r * p
+            else:
+                groups.append((i, 1, 1))
+                i += 1
+        return tuple(groups)
 
     def section(self, name: str):
         """The config section `name` of a layer kind (a field, or one of layer_sections)."""

@@ -27,6 +27,12 @@ tensors; import reads one tensor at a time and places it on its device (or mesh 
     cfg, variables = import_safetensors("out")                    # as stored (packed experts)
     cfg, variables = import_safetensors("out", experts="float")   # dequantised to param dtype
 
+A `scan_layers` model (model/config.py:layer_groups) is written in its own layout: a scanned
+span's tensors carry a leading [repeats] axis (`params.layers_1_12.block_0.ffn.w_up_blocks`
+[3, E, out, in/32, 16]), and config.json's scan_layers rebuilds that layout on import. For
+per-layer tensors, export `model.transformer.unstack_layers(cfg, variables)` with
+`cfg.replace(scan_layers=False)`.
+
 Not covered: multi-process export of arrays no single process can address (gather to one
 process first); tensors split across files (a tensor is never split, as in HF's writer); the
 gpt-oss / HF module naming (names here are this model's parameter paths).
@@ -106,22 +112,22 @@ def export_specs(variables, *, experts: str = "mxfp4", dtype: str = "keep") -> l
         base = quant._packed_name(path[-1]) if path[0] == "params" else None
         if path[0] == "params" and quant._is_expert_kernel(path, v):
             if experts == "mxfp4":
-                E, d_in, d_out = shape
+                *lead, d_in, d_out = shape  # lead: [E], or [repeats, E] in a scanned span
                 if d_in % BLOCK:
                     raise ValueError(f"{tensor_name(path)}: input dim {d_in} is not a multiple "
                                      f"of 32; export with experts='bf16'")
                 nb = d_in // BLOCK
-                for kind, sh in (("blocks", (E, d_out, nb, PACKED)),
-                                 ("scales", (E, d_out, nb))):
+                for kind, sh in (("blocks", (*lead, d_out, nb, PACKED)),
+                                 ("scales", (*lead, d_out, nb))):
                     specs.append(TensorSpec(tensor_name(path[:-1] + (f"{path[-1]}_{kind}",)),
                                             sh, "uint8", path, kind))
                 continue
             specs.append(TensorSpec(tensor_name(path), shape, "bfloat16", path, "cast"))
         elif base is not None and experts == "bf16":
-            if path[-1].endswith("_blocks"):  # [E, out, nb, 16] -> bf16 [E, in, out]
-                E, d_out, nb, _ = shape
+            if path[-1].endswith("_blocks"):  # [..., E, out, nb, 16] -> bf16 [..., E, in, out]
+                *lead, d_out, nb, _ = shape
                 specs.append(TensorSpec(tensor_name(path[:-1] + (base,)),
-                                        (E, nb * BLOCK, d_out), "bfloat16", path,
+                                        (*lead, nb * BLOCK, d_out), "bfloat16", path,
                                         "dequant"))
         else:
             is_float = jnp.issubdtype(jnp.dtype(v.dtype), jnp.floating)
@@ -158,8 +164,8 @@ def plan_summary(shards: list[list[TensorSpec]]) -> dict:
     sizes = [sum(s.nbytes for s in sh) for sh in shards]
     flat = [s for sh in shards for s in sh]
     expert = sum(s.nbytes for s in flat if s.kind in ("blocks", "scales", "dequant")
-                 or quant._packed_name(s.source[-1]) or s.source[-1] in quant.EXPERT_KEYS
-                 and len(s.shape) == 3)
+                 or quant._packed_name(s.source[-1])
+                 or quant._is_expert_kernel(s.source[1:], jax.ShapeDtypeStruct(s.shape, "f4")))
     big = max(flat, key=lambda s: s.nbytes) if flat else None
     return {"files": len(shards), "total_bytes": sum(sizes), "bytes_per_file": sizes,
             "expert_bytes": expert, "other_bytes": sum(sizes) - expert,

@@ -88,7 +88,10 @@ def mxfp4_config(cfg, high_precision=DEFAULT_HIGH_PRECISION):
 
 
 def _is_expert_kernel(path, v) -> bool:
-    return path[-1] in EXPERT_KEYS and len(v.shape) == 3
+    """A routed expert kernel: [E, in, out], or [repeats, E, in, out] inside a scanned span
+    (model.transformer.span_name: `layers_<first>_<last>`)."""
+    stacked = any(isinstance(k, str) and k.startswith("layers_") for k in path)
+    return path[-1] in EXPERT_KEYS and len(v.shape) == 3 + stacked
 
 
 def _packed_name(name) -> str | None:

@@ -87,6 +87,8 @@ DEFAULT_RULES: dict[str, Any] = {
     "head_dim": None,
     "norm": None,
     "conv": None,
+    # the stacking axis of scanned layer groups (model/transformer.py:scanned_group), unsplit
+    "layers": None,
     # activations
     "batch": ("data", "fsdp", "expert"),
     "length": None,

@@ -19,6 +19,16 @@ Layer kinds come from `ModelConfig.layer_kinds()` and the layer registry
 (model/layers/registry.py: letter -> layer class, config section, cache); every layer follows
 `registry.SequenceMixer`, and nothing below branches on the layer kind.
 
+Scanned layer groups (`cfg.scan_layers`, spans from `ModelConfig.layer_groups`): each span of
+r identical copies of a p-layer period is one `BlockGroup` under nn.scan (`scanned_group`), its
+variables `layers_<first>_<last>/block_<j>/...` stacked [r, ...] on the logical axis "layers";
+the training forward (no cache) is one lax.scan per span, so XLA compiles the span's body once
+instead of r times. Cached calls (prefill, decode, verify) run the copies one by one on slices
+of the stacked variables, keeping one cache per layer; the sampler instead unstacks the
+variables once per call (rl/sampler.py). `stack_layers` / `unstack_layers` convert variables
+between the layouts, `layer_location` says where a layer lives. ModelOutput's per-layer
+statistics stay in layer order either way.
+
 The cache is a plain pytree: {"lengths": [B] int32 tokens held per row, "layers": (per-layer
 cache, ...)}, each layer's built by its kind's init_cache (its `LayerCache`: model/layers/kda.py
 KDACache holds a conv window and a [B,H,K,V] f32 state, dsa.py DSACache the latent KV and indexer
@@ -131,6 +141,110 @@ def block_class(remat: str) -> type:
     return _REMAT_BLOCKS[remat]
 
 
+class BlockGroup(nn.Module):
+    """One period of the layer pattern: blocks `block_0` .. `block_{p-1}` in order (kinds[j],
+    moes[j]). The body of a scanned span (`scanned_group`): carry x [B,T,D]; valid [B,T] and
+    positions [B,T] are the same for every copy. Returns (x, per-block aux dicts)."""
+
+    cfg: ModelConfig
+    kinds: tuple[str, ...]
+    moes: tuple[bool, ...]
+
+    @nn.compact
+    def __call__(self, x, valid, positions):
+        block = block_class(self.cfg.remat)
+        auxes = []
+        for j, (kind, moe) in enumerate(zip(self.kinds, self.moes)):
+            x, _, aux = block(self.cfg, kind, moe, name=f"block_{j}")(
+                x, valid=valid, positions=positions)
+            auxes.append(aux)
+        return x, tuple(auxes)
+
+
+_SCANNED_GROUPS: dict[int, type] = {}
+
+
+def scanned_group(repeats: int) -> type:
+    """BlockGroup under nn.scan over `repeats` copies: every variable collection (params,
+    router_state, diagnostics) gets a leading [repeats] axis, logically named "layers" (a
+    rule of model/sharding.py, unsplit by default), and each copy its own init key."""
+    if repeats not in _SCANNED_GROUPS:
+        _SCANNED_GROUPS[repeats] = nn.scan(
+            BlockGroup, variable_axes={"params": 0, "router_state": 0, "diagnostics": 0},
+            split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=repeats,
+            metadata_params={nn.PARTITION_NAME: "layers"})
+    return _SCANNED_GROUPS[repeats]
+
+
+def span_name(start: int, period: int, repeats: int) -> str:
+    """Variable name of a span of ModelConfig.layer_groups(): `layer_<i>` for a single layer,
+    `layers_<first>_<last>` for a scanned one (its blocks `block_<j>`, stacked [repeats])."""
+    if repeats == 1:
+        return f"layer_{start}"
+    return f"layers_{start}_{start + period * repeats - 1}"
+
+
+def layer_location(cfg: ModelConfig, i: int) -> tuple[str, str | None, int | None]:
+    """Where trunk layer i's variables live in cfg's layout: (span name, None, None) for an
+    unscanned layer (`variables[col]["layer_<i>"]`), (span name, "block_<j>", t) for copy t of
+    block j of a scanned span (`variables[col][span][block][...][t]`)."""
+    for s, p, r in cfg.layer_groups():
+        if s <= i < s + p * r:
+            if r == 1:
+                return span_name(s, p, r), None, None
+            return span_name(s, p, r), f"block_{(i - s) % p}", (i - s) // p
+    raise IndexError(f"layer {i} is not in a {cfg.num_layers}-layer model")
+
+
+def unstack_layers(cfg: ModelConfig, variables: dict) -> dict:
+    """Variables of cfg's layout (scanned spans, cfg.scan_layers) -> the per-layer layout
+    (`layer_<i>` for every trunk layer; what `cfg.replace(scan_layers=False)` initialises).
+    Works on any collection dict ({"params", "router_state", ...}); other entries are kept."""
+    out = {}
+    for col, tree in variables.items():
+        tree = dict(tree)
+        for s, p, r in cfg.layer_groups():
+            name = span_name(s, p, r)
+            if r == 1 or name not in tree:
+                continue
+            span = tree.pop(name)
+            for t in range(r):
+                for j in range(p):
+                    if f"block_{j}" in span:  # (a collection may hold some blocks only)
+                        tree[f"layer_{s + t * p + j}"] = jax.tree.map(
+                            operator.itemgetter(t), span[f"block_{j}"])
+        out[col] = tree
+    return out
+
+
+def stack_layers(cfg: ModelConfig, variables: dict) -> dict:
+    """Inverse of unstack_layers: per-layer variables -> cfg's layout (identity without
+    scan_layers). Raises ValueError naming a missing layer."""
+    out = {}
+    for col, tree in variables.items():
+        tree = dict(tree)
+        for s, p, r in cfg.layer_groups():
+            if r == 1:
+                continue
+            blocks = {}
+            for j in range(p):
+                names = [f"layer_{s + t * p + j}" for t in range(r)]
+                present = [n for n in names if n in tree]
+                if not present:  # (a collection may hold some blocks only)
+                    continue
+                if len(present) != r:
+                    missing = sorted(set(names) - set(present))
+                    raise ValueError(
+                        f"stack_layers: {col} has {present[0]} but not {missing[0]}; block {j} "
+                        f"of the scanned span {span_name(s, p, r)} needs all of {names}")
+                copies = [tree.pop(n) for n in names]
+                blocks[f"block_{j}"] = jax.tree.map(lambda *xs: jnp.stack(xs), *copies)
+            if blocks:
+                tree[span_name(s, p, r)] = blocks
+        out[col] = tree
+    return out
+
+
 class Transformer(nn.Module):
     cfg: ModelConfig
 
@@ -139,8 +253,13 @@ class Transformer(nn.Module):
         dt, pdt = _dtype(c.dtype), _dtype(c.param_dtype)
         self.embed = Embedder(c.vocab_size, c.d_model, c.tie_embeddings, dt, pdt)
         block = block_class(c.remat)
-        self.blocks = [block(c, kind, c.is_moe_layer(i), name=f"layer_{i}")
-                       for i, kind in enumerate(c.layer_kinds())]
+        kinds = c.layer_kinds()
+        # one entry per span of c.layer_groups(): a Block, or a scanned BlockGroup
+        self.blocks = [
+            block(c, kinds[s], c.is_moe_layer(s), name=f"layer_{s}") if r == 1 else
+            scanned_group(r)(c, kinds[s:s + p], tuple(c.is_moe_layer(i) for i in range(s, s + p)),
+                             name=span_name(s, p, r))
+            for s, p, r in c.layer_groups()]
         self.final_norm = RMSNorm(c.norm_eps, pdt)
         self.mtp_combine = [MTPCombine(c.d_model, c.norm_eps, dt, pdt, name=f"mtp_{k}_combine")
                             for k in range(c.mtp.depth)]
@@ -162,12 +281,30 @@ class Transformer(nn.Module):
         positions = base[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B,T]
         x = self.embed.encode(tokens)  # [B,T,D]
         new_layers, auxes = [], []
-        for i, blk in enumerate(self.blocks):
-            lc = None if cache is None else cache["layers"][i]
-            x, nc, aux = blk(x, valid=valid, positions=positions, cache=lc, offset=offset,
-                             step_caches=step_caches)
-            new_layers.append(nc)
-            auxes.append(aux)
+        for (s, p, r), blk in zip(self.cfg.layer_groups(), self.blocks):
+            if r == 1:
+                lc = None if cache is None else cache["layers"][s]
+                x, nc, aux = blk(x, valid=valid, positions=positions, cache=lc, offset=offset,
+                                 step_caches=step_caches)
+                new_layers.append(nc)
+                auxes.append(aux)
+            elif cache is None:  # one lax.scan over the r copies of the group
+                x, ys = blk(x, valid, positions)  # ys: per block j, aux stacked [r, ...]
+                auxes += [jax.tree.map(operator.itemgetter(t), ys[j])
+                          for t in range(r) for j in range(p)]  # layer order
+            else:  # cached calls (prefill, decode, verify) keep one cache per layer: unrolled
+                stacked = {col: v[span_name(s, p, r)] for col, v in self.variables.items()
+                           if span_name(s, p, r) in v}
+                for t in range(r):
+                    for j in range(p):
+                        i = s + t * p + j
+                        sub = jax.tree.map(operator.itemgetter(t),
+                                           {col: v[f"block_{j}"] for col, v in stacked.items()})
+                        x, nc, aux = Block(self.cfg, blk.kinds[j], blk.moes[j], parent=None).apply(
+                            sub, x, valid=valid, positions=positions, cache=cache["layers"][i],
+                            offset=offset, step_caches=step_caches)
+                        new_layers.append(nc)
+                        auxes.append(aux)
         hidden = x
         logits = self.embed.decode(self.final_norm(x))
 
@@ -222,12 +359,28 @@ class Transformer(nn.Module):
                         "mtp": mc}, h
 
 
+def _layer_order(name: str) -> tuple:
+    """Sort key: trunk layers by index (layer_2 before layer_10), then the rest by name."""
+    if name.startswith("layer_") and name[6:].isdigit():
+        return (0, int(name[6:]), "")
+    return (1, 0, name)
+
+
 def moe_layer_names(cfg: ModelConfig) -> list[str]:
-    """Names of the MoE blocks in the order ModelOutput.expert_counts / .router stack them."""
+    """Names of the MoE blocks in the order ModelOutput.expert_counts / .router stack them
+    (trunk layers as `layer_<i>` in either layout; where their variables live:
+    moe_layer_locations)."""
     names = [f"layer_{i}" for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
     if cfg.moe.num_experts > 0:
         names += [f"mtp_{k}_block" for k in range(cfg.mtp.depth)]
     return names
+
+
+def moe_layer_locations(cfg: ModelConfig) -> list[tuple[str, str | None, int | None]]:
+    """layer_location of each of moe_layer_names(cfg), in that order (MTP blocks: (name, None,
+    None))."""
+    return [layer_location(cfg, int(n[6:])) if n.startswith("layer_") else (n, None, None)
+            for n in moe_layer_names(cfg)]
 
 
 _INIT_PROGRAMS: dict = {}  # (ModelConfig, seq_len) -> jitted init
@@ -392,7 +545,8 @@ class Model:
 
             fn = _RECALL_PROGRAMS[self.cfg] = jax.jit(diagnostics)
         out = {}
-        for name, layer in fn(variables, tokens, valid).items():
+        diag = unstack_layers(self.cfg, {"d": fn(variables, tokens, valid)})["d"]
+        for name, layer in sorted(diag.items(), key=lambda kv: _layer_order(kv[0])):
             (hits, n), = layer["attn"]["indexer_recall"]  # sown once per DSA layer
             out[name] = hits / n
         if out:

@@ -309,6 +309,12 @@ def _check_target(abstract, described: dict, what: str):
         parts.append(f"{len(missing)} target leaves not in the checkpoint: {missing[:8]}")
     if extra:
         parts.append(f"{len(extra)} checkpoint leaves not in the target: {extra[:8]}")
+    spans = [any("layers_" in k for k in keys) for keys in (missing, extra)]
+    if spans[0] != spans[1]:
+        parts.append("the checkpoint and the target differ in model.scan_layers (stacked spans "
+                     "'layers_<first>_<last>' against per-layer 'layer_<i>'): set "
+                     f"model.scan_layers={spans[1]} as the checkpoint was written, or convert "
+                     "its variables with model.transformer.stack_layers / unstack_layers")
     raise CheckpointMismatchError(f"{what} does not match the restore target: " + ". ".join(parts))
 
 

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import sharding as shd
-from model.transformer import Model
+from model.transformer import Model, unstack_layers
 
 SPECULATIVE = ("none", "mtp")
 _LOG = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def _program(model: Model, cfg: SamplingConfig, mesh=None, rules=None, mode: tup
     fn = _PROGRAMS.get(key)
     if fn is None:
         if mode[0] == "extend":  # (variables, cache, tokens, lengths, rng, temperature)
-            fn = _PROGRAMS[key] = jax.jit(functools.partial(_extend_impl, model, key[1]),
+            fn = _PROGRAMS[key] = jax.jit(_per_layer(_extend_impl, model, key[1]),
                                           donate_argnums=(1,))
             return fn
         if cfg.speculative == "mtp":
@@ -254,12 +254,27 @@ def _program(model: Model, cfg: SamplingConfig, mesh=None, rules=None, mode: tup
             impl = functools.partial(_refill_impl, group=mode[1], slots=mode[2])
         else:
             impl = functools.partial(_generate_impl, group=mode[1] if mode[0] == "shared" else 1)
-        fn = functools.partial(impl, model, key[1])
+        fn = _per_layer(impl, model, key[1])
         group = 1 if mode == PLAIN else mode[1]
         fn = _PROGRAMS[key] = (jax.jit(fn) if mesh is None else
                                _mesh_program(fn, model, mesh, rules, cfg.speculative == "mtp",
                                              group=group, refill=mode[0] == "refill"))
     return fn
+
+
+def _per_layer(impl, model: Model, cfg: SamplingConfig):
+    """impl(model, cfg, variables, ...) as a function of (variables, ...). A model with scanned
+    layer groups (model.scan_layers) samples through its per-layer twin: its stacked variables
+    are unstacked once per call, outside the decode loop (model.transformer.unstack_layers), so
+    that no step slices the stacked weights again (measured: decode 10% slower with the slices
+    inside the loop, 16 layers on CPU)."""
+    if not model.cfg.scan_layers:
+        return functools.partial(impl, model, cfg)
+    flat = Model(model.cfg.replace(scan_layers=False))
+
+    def run(variables, *args):
+        return impl(flat, cfg, unstack_layers(model.cfg, variables), *args)
+    return run
 
 
 def _mesh_program(impl, model: Model, mesh, rules, speculative: bool, group: int = 1,

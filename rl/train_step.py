@@ -67,7 +67,7 @@ import optax
 from model import objectives
 from model import sharding as shd
 from model.layers.moe import aux_free_bias_update
-from model.transformer import Model, moe_layer_names
+from model.transformer import Model, moe_layer_locations
 from rl import losses
 from rl.algorithms import AlgoConfig, rl_loss
 from rl.critic import CriticConfig, token_values
@@ -305,10 +305,13 @@ def update_router_bias(cfg, router_state: dict, expert_counts) -> dict:
     if not (cfg.moe.num_experts > 0 and cfg.moe.router == "sigmoid") or expert_counts is None:
         return router_state
     rs = dict(router_state)
-    for i, name in enumerate(moe_layer_names(cfg)[: expert_counts.shape[0]]):
-        nb = aux_free_bias_update(rs[name]["ffn"]["bias"], expert_counts[i],
+    for i, (span, block, t) in enumerate(moe_layer_locations(cfg)[: expert_counts.shape[0]]):
+        node = rs[span] if block is None else rs[span][block]
+        bias = node["ffn"]["bias"]  # [E], or [repeats, E] in a scanned span (copy t)
+        nb = aux_free_bias_update(bias if t is None else bias[t], expert_counts[i],
                                   cfg.moe.bias_update_rate)
-        rs[name] = {**rs[name], "ffn": {**rs[name]["ffn"], "bias": nb}}
+        node = {**node, "ffn": {**node["ffn"], "bias": nb if t is None else bias.at[t].set(nb)}}
+        rs[span] = node if block is None else {**rs[span], block: node}
     return rs
 
 

@@ -487,7 +487,9 @@ def fsdp_gathered_bytes(cfg: ModelConfig, mesh_shape: dict, rules=None) -> dict:
     rules = shd._rules(rules)
     batch_axes = set(rules.get("batch", ()))
     ep = cfg.moe.expert_parallel != "none"
-    tree = _abstract(cfg)["params"]
+    # per layer: a scanned span's copies are gathered one at a time, each as its layer would
+    # be (the stacking axis is unsplit), so the per-layer tree gives the same bytes
+    tree = _abstract(cfg.replace(scan_layers=False))["params"]
 
     def keep(names):
         k = {a for a in mesh_shape if a not in batch_axes}
