@@ -27,11 +27,11 @@ tensors; import reads one tensor at a time and places it on its device (or mesh 
     cfg, variables = import_safetensors("out")                    # as stored (packed experts)
     cfg, variables = import_safetensors("out", experts="float")   # dequantised to param dtype
 
-A `scan_layers` model (model/config.py:layer_groups) is written in its own layout: a scanned
-span's tensors carry a leading [repeats] axis (`params.layers_1_12.block_0.ffn.w_up_blocks`
-[3, E, out, in/32, 16]), and config.json's scan_layers rebuilds that layout on import. For
-per-layer tensors, export `model.transformer.unstack_layers(cfg, variables)` with
-`cfg.replace(scan_layers=False)`.
+Tensors are per layer whatever the model's layout: a `scan_layers` model's stacked spans
+(model/config.py:layer_groups) are written one copy at a time under the per-layer names
+(`params.layer_5.ffn.w_up_blocks`, sliced on the device), and import stacks them again when
+config.json's scan_layers is set (one jitted program into the given shardings: while it runs,
+the spans are held twice, per layer and stacked).
 
 Not covered: multi-process export of arrays no single process can address (gather to one
 process first); tensors split across files (a tensor is never split, as in HF's writer); the
@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,7 @@ class TensorSpec:
     dtype: str
     source: tuple[str, ...]
     kind: str
+    index: int | None = None  # the copy of a scanned span's stacked leaf (its leading axis)
 
     @property
     def nbytes(self) -> int:
@@ -99,41 +101,61 @@ def _flat(variables) -> dict:
     return flatten_dict({k: v for k, v in variables.items() if k != "diagnostics"})
 
 
+_SPAN = re.compile(r"layers_(\d+)_(\d+)$")
+
+
+def _per_layer(path, shape):
+    """[(name path, copy index or None, shape)] of one variables leaf: a leaf of a scanned span
+    (`.../layers_<a>_<b>/block_<j>/...`, stacked [r, ...]; model.transformer.span_name) splits
+    into its r copies under per-layer names (`.../layer_<a + t*p + j>/...`, p = (b-a+1)/r)."""
+    for k, key in enumerate(path[:-1]):
+        m = _SPAN.match(str(key))
+        if m and str(path[k + 1]).startswith("block_"):
+            first, last = int(m.group(1)), int(m.group(2))
+            r, j = shape[0], int(str(path[k + 1])[6:])
+            p = (last - first + 1) // r
+            return [(path[:k] + (f"layer_{first + t * p + j}",) + path[k + 2:], t, shape[1:])
+                    for t in range(r)]
+    return [(path, None, shape)]
+
+
 def export_specs(variables, *, experts: str = "mxfp4", dtype: str = "keep") -> list[TensorSpec]:
     """The tensors an export writes, in variables order, from arrays or jax.ShapeDtypeStructs
-    (so `jax.eval_shape` output plans an export without allocating)."""
+    (so `jax.eval_shape` output plans an export without allocating). Tensors are per layer in
+    either layout: a scanned span's stacked leaf is written as one tensor per copy, named as
+    the per-layer model names it (`params.layer_5.ffn.w_up_blocks`)."""
     if experts not in EXPERT_MODES:
         raise ValueError(f"experts={experts!r}: must be one of {EXPERT_MODES}")
     if dtype not in DTYPE_MODES:
         raise ValueError(f"dtype={dtype!r}: must be one of {DTYPE_MODES}")
     specs = []
-    for path, v in _flat(variables).items():
-        shape, vd = tuple(v.shape), _dtype_name(v.dtype)
-        base = quant._packed_name(path[-1]) if path[0] == "params" else None
-        if path[0] == "params" and quant._is_expert_kernel(path, v):
-            if experts == "mxfp4":
-                *lead, d_in, d_out = shape  # lead: [E], or [repeats, E] in a scanned span
-                if d_in % BLOCK:
-                    raise ValueError(f"{tensor_name(path)}: input dim {d_in} is not a multiple "
-                                     f"of 32; export with experts='bf16'")
-                nb = d_in // BLOCK
-                for kind, sh in (("blocks", (*lead, d_out, nb, PACKED)),
-                                 ("scales", (*lead, d_out, nb))):
-                    specs.append(TensorSpec(tensor_name(path[:-1] + (f"{path[-1]}_{kind}",)),
-                                            sh, "uint8", path, kind))
-                continue
-            specs.append(TensorSpec(tensor_name(path), shape, "bfloat16", path, "cast"))
-        elif base is not None and experts == "bf16":
-            if path[-1].endswith("_blocks"):  # [..., E, out, nb, 16] -> bf16 [..., E, in, out]
-                *lead, d_out, nb, _ = shape
-                specs.append(TensorSpec(tensor_name(path[:-1] + (base,)),
-                                        (*lead, nb * BLOCK, d_out), "bfloat16", path,
-                                        "dequant"))
-        else:
-            is_float = jnp.issubdtype(jnp.dtype(v.dtype), jnp.floating)
-            out = "bfloat16" if (dtype == "bfloat16" and is_float) else vd
-            specs.append(TensorSpec(tensor_name(path), shape, out, path,
-                                    "copy" if out == vd else "cast"))
+    for src, v in _flat(variables).items():
+        vd = _dtype_name(v.dtype)
+        for path, index, shape in _per_layer(src, tuple(v.shape)):
+            def spec(name_path, sh, dt, kind, src=src, index=index):
+                specs.append(TensorSpec(tensor_name(name_path), tuple(sh), dt, src, kind, index))
+            base = quant._packed_name(path[-1]) if path[0] == "params" else None
+            if path[0] == "params" and quant._is_expert_kernel(path, jax.ShapeDtypeStruct(
+                    shape, v.dtype)):
+                if experts == "mxfp4":
+                    E, d_in, d_out = shape
+                    if d_in % BLOCK:
+                        raise ValueError(f"{tensor_name(path)}: input dim {d_in} is not a "
+                                         f"multiple of 32; export with experts='bf16'")
+                    nb = d_in // BLOCK
+                    for kind, sh in (("blocks", (E, d_out, nb, PACKED)),
+                                     ("scales", (E, d_out, nb))):
+                        spec(path[:-1] + (f"{path[-1]}_{kind}",), sh, "uint8", kind)
+                    continue
+                spec(path, shape, "bfloat16", "cast")
+            elif base is not None and experts == "bf16":
+                if path[-1].endswith("_blocks"):  # [E, out, nb, 16] -> bf16 [E, in, out]
+                    E, d_out, nb, _ = shape
+                    spec(path[:-1] + (base,), (E, nb * BLOCK, d_out), "bfloat16", "dequant")
+            else:
+                is_float = jnp.issubdtype(jnp.dtype(v.dtype), jnp.floating)
+                out = "bfloat16" if (dtype == "bfloat16" and is_float) else vd
+                spec(path, shape, out, "copy" if out == vd else "cast")
     return specs
 
 
@@ -164,8 +186,8 @@ def plan_summary(shards: list[list[TensorSpec]]) -> dict:
     sizes = [sum(s.nbytes for s in sh) for sh in shards]
     flat = [s for sh in shards for s in sh]
     expert = sum(s.nbytes for s in flat if s.kind in ("blocks", "scales", "dequant")
-                 or quant._packed_name(s.source[-1])
-                 or quant._is_expert_kernel(s.source[1:], jax.ShapeDtypeStruct(s.shape, "f4")))
+                 or quant._packed_name(s.source[-1]) or s.source[-1] in quant.EXPERT_KEYS
+                 and len(s.shape) == 3)
     big = max(flat, key=lambda s: s.nbytes) if flat else None
     return {"files": len(shards), "total_bytes": sum(sizes), "bytes_per_file": sizes,
             "expert_bytes": expert, "other_bytes": sum(sizes) - expert,
@@ -180,10 +202,10 @@ def _materialise(spec: TensorSpec, leaf, cache: dict) -> np.ndarray:
     if spec.kind == "cast":
         return np.asarray(jax.device_get(_cast(leaf, spec.dtype)))
     if spec.kind in ("blocks", "scales"):
-        if cache.get("source") != spec.source:
+        if cache.get("source") != (spec.source, spec.index):
             q = _quantize_kernel(leaf)
             cache.clear()
-            cache.update(source=spec.source, blocks=q.blocks, scales=q.scales)
+            cache.update(source=(spec.source, spec.index), blocks=q.blocks, scales=q.scales)
         return np.asarray(jax.device_get(cache[spec.kind]))
     if spec.kind == "dequant":
         return np.asarray(jax.device_get(leaf))
@@ -249,9 +271,11 @@ def export_safetensors(variables, cfg: ModelConfig, out_dir: str, *,
         cache, tensors = {}, {}
         for s in shard:
             leaf = flat[s.source]
+            if s.index is not None:  # one copy of a scanned span (sliced on its device)
+                leaf = leaf[s.index]
             if s.kind == "dequant":
                 scales = flat[s.source[:-1] + (s.source[-1][:-7] + "_scales",)]
-                leaf = _dequant_pair(leaf, scales)
+                leaf = _dequant_pair(leaf, scales if s.index is None else scales[s.index])
             arr = _materialise(s, leaf, cache)
             if arr.shape != s.shape or arr.dtype != np.dtype(_NP_DTYPES[s.dtype]):
                 raise AssertionError(f"{s.name}: planned {s.shape} {s.dtype}, got {arr.shape} "
@@ -298,14 +322,21 @@ def import_safetensors(in_dir: str, *, experts: str = "stored", shardings=None):
     its shape, and nothing else: otherwise ValueError naming the tensor."""
     from safetensors import safe_open
 
-    from model.transformer import Model
+    from model.transformer import Model, stack_layers, unstack_layers
 
     if experts not in ("stored", "float"):
         raise ValueError(f"experts={experts!r}: must be 'stored' or 'float'")
     cfg = load_config(in_dir)
     with open(os.path.join(in_dir, INDEX_FILE)) as f:
         weight_map = json.load(f)["weight_map"]
-    target = _flat(jax.tree.map(lambda x: x, _unbox(Model(cfg).abstract_init())))
+    # the files hold per-layer tensors; a scan_layers model is stacked after reading
+    flat_cfg = cfg.replace(scan_layers=False)
+    target = _flat(jax.tree.map(lambda x: x, _unbox(Model(flat_cfg).abstract_init())))
+    final_shardings = shardings
+    if shardings is not None and cfg.scan_layers:
+        shardings = jax.tree.map(lambda x: x.sh if isinstance(x, _Copies) else x,
+                                 unstack_layers(cfg, jax.tree.map(_Copies, shardings)),
+                                 is_leaf=lambda x: isinstance(x, _Copies))
     want = {tensor_name(p): p for p in target}
     extra = sorted(set(weight_map) - set(want))
     missing = sorted(set(want) - set(weight_map))
@@ -338,6 +369,9 @@ def import_safetensors(in_dir: str, *, experts: str = "stored", shardings=None):
                 out[path] = jax.device_put(arr, sh) if sh is not None else jnp.asarray(arr)
                 del arr
     variables = unflatten_dict(out)
+    if cfg.scan_layers:
+        kw = {} if final_shardings is None else {"out_shardings": final_shardings}
+        variables = jax.jit(lambda v: stack_layers(cfg, v), **kw)(variables)
     if experts == "float" and quant.has_packed_experts(variables.get("params", {})):
         pd = jnp.dtype(cfg.param_dtype)
         variables = dict(variables)
@@ -345,6 +379,19 @@ def import_safetensors(in_dir: str, *, experts: str = "stored", shardings=None):
             variables["params"])
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, expert_format="bf16"))
     return cfg, variables
+
+
+class _Copies:
+    """A stacked leaf's NamedSharding as seen by one of its copies (the leading axis dropped):
+    `_Copies(sh)[t]`, for unstack_layers over a sharding tree."""
+
+    def __init__(self, sh):
+        self.sh = sh
+
+    def __getitem__(self, t):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.sh.mesh, PartitionSpec(*tuple(self.sh.spec)[1:]))
 
 
 def _unbox(tree):

@@ -233,9 +233,22 @@ def test_mxfp4_ptq_and_export_of_a_stacked_model(pair, tmp_path):
     _close(unstack_layers(SCANNED, q_scan), q_flat, atol=0, rtol=0)
     assert quant.expert_bytes(q_scan["params"]) == quant.expert_bytes(q_flat["params"])
     interchange.export_safetensors(v_scan, SCANNED, str(tmp_path / "out"), experts="mxfp4")
+    interchange.export_safetensors(v_flat, CFG, str(tmp_path / "flat"), experts="mxfp4")
+    files = {d: interchange.read_with_numpy(str(tmp_path / d)) for d in ("out", "flat")}
+    assert sorted(files["out"]) == sorted(files["flat"])  # per-layer tensors in both layouts
+    assert "params.layer_3.ffn.w_up_blocks" in files["out"]
+    for name, arr in files["flat"].items():
+        np.testing.assert_array_equal(files["out"][name], arr)
     cfg, back = interchange.import_safetensors(str(tmp_path / "out"))
     assert cfg.scan_layers and cfg.layer_groups() == SCANNED.layer_groups()
     _close(back, q_scan, atol=0, rtol=0)
+    # into a mesh's shardings (one device here): the stacked leaves come back stacked
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    sh = shd.model_shardings(Model(quant.mxfp4_config(SCANNED)), mesh)
+    _, placed = interchange.import_safetensors(str(tmp_path / "out"), shardings=sh)
+    _close(placed, q_scan, atol=0, rtol=0)
     cfg_q = quant.mxfp4_config(SCANNED)
     _close(Model(cfg_q).apply(back, tokens).logits,
            Model(quant.mxfp4_config(CFG)).apply(q_flat, tokens).logits)
