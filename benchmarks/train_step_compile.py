@@ -4,13 +4,15 @@ traced, lowered and compiled in separate timed stages, in one fresh process.
     python -m benchmarks.train_step_compile
     python -m benchmarks.train_step_compile --profile --run 2
     python -m benchmarks.train_step_compile --set rl.mtp_loss_weight=0.0 model.layer_pattern=DDDD
+    python -m benchmarks.train_step_compile --set model.num_layers=32 model.scan_layers=True
 
 The step is rl/train_step.py:make_train_step wired as grpo_matched wires it (same config, mesh,
 state shardings, old_logp source, MTP weight); the batch has the shapes and keys
 rl.pipeline.build_train_batch gives that run (tokens and loss mask [N, P+G], advantages,
 rollout and reference log-probs) with seeded random values. `--set` overrides config fields as
 in grpo_matched (ablations: rl.mtp_loss_weight=0.0, model.layer_pattern=KKKK / DDDD,
-model.moe.num_experts=0).
+model.moe.num_experts=0; depth: model.num_layers=N with model.scan_layers=True / False, the
+repeated layer groups scanned or unrolled).
 
 The persistent compilation cache is off (a cold compile, as in grpo_matched's first
 iteration). Prints one JSON record: for each stage (trace: Python -> jaxpr; lower: jaxpr -> StableHLO;
