@@ -168,7 +168,7 @@ def _parts():
     return model, algo, opt, SamplingConfig(max_new_tokens=8, temperature=0.8)
 
 
-def _greedy(model):
+def _greedy():
     from rl.sampler import SamplingConfig
 
     return SamplingConfig(max_new_tokens=G, temperature=0.0, eos_id=-1)
@@ -230,7 +230,7 @@ def child_reference(path):
     new, met = step(init_train_state(variables, opt), {k: jnp.asarray(v) for k, v in
                                                         batch.items()})
     sm = _sample_model()
-    out = Sampler(sm, _greedy(sm)).generate(sm.init(jax.random.key(1)), prompts, plen,
+    out = Sampler(sm, _greedy()).generate(sm.init(jax.random.key(1)), prompts, plen,
                                             jax.random.key(3))
     tmp = pathlib.Path(str(path) + ".tmp")
     with open(tmp, "wb") as f:
@@ -319,7 +319,7 @@ def child_meshes(path, meshes):
         t0 = time.perf_counter()
         sv = jax.device_put(sample_vars, shd.variables_shardings(  # (one init compile per child)
             shd.model_shardings(sm, mesh), sample_vars, mesh))
-        out = Sampler(sm, _greedy(sm), mesh=mesh).generate(sv, prompts, plen, jax.random.key(3))
+        out = Sampler(sm, _greedy(), mesh=mesh).generate(sv, prompts, plen, jax.random.key(3))
         assert out.tokens.sharding.spec == shd.batch_sharding(mesh, N).spec
         np.testing.assert_array_equal(shd.host_rows(out.tokens), ref["tokens"])
         np.testing.assert_array_equal(shd.host_rows(out.mask), ref["rollout_mask"])
