@@ -299,7 +299,8 @@ class Transformer(nn.Module):
                     for j in range(p):
                         i = s + t * p + j
                         sub = jax.tree.map(operator.itemgetter(t),
-                                           {col: v[f"block_{j}"] for col, v in stacked.items()})
+                                           {col: v[f"block_{j}"] for col, v in stacked.items()
+                                            if f"block_{j}" in v})
                         x, nc, aux = Block(self.cfg, blk.kinds[j], blk.moes[j], parent=None).apply(
                             sub, x, valid=valid, positions=positions, cache=cache["layers"][i],
                             offset=offset, step_caches=step_caches)
