@@ -8,7 +8,8 @@ verify + commit, the indexer-recall diagnostics, one SFT step (optimizer and the
 bias of stacked layers); the layout conversions and their errors; shardings (the stacking axis
 is unsplit, every other dim as in the per-layer layout); MXFP4 PTQ and a safetensors export
 round trip of a stacked model; the checkpoint-mismatch hint; the 2.8T preset's shapes.
-The scanned model is a 4-layer "KD" test model: one span of 2 copies of a 2-layer group.
+The scanned model is a 4-layer "KD" test model: one span of 2 copies of a 2-layer group (and,
+in one test, an 8-layer one with a span of dense layers and a span of MoE layers).
 Not covered here: compile time (benchmarks/train_step_compile.py, README "Speed").
 """
 
@@ -272,3 +273,24 @@ def test_reference_preset_shapes_with_scanned_layers():
     tree = flatten_dict(jax.tree.map(lambda x: x, Model(scanned).abstract_init()["params"]))
     lead = {p[0]: x.value.shape[0] for p, x in tree.items() if p[0] == "layers_1_60"}
     assert lead == {"layers_1_60": 15}
+
+
+def test_dense_and_moe_spans_match_per_layer_model():
+    """Two spans, one of dense layers (no router state) and one of MoE layers: 8 "KD" layers,
+    the first 4 dense -> spans (0, 2, 2) and (4, 2, 2). Training forward and a decode step."""
+    cfg = CFG.replace(num_layers=8, moe=dataclasses.replace(CFG.moe, first_dense_layers=4,
+                                                            dense_dim=64))
+    scanned = cfg.replace(scan_layers=True)
+    assert scanned.layer_groups() == ((0, 2, 2), (4, 2, 2))
+    flat_model, scan_model = Model(cfg), Model(scanned)
+    v_flat = flat_model.init(jax.random.key(2))
+    v_scan = stack_layers(scanned, v_flat)
+    assert "layers_0_3" not in v_scan["router_state"] and "layers_4_7" in v_scan["router_state"]
+    tokens = jax.random.randint(jax.random.key(3), (2, 16), 3, 250)
+    o_flat, o_scan = flat_model.apply(v_flat, tokens), scan_model.apply(v_scan, tokens)
+    _close((o_scan.logits, o_scan.expert_counts), (o_flat.logits, o_flat.expert_counts))
+    outs = []
+    for model, v in ((flat_model, v_flat), (scan_model, v_scan)):
+        _, cache, _ = model.prefill(v, tokens, jnp.array([16, 9]), model.init_cache(2, 24))
+        outs.append(model.decode_step(v, tokens[:, 1], cache)[0])
+    _close(outs[1], outs[0])
