@@ -15,6 +15,7 @@ and `dsa`; sections of kinds registered elsewhere live in `layer_sections` and r
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,19 @@ REMAT = ("none", "full", "save_dots")
 # each op can take is its dispatch table's business (pallas_kernels/dispatch.py, `check_kernel`)
 KERNEL_IMPLS = ("auto", "xla", "pallas")
 DTYPES = ("float32", "bfloat16")
+
+
+# the variable name of a scanned span of layer_groups() (`span_name`), for code that must
+# recognise one in a variables path (export, PTQ, checkpoint messages)
+SPAN_NAME_RE = re.compile(r"layers_(\d+)_(\d+)")
+
+
+def span_name(start: int, period: int, repeats: int) -> str:
+    """Variable name of a span of ModelConfig.layer_groups(): `layer_<i>` for a single layer,
+    `layers_<first>_<last>` for a scanned one (its blocks `block_<j>`, stacked [repeats])."""
+    if repeats == 1:
+        return f"layer_{start}"
+    return f"layers_{start}_{start + period * repeats - 1}"
 
 
 class ConfigError(ValueError):

@@ -44,16 +44,16 @@ import dataclasses
 import json
 import math
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
+from jax.sharding import NamedSharding, PartitionSpec
 
 from model import quant
-from model.config import ModelConfig
+from model.config import SPAN_NAME_RE, ModelConfig
 from pallas_kernels.mxfp4 import ops as mx
 from pallas_kernels.mxfp4.reference import BLOCK, PACKED
 
@@ -101,15 +101,12 @@ def _flat(variables) -> dict:
     return flatten_dict({k: v for k, v in variables.items() if k != "diagnostics"})
 
 
-_SPAN = re.compile(r"layers_(\d+)_(\d+)$")
-
-
 def _per_layer(path, shape):
     """[(name path, copy index or None, shape)] of one variables leaf: a leaf of a scanned span
-    (`.../layers_<a>_<b>/block_<j>/...`, stacked [r, ...]; model.transformer.span_name) splits
+    (`.../layers_<a>_<b>/block_<j>/...`, stacked [r, ...]; model.config.span_name) splits
     into its r copies under per-layer names (`.../layer_<a + t*p + j>/...`, p = (b-a+1)/r)."""
     for k, key in enumerate(path[:-1]):
-        m = _SPAN.match(str(key))
+        m = SPAN_NAME_RE.fullmatch(str(key))
         if m and str(path[k + 1]).startswith("block_"):
             first, last = int(m.group(1)), int(m.group(2))
             r, j = shape[0], int(str(path[k + 1])[6:])
@@ -333,10 +330,9 @@ def import_safetensors(in_dir: str, *, experts: str = "stored", shardings=None):
     flat_cfg = cfg.replace(scan_layers=False)
     target = _flat(jax.tree.map(lambda x: x, _unbox(Model(flat_cfg).abstract_init())))
     final_shardings = shardings
-    if shardings is not None and cfg.scan_layers:
-        shardings = jax.tree.map(lambda x: x.sh if isinstance(x, _Copies) else x,
-                                 unstack_layers(cfg, jax.tree.map(_Copies, shardings)),
-                                 is_leaf=lambda x: isinstance(x, _Copies))
+    if shardings is not None and cfg.scan_layers:  # each copy: its span's minus the lead axis
+        shardings = unstack_layers(cfg, shardings, take=lambda sh, _: NamedSharding(
+            sh.mesh, PartitionSpec(*tuple(sh.spec)[1:])))
     want = {tensor_name(p): p for p in target}
     extra = sorted(set(weight_map) - set(want))
     missing = sorted(set(want) - set(weight_map))
@@ -379,19 +375,6 @@ def import_safetensors(in_dir: str, *, experts: str = "stored", shardings=None):
             variables["params"])
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, expert_format="bf16"))
     return cfg, variables
-
-
-class _Copies:
-    """A stacked leaf's NamedSharding as seen by one of its copies (the leading axis dropped):
-    `_Copies(sh)[t]`, for unstack_layers over a sharding tree."""
-
-    def __init__(self, sh):
-        self.sh = sh
-
-    def __getitem__(self, t):
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        return NamedSharding(self.sh.mesh, PartitionSpec(*tuple(self.sh.spec)[1:]))
 
 
 def _unbox(tree):

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from model.config import SPAN_NAME_RE
 from pallas_kernels.mxfp4 import ops as mx
 from pallas_kernels.mxfp4.reference import BLOCK
 
@@ -89,8 +90,8 @@ def mxfp4_config(cfg, high_precision=DEFAULT_HIGH_PRECISION):
 
 def _is_expert_kernel(path, v) -> bool:
     """A routed expert kernel: [E, in, out], or [repeats, E, in, out] inside a scanned span
-    (model.transformer.span_name: `layers_<first>_<last>`)."""
-    stacked = any(isinstance(k, str) and k.startswith("layers_") for k in path)
+    (model.config.span_name: `layers_<first>_<last>`)."""
+    stacked = any(isinstance(k, str) and SPAN_NAME_RE.fullmatch(k) for k in path)
     return path[-1] in EXPERT_KEYS and len(v.shape) == 3 + stacked
 
 

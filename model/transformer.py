@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from model._xla_env import unroll_threefry_on_cpu
-from model.config import ModelConfig
+from model.config import ModelConfig, span_name
 from model.layers import registry
 from model.layers.embeddings import Embedder
 from model.layers.linear import MLP
@@ -176,14 +176,6 @@ def scanned_group(repeats: int) -> type:
     return _SCANNED_GROUPS[repeats]
 
 
-def span_name(start: int, period: int, repeats: int) -> str:
-    """Variable name of a span of ModelConfig.layer_groups(): `layer_<i>` for a single layer,
-    `layers_<first>_<last>` for a scanned one (its blocks `block_<j>`, stacked [repeats])."""
-    if repeats == 1:
-        return f"layer_{start}"
-    return f"layers_{start}_{start + period * repeats - 1}"
-
-
 def layer_location(cfg: ModelConfig, i: int) -> tuple[str, str | None, int | None]:
     """Where trunk layer i's variables live in cfg's layout: (span name, None, None) for an
     unscanned layer (`variables[col]["layer_<i>"]`), (span name, "block_<j>", t) for copy t of
@@ -196,10 +188,13 @@ def layer_location(cfg: ModelConfig, i: int) -> tuple[str, str | None, int | Non
     raise IndexError(f"layer {i} is not in a {cfg.num_layers}-layer model")
 
 
-def unstack_layers(cfg: ModelConfig, variables: dict) -> dict:
+def unstack_layers(cfg: ModelConfig, variables: dict, take=None) -> dict:
     """Variables of cfg's layout (scanned spans, cfg.scan_layers) -> the per-layer layout
     (`layer_<i>` for every trunk layer; what `cfg.replace(scan_layers=False)` initialises).
-    Works on any collection dict ({"params", "router_state", ...}); other entries are kept."""
+    Works on any collection dict ({"params", "router_state", ...}); other entries are kept.
+    take(leaf, t): copy t of a stacked leaf (default leaf[t]; e.g. a NamedSharding without its
+    leading axis, for a tree of shardings)."""
+    take = take or operator.getitem
     out = {}
     for col, tree in variables.items():
         tree = dict(tree)
@@ -212,7 +207,7 @@ def unstack_layers(cfg: ModelConfig, variables: dict) -> dict:
                 for j in range(p):
                     if f"block_{j}" in span:  # (a collection may hold some blocks only)
                         tree[f"layer_{s + t * p + j}"] = jax.tree.map(
-                            operator.itemgetter(t), span[f"block_{j}"])
+                            lambda x, t=t: take(x, t), span[f"block_{j}"])
         out[col] = tree
     return out
 
@@ -380,8 +375,9 @@ def moe_layer_names(cfg: ModelConfig) -> list[str]:
 def moe_layer_locations(cfg: ModelConfig) -> list[tuple[str, str | None, int | None]]:
     """layer_location of each of moe_layer_names(cfg), in that order (MTP blocks: (name, None,
     None))."""
-    return [layer_location(cfg, int(n[6:])) if n.startswith("layer_") else (n, None, None)
-            for n in moe_layer_names(cfg)]
+    mtp = [(f"mtp_{k}_block", None, None) for k in range(cfg.mtp.depth)]
+    return ([layer_location(cfg, i) for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+            + (mtp if cfg.moe.num_experts > 0 else []))
 
 
 _INIT_PROGRAMS: dict = {}  # (ModelConfig, seq_len) -> jitted init

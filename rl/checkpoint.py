@@ -70,6 +70,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax import lax
 
+from model.config import SPAN_NAME_RE
+
 try:  # grain's orbax handler for its iterators (DESIGN section 6)
     import grain.checkpoint as _grain_ckpt
 except ImportError:  # pragma: no cover - grain is a hard dependency of the project
@@ -309,7 +311,7 @@ def _check_target(abstract, described: dict, what: str):
         parts.append(f"{len(missing)} target leaves not in the checkpoint: {missing[:8]}")
     if extra:
         parts.append(f"{len(extra)} checkpoint leaves not in the target: {extra[:8]}")
-    spans = [any("layers_" in k for k in keys) for keys in (missing, extra)]
+    spans = [any(SPAN_NAME_RE.search(k) for k in keys) for keys in (missing, extra)]
     if spans[0] != spans[1]:
         parts.append("the checkpoint and the target differ in model.scan_layers (stacked spans "
                      "'layers_<first>_<last>' against per-layer 'layer_<i>'): set "
