@@ -388,11 +388,14 @@ def supervised_step(model, opt, variables, *, objective, mesh, rules, shapes=(),
 
 def _supervised_phase(name, model, opt, variables, it, *, steps, objective, workdir, seed,
                       log_every, checkpoint_every, resume, progress, postfix, mesh, rules,
-                      config=None, step: _SupervisedStep | None = None):
+                      config=None, step: _SupervisedStep | None = None,
+                      first: tuple[int, _SupervisedStep] | None = None):
     """Runs `steps` supervised steps of `objective` from `variables` (sharded on `mesh`;
     resuming from workdir/checkpoints), logging under `name/` (and `config` to config.json).
     Every process reads the same global batch stream and feeds its rows. `step`: the phase's
-    supervised_step (compiled ahead), else made here. Returns the final state."""
+    supervised_step (compiled ahead), else made here. `first` = (n, step'): steps 0..n-1 run
+    step' instead (SFT's dense stage: another model over the same train state). Returns the
+    final state."""
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     rng = jax.random.key(seed)
     if step is None:
@@ -402,10 +405,11 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
     state = init_train_state_sharded(variables, opt, state_sh)
     if resume:
         state, rng = _resume(ckpt, state, state_sh, rng, it, name)
-    for compiling in step.compiling:  # this phase's programs, compiled ahead
-        compiling.result()
-    writer = MetricsWriter(workdir, config=config) if _primary() else None
     start = int(state.step)
+    first_n, first_step = first if first is not None and start < first[0] else (0, None)
+    for compiling in step.compiling + (first_step.compiling if first_step else []):
+        compiling.result()  # this phase's programs, compiled ahead
+    writer = MetricsWriter(workdir, config=config) if _primary() else None
     bar = _progress(steps, name, start) if progress and _primary() else None
     for i in range(start, steps):
         batch = next(it)  # the global batch; this process feeds its rows
@@ -413,7 +417,7 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
         rows = shd.host_batch_slice(n, mesh=mesh, rules=rules)
         gb = shd.to_global({k: np.asarray(v)[rows] for k, v in batch.items()}, mesh, rules,
                            n_global=n)
-        state, met = step_fn(state, gb)
+        state, met = (first_step.fn if i < first_n else step_fn)(state, gb)
         if (i + 1) % log_every == 0 or i + 1 == steps:
             m = jax.device_get(met)
             if writer is not None:
@@ -502,6 +506,11 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     algo = algo_from_config(config.rl.algo)
     fams = task_families(config)
     lines = [check_run_config(config, num_devices, phase=p) for p in phases]
+    if "sft" in phases and (dense := sft_dense_steps(config, model_config(config))):
+        lines.append(f"  SFT dense stage: the first {dense} of {config.sft.steps} steps attend "
+                     "densely (indexer KL over every causal key), "
+                     + ("the rest" if dense < config.sft.steps else "RL and sampling")
+                     + " through the top-k")
     if qat := sft_qat_steps(config):  # SFT runs the phase; RL starts from its weights
         qat_model(ModelConfig.from_dict(config.model))
         lines.append(f"  SFT QAT phase: {qat} steps (lr {config.sft.qat_lr}, MXFP4 fake-quantised"
@@ -514,10 +523,15 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     return "\n".join(lines)
 
 
+def has_dsa(cfg: ModelConfig) -> bool:
+    """Whether the model has a DSA layer (trunk or MTP block)."""
+    kinds = set(cfg.layer_kinds()) | ({cfg.mtp.layer_kind} if cfg.mtp.depth else set())
+    return "D" in kinds
+
+
 def has_indexer(cfg: ModelConfig) -> bool:
     """Whether the model has a DSA layer (trunk or MTP block) whose indexer is trained."""
-    kinds = set(cfg.layer_kinds()) | ({cfg.mtp.layer_kind} if cfg.mtp.depth else set())
-    return "D" in kinds and cfg.dsa.indexer_loss_weight > 0
+    return has_dsa(cfg) and cfg.dsa.indexer_loss_weight > 0
 
 
 def warmup_model(cfg: ModelConfig) -> Model:
@@ -534,7 +548,10 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
        every causal key, every other parameter frozen by the optimizer's mask (lr
        sft.indexer_warmup_lr); checkpoints in sft/indexer_warmup/.
     2. SFT (sft.steps): next-token + MTP + balance + indexer KL (model.dsa.indexer_stage, sparse
-       by default) on every parameter, from the warm-up's weights; checkpoints in sft/.
+       by default) on every parameter, from the warm-up's weights; checkpoints in sft/. Its
+       first sft.dense_steps steps (0: none) are a dense stage (sft_dense_steps): the same
+       objective with every DSA layer attending densely and the indexer KL over every causal
+       key, then the sparse stage continues the same train state and schedule.
     3. QAT (sft.qat_steps, 0 skips it): the same objective and data (its own shuffle) with the
        routed experts fake-quantised to MXFP4 in the forward (model.moe.qat=True for this phase
        only; straight-through gradients), lr sft.qat_lr with a 10% warm-up, from SFT's final
@@ -573,6 +590,11 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
         wopt = make_optimizer(_optim(s.indexer_warmup_lr, max(warm_steps // 10, 1), warm_steps,
                                      0.0, optim_numerics(config)), trainable=indexer_mask)
         wstep = supervised_step(wmodel, wopt, variables, objective="indexer_warmup", **ahead)
+    dense_n = sft_dense_steps(config, model.cfg)
+    dense = None
+    if dense_n and not sft_done:
+        dense = (dense_n, supervised_step(warmup_model(model.cfg), opt, variables,
+                                          objective="lm", **ahead))
     sft_step = None if sft_done else supervised_step(model, opt, variables, objective="lm",
                                                      **ahead)
     compiler.shutdown(wait=False)
@@ -589,7 +611,7 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
         "sft", model, opt, variables, it, steps=s.steps, objective="lm",
         workdir=workdir, seed=config.seed, log_every=s.log_every,
         checkpoint_every=s.checkpoint_every, resume=resume, progress=progress, postfix="ce",
-        mesh=mesh, rules=rules, config=config, step=sft_step)
+        mesh=mesh, rules=rules, config=config, step=sft_step, first=dense)
     if not qat_steps:
         return state
     qopt = make_optimizer(_optim(s.qat_lr, max(qat_steps // 10, 1), qat_steps, s.weight_decay,
@@ -599,6 +621,26 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
         steps=qat_steps, objective="lm", workdir=os.path.join(workdir, "qat"), seed=config.seed,
         log_every=s.log_every, checkpoint_every=s.checkpoint_every,
         resume=resume, progress=progress, postfix="ce", mesh=mesh, rules=rules, config=config)
+
+
+def sft_dense_steps(config, cfg: ModelConfig) -> int:
+    """sft.dense_steps (0 when the field is absent), validated: an int in [0, sft.steps], and
+    > 0 only for a model with a DSA layer in the sparse stage (the dense stage's difference).
+
+    Why a dense stage: in the sparse stage the indexer's KL covers only the keys it already
+    selects, so a key it never picks gets no signal to be picked, and the attention cannot
+    learn to use it. DeepSeek-V3.2 avoids this by starting from a trained dense model; here SFT
+    starts from random weights, so its first steps play that model's part (README, "Agents":
+    what it did to the episodes' name copying)."""
+    n = config.sft.get("dense_steps", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= config.sft.steps:
+        raise ValueError(f"sft.dense_steps must be an integer in [0, sft.steps={config.sft.steps}]"
+                         f" (0: sparse from the first step), got {n!r}")
+    if n and not (has_dsa(cfg) and cfg.dsa.indexer_stage == "sparse"):
+        raise ValueError(f"sft.dense_steps={n} needs a model with a DSA layer in the sparse stage"
+                         f" (model {cfg.name}: layer pattern {cfg.layer_pattern!r}, "
+                         f"dsa.indexer_stage={cfg.dsa.indexer_stage!r}): set sft.dense_steps=0")
+    return n
 
 
 def sft_qat_steps(config) -> int:

@@ -6,7 +6,9 @@
 First the DSA indexer's dense warm-up (config.sft.indexer_warmup_steps: the indexer alone
 learns the dense attention's distribution, everything else frozen; 0 skips it), then the SFT
 objective (model/objectives.py: next-token + MTP + MoE balance + indexer KL, the same auxiliary
-terms the RL step trains) on (prompt, completion) pairs drawn from the task domains
+terms the RL step trains; its first config.sft.dense_steps steps attend densely with the
+indexer KL over every key, in the demo all of them: rl/loop.py:sft_dense_steps says why)
+on (prompt, completion) pairs drawn from the task domains
 (sandbox/tasks/domains/, by sandbox/tasks/sampling.py and sandbox/tasks/sft.py) with
 config.sft.imperfect_frac well-formed but wrong demonstrations; grain input, orbax checkpoints in
 <workdir>/sft/indexer_warmup/checkpoints and <workdir>/sft/checkpoints (resumed automatically;
