@@ -575,8 +575,8 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
                                 optim_numerics(config)))
     variables = shd.init_sharded(model, jax.random.key(config.seed), mesh, rules)
     done = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
+    sft_at = (done.latest_step() or 0) if resume else 0  # the step SFT resumes at
     sft_started = resume and done.latest_step() is not None
-    sft_done = sft_started and done.latest_step() >= s.steps
     done.close()
     warm_steps = int(s.get("indexer_warmup_steps", 0))
     warm = warm_steps and has_indexer(model.cfg) and not sft_started
@@ -590,13 +590,15 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
         wopt = make_optimizer(_optim(s.indexer_warmup_lr, max(warm_steps // 10, 1), warm_steps,
                                      0.0, optim_numerics(config)), trainable=indexer_mask)
         wstep = supervised_step(wmodel, wopt, variables, objective="indexer_warmup", **ahead)
+    # SFT's dense stage, then its sparse stage: each compiles ahead only where it will run from
+    # the step SFT resumes at (the latest checkpoint's; a lazy jit otherwise)
     dense_n = sft_dense_steps(config, model.cfg)
-    dense = None
-    if dense_n and not sft_done:
-        dense = (dense_n, supervised_step(warmup_model(model.cfg), opt, variables,
-                                          objective="lm", **ahead))
-    sft_step = None if sft_done else supervised_step(model, opt, variables, objective="lm",
-                                                     **ahead)
+    lazy = dict(mesh=mesh, rules=rules)
+    dense = None if not dense_n else (dense_n, supervised_step(
+        warmup_model(model.cfg), opt, variables, objective="lm",
+        **(ahead if sft_at < dense_n else lazy)))
+    sft_step = supervised_step(model, opt, variables, objective="lm",
+                               **(ahead if max(sft_at, dense_n) < s.steps else lazy))
     compiler.shutdown(wait=False)
     if warm:
         wstate = _supervised_phase(
