@@ -231,7 +231,7 @@ def demo() -> ml_collections.ConfigDict:
     # ... and whether it forms at all depended on the seed where SFT attended through the top-k
     # from the first step (this machine: seed 0 1.6%, seed 1 90.6% greedy on val). SFT attends
     # densely throughout (RL and sampling through the top-k; the indexer learns the dense
-    # attention by KL over every key, so no separate warm-up): seed 0 95.3% (README, "Agents")
+    # attention by KL over every key, so no separate warm-up): seeds 0 and 1 95.3% (README, "Agents")
     c.sft.dense_steps = c.sft.get_ref("steps").identity()
     c.sft.indexer_warmup_steps = 0
     # scoring is partly waiting on sandbox processes: on 2 cores a test evaluation (600 tasks x
