@@ -10,7 +10,8 @@ demo_results.json (each checkpoint, SFT and SFT+RL, at its best temperature: val
 pass@k (k = --eval_samples) at each of eval.temperatures (0 = greedy), then per domain test
 pass@1 at the temperature with the best val pass@1 and test pass@k at the one with the best val
 pass@k, with 95% intervals; the DSA indexer's recall of the true top-k attention keys on
-held-out text at random init, after the indexer warm-up, after SFT and after RL),
+held-out text at random init, after the indexer warm-up (configs with one), after SFT and
+after RL),
 demo_plot.png (RL reward and held-out val pass@1 per domain against RL step). Prints the val
 sweep and the per-domain before/after tables. Re-running resumes finished phases from their
 checkpoints (--noresume starts over).
