@@ -266,6 +266,8 @@ def agent() -> ml_collections.ConfigDict:
     c.name = "agent"
     c.workdir = "runs/agent"
     c.tasks.families = "multistep"
+    # 600 steps formed the episodes' name copying on the ninth session's machine, not on the
+    # twenty-third's (0 of 64 val episodes after 600 or 900 dense steps; README, "Agents")
     c.sft.update(dict(steps=600, episode_share=None))
     c.rl.update(dict(steps=80))
     c.eval.update(dict(every=20, val_tasks=32))
