@@ -149,6 +149,10 @@ class ModelConfig:
         p = self.layer_pattern
         return tuple(p[i % len(p)] for i in range(self.num_layers))
 
+    def kinds_used(self) -> set[str]:
+        """The layer-kind letters the model builds: the trunk's and the MTP block's."""
+        return set(self.layer_kinds()) | ({self.mtp.layer_kind} if self.mtp.depth else set())
+
     def is_moe_layer(self, i: int) -> bool:
         return self.moe.num_experts > 0 and i >= self.moe.first_dense_layers
 
@@ -260,7 +264,7 @@ class ModelConfig:
         for name, _ in self.layer_sections:
             _check(name in registered and name not in _FIELDS, f"model.{name}",
                    f"not a registered layer section; registered: {sorted(registered)}")
-        used = set(self.layer_kinds()) | ({self.mtp.layer_kind} if self.mtp.depth else set())
+        used = self.kinds_used()
         for letter, kind in kinds.items():
             if letter not in used:
                 continue

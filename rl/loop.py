@@ -525,8 +525,7 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
 
 def has_dsa(cfg: ModelConfig) -> bool:
     """Whether the model has a DSA layer (trunk or MTP block)."""
-    kinds = set(cfg.layer_kinds()) | ({cfg.mtp.layer_kind} if cfg.mtp.depth else set())
-    return "D" in kinds
+    return "D" in cfg.kinds_used()
 
 
 def has_indexer(cfg: ModelConfig) -> bool:
@@ -575,9 +574,9 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
                                 optim_numerics(config)))
     variables = shd.init_sharded(model, jax.random.key(config.seed), mesh, rules)
     done = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
-    sft_at = (done.latest_step() or 0) if resume else 0  # the step SFT resumes at
-    sft_started = resume and done.latest_step() is not None
+    latest = done.latest_step() if resume else None
     done.close()
+    sft_started, sft_at = latest is not None, latest or 0  # sft_at: the step SFT resumes at
     warm_steps = int(s.get("indexer_warmup_steps", 0))
     warm = warm_steps and has_indexer(model.cfg) and not sft_started
     # each phase's step compiles ahead, two programs at a time: the warm-up's batch shapes

@@ -234,17 +234,13 @@ def device_slice_cfg(cfg: ModelConfig, mesh_shape: dict, rules=None, *, kernels:
         return _split(n, "mlp", mesh_shape, rules) if n else n
 
     sections = {kind.section: kind.slice_for_device(cfg.section(kind.section), heads, kernels)
-                for letter, kind in registry.kinds().items() if letter in _kinds_used(cfg)}
+                for letter, kind in registry.kinds().items() if letter in cfg.kinds_used()}
     m = cfg.moe
     return cfg.replace(
         **sections,
         moe=dc.replace(m, expert_dim=mlp(m.expert_dim), dense_dim=mlp(m.dense_dim),
                        mxfp4_impl=kernels,
                        grouped_matmul="ragged_dot" if kernels == "pallas" else m.grouped_matmul))
-
-
-def _kinds_used(cfg: ModelConfig) -> set[str]:
-    return set(cfg.layer_kinds()) | ({cfg.mtp.layer_kind} if cfg.mtp.depth else set())
 
 
 @functools.lru_cache(maxsize=64)
