@@ -11,7 +11,9 @@ section of it (config.rl, config.rl.agent, config.eval). Every run is resumable:
 the train state (with a critic: the value head and its optimizer state), rng and data-iterator
 position; the frozen reference policy is not stored (it is the initial weights, reloaded on
 resume). `resume=True` picks up at the last good checkpoint and continues exactly (same data
-order, same rng stream).
+order, same rng stream), once the workdir's recorded config is found to match on what the phase
+depends on (rl/workdir.py: else an error naming the fields); `resume=False` moves a previous run's
+phase directory aside (start_phase).
 
 RL iteration (one batch of lookahead when rl.overlap_scoring): generate batch i+1 while the
 sandbox scores batch i; then the reference log-probs and, where the advantages need them first
@@ -92,6 +94,7 @@ from rl.train_step import (
     make_train_step,
     train_state_shardings,
 )
+from rl.workdir import check_resumable, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -437,6 +440,17 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
     return state
 
 
+def start_phase(config, phase: str, resume: bool) -> None:
+    """Before a phase ("sft" or "rl") runs: resuming, its checkpoints must come from this config
+    (rl.workdir.check_resumable raises naming the differences); starting over (resume=False),
+    the previous run's directory is moved aside (rl.workdir.set_aside), so its checkpoints are
+    kept and never mistaken for the new run's."""
+    if resume:
+        check_resumable(config, phase)
+    else:
+        set_aside(os.path.join(config.workdir, phase))
+
+
 def _local_key(rng):
     """A restored rng key (a replicated global array in a multi-process job) as this process's
     own key with the same bits."""
@@ -562,6 +576,7 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
 
     s = config.sft
     workdir = os.path.join(config.workdir, "sft")
+    start_phase(config, "sft", resume)
     model, tok = _model(config), load_tokenizer(config.tokenizer)
     qat_steps = sft_qat_steps(config)
     qmodel = qat_model(model.cfg) if qat_steps else None  # rejected before SFT runs
@@ -1046,6 +1061,9 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     one opened from config.sandbox and closed at the end); on_eval(step, results) after each
     evaluation."""
     r, e = config.rl, config.eval
+    if r.init_from == "sft":  # the weights RL starts from must be this config's SFT
+        check_resumable(config, "sft")
+    start_phase(config, "rl", resume)
     model, tok, algo = rl_model(config), load_tokenizer(config.tokenizer), algo_from_config(r.algo)
     workdir = os.path.join(config.workdir, "rl")
     mesh, rules = shd.mesh_from_config(config)

@@ -14,7 +14,8 @@ held-out text at random init, after the indexer warm-up (configs with one), afte
 after RL),
 demo_plot.png (RL reward and held-out val pass@1 per domain against RL step). Prints the val
 sweep and the per-domain before/after tables. Re-running resumes finished phases from their
-checkpoints (--noresume starts over).
+checkpoints when they came from the same config (else it stops, naming the fields that differ:
+rl/workdir.py); --noresume starts over, moving the previous sft/ and rl/ aside.
 """
 
 import json
@@ -118,8 +119,12 @@ def main(_):
     )
     from rl.pipeline import evaluate_at_best_temperatures
     from rl.sampler import SamplingConfig
+    from rl.workdir import check_resumable
 
     config = _CONFIG.value
+    if _RESUME.value:  # both phases' checkpoints must be this config's before anything runs
+        check_resumable(config, "sft")
+        check_resumable(config, "rl")
     os.makedirs(config.workdir, exist_ok=True)
     t0 = time.time()
     print(f"[demo] workdir {config.workdir}: SFT {config.sft.steps} steps, RL "

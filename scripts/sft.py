@@ -11,8 +11,9 @@ indexer KL over every key, in the demo all of them: rl/loop.py:sft_dense_steps s
 on (prompt, completion) pairs drawn from the task domains
 (sandbox/tasks/domains/, by sandbox/tasks/sampling.py and sandbox/tasks/sft.py) with
 config.sft.imperfect_frac well-formed but wrong demonstrations; grain input, orbax checkpoints in
-<workdir>/sft/indexer_warmup/checkpoints and <workdir>/sft/checkpoints (resumed automatically;
---noresume starts over).
+<workdir>/sft/indexer_warmup/checkpoints and <workdir>/sft/checkpoints (resumed automatically
+when they came from the same config, else an error naming the differing fields: rl/workdir.py;
+--noresume starts over, moving the previous <workdir>/sft aside).
 
 Scale-out: runs on the mesh of config.sharding, one process per host in a multi-process job
 (docs/scaling.md), e.g. on 8 fake CPU devices:

@@ -7,7 +7,9 @@
         --config configs/rl.py:smoke_8dev --config.rl.init_from=scratch       # 8 fake devices
 
 Progress bar, TensorBoard events + metrics.jsonl in <workdir>/rl, periodic held-out eval,
-orbax checkpoints (params, optimizer, rng, data position) resumed automatically.
+orbax checkpoints (params, optimizer, rng, data position) resumed automatically when they came
+from the same config (else an error naming the differing fields: rl/workdir.py; --noresume
+starts over, moving the previous <workdir>/rl aside).
 
 Scale-out: the run uses the mesh of config.sharding (docs/scaling.md); in a multi-process job
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or JAX_DISTRIBUTED_AUTO=1) every

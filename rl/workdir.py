@@ -1,0 +1,154 @@
+"""Whether a run config may resume what a workdir holds, and starting a phase over without losing
+the old run.
+
+Each phase directory (workdir/sft, with its indexer_warmup/ and qat/ stages, and workdir/rl)
+records the resolved config that last ran it (config.json, rl.metrics.MetricsWriter). Resuming
+continues the checkpoints there as if they came from the current config, so before a phase
+resumes, `check_resumable` compares the two on what the phase's weights depend on and raises
+ResumeConfigError naming every difference and the ways out; `set_aside` is what --noresume does
+with a phase directory that holds a previous run: moves it to <dir>.replaced-<UTC time> (nothing is
+deleted, and the new run's checkpoints and metrics never mix with the old ones).
+
+What a phase depends on (`PHASES`): the whole config except the fields listed as not affecting
+it: where and how a run is logged, checkpointed, evaluated, sharded and scored (workdir, name,
+eval, sandbox, sharding, log/checkpoint cadence, held-out split sizes), and the phase's own
+length (sft.steps, sft.dense_steps, rl.steps and optim.total_steps: lengthening a finished phase
+continues it under the new schedule). SFT ignores the RL section and RL's optimizer (config.optim)
+except rl.agent (it renders the demonstrations' episodes) and the optimizer's numerics fields
+(rl.loop.optim_numerics); RL depends on everything SFT does, since it starts from SFT's weights, unless both
+configs have rl.init_from="scratch".
+
+Covered: tests/rl/test_resume_config.py. Not covered: checkpoints written before config.json was
+recorded (resumed with a warning), and a workdir edited by hand.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import shutil
+
+log = logging.getLogger(__name__)
+
+_EVERY_PHASE = ("name", "workdir", "eval", "sandbox", "sharding", "tasks.val_per_family",
+                "tasks.test_per_family", "sft.log_every", "sft.checkpoint_every",
+                "rl.log_every", "rl.checkpoint_every", "rl.keep_checkpoints", "rl.precompile")
+
+# stage -> (dotted prefixes that do not affect it, prefixes kept although under an ignored one)
+# (SFT reads the RL section's agent rendering and the RL optimizer's numerics fields alone)
+_SFT_KEEPS = ("rl.agent", "optim.mu_dtype", "optim.master_dtype")
+PHASES = {
+    "sft": (_EVERY_PHASE + ("sft.steps", "sft.dense_steps", "sft.qat_steps", "sft.qat_lr", "rl",
+                            "optim"), _SFT_KEEPS),
+    "sft_qat": (_EVERY_PHASE + ("sft.qat_steps", "rl", "optim"), _SFT_KEEPS),  # after SFT's end
+    "rl": (_EVERY_PHASE + ("rl.steps", "optim.total_steps"), ()),  # total_steps: RL's length
+}
+# a stage's directory under the workdir -> its entry in PHASES
+STAGE_DIRS = {"sft": "sft", os.path.join("sft", "indexer_warmup"): "sft",
+              os.path.join("sft", "qat"): "sft_qat", "rl": "rl"}
+
+
+class ResumeConfigError(ValueError):
+    """A phase directory holds checkpoints of a run whose config differs from this one."""
+
+
+def _plain(config) -> dict:
+    """A config (ConfigDict or dict) as the JSON config.json holds (MetricsWriter's encoding)."""
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
+def config_diff(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
+    """[(dotted path, old value, new value)] of every leaf that differs between two configs (a
+    field present in only one side differs from the missing marker "<absent>")."""
+    old, new = (_plain(x) if not prefix else x for x in (old, new))
+    out = []
+    for k in sorted(set(old) | set(new)):
+        path = prefix + k
+        a, b = old.get(k, "<absent>"), new.get(k, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, path + ".")
+        elif a != b:
+            out.append((path, a, b))
+    return out
+
+
+def _under(path: str, prefixes) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in prefixes)
+
+
+def phase_diff(old, new, phase: str) -> list[tuple[str, object, object]]:
+    """config_diff restricted to what `phase` (a key of PHASES) depends on."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
+    ignored, kept = PHASES[phase]
+    diff = config_diff(old, new)
+    if phase == "rl" and all(_plain(c).get("rl", {}).get("init_from") == "scratch"
+                             for c in (old, new)):
+        ignored = ignored + ("sft",)
+    return [d for d in diff if not _under(d[0], ignored) or _under(d[0], kept)]
+
+
+def _latest_step(checkpoints: str) -> int | None:
+    """The newest committed step under a Checkpointer directory, read without opening one."""
+    if not os.path.isdir(checkpoints):
+        return None
+    steps = [int(p) for p in os.listdir(checkpoints)
+             if p.isdigit() and os.path.isdir(os.path.join(checkpoints, p))]
+    return max(steps) if steps else None
+
+
+def check_resumable(config, phase: str, *, flag: str = "--noresume") -> None:
+    """Raise ResumeConfigError if a stage directory of `phase` ("sft": workdir/sft and its
+    indexer_warmup/ and qat/ stages; "rl": workdir/rl) holds checkpoints of a run whose recorded
+    config (its config.json) differs from `config` on what the stage depends on (phase_diff). A
+    checkpoint without a record resumes with a warning. `flag`: how the caller starts over."""
+    for sub, stage in STAGE_DIRS.items():
+        if sub.split(os.sep)[0] != phase:
+            continue
+        root = os.path.join(config.workdir, sub)
+        step = _latest_step(os.path.join(root, "checkpoints"))
+        if step is None:
+            continue
+        record = os.path.join(root, "config.json")
+        if not os.path.exists(record):
+            log.warning("%s holds checkpoints (step %d) but no config.json recording the config "
+                        "that wrote them; resuming them as this config's", root, step)
+            continue
+        with open(record) as f:
+            old = json.load(f)
+        diff = phase_diff(old, config, stage)
+        if diff:
+            lines = "\n".join(f"  {p}: {a!r} -> {b!r}" for p, a, b in diff[:20])
+            more = f"\n  ... and {len(diff) - 20} more" if len(diff) > 20 else ""
+            raise ResumeConfigError(
+                f"{root} holds checkpoints (latest step {step}) of a run whose config differs "
+                f"from this one in what that stage depends on (recorded -> now):\n{lines}{more}"
+                f"\nResuming would continue (or, finished, reuse) those weights as this "
+                f"config's. Use another --config.workdir, or pass {flag} to start {phase} over "
+                f"here (the old run is moved to {phase}.replaced-<time> beside it, not deleted), "
+                "or set the recorded values back.")
+
+
+def set_aside(phase_dir: str) -> str | None:
+    """Move a non-empty phase_dir to <phase_dir>.replaced-<UTC time> (what --noresume does: the
+    new run starts from an empty directory, the old one is kept); returns the new path, or None
+    when there was nothing to move. Process 0 moves; every process waits for it."""
+    import jax
+
+    moved = None
+    if jax.process_index() == 0 and os.path.isdir(phase_dir) and os.listdir(phase_dir):
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+        moved = f"{phase_dir.rstrip(os.sep)}.replaced-{stamp}"
+        n = 1
+        while os.path.exists(moved):
+            moved = f"{phase_dir.rstrip(os.sep)}.replaced-{stamp}-{n}"
+            n += 1
+        shutil.move(phase_dir, moved)
+        log.warning("starting over: the previous run in %s was moved to %s", phase_dir, moved)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f"set_aside:{phase_dir}")
+    return moved

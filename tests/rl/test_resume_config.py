@@ -1,0 +1,142 @@
+"""Resuming a workdir only with the config that wrote it, and --noresume keeping the old run
+(rl/workdir.py, rl/loop.py:start_phase).
+
+Covered: which config changes each stage depends on (a model field, an SFT hyper-parameter, the
+agent's rendering for SFT; the RL objective for RL only; log cadence, eval and a phase's own
+length for neither); a real SFT run refuses to resume under a changed config (naming the field
+and the ways out, its checkpoints untouched), resumes under a changed cadence and a longer
+schedule, and with resume=False moves the old run aside and trains a new one whose final weights
+are the ones loaded afterwards (before the fix the old final step was "already saved" and the
+new run's final weights were dropped); RL refuses to start from SFT weights of another config
+and to resume RL checkpoints of another objective.
+Not covered: multi-process set-aside (process 0 moves, all wait: the barrier is jax's).
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs import rl as rl_configs
+from rl import loop
+from rl.checkpoint import Checkpointer
+from rl.metrics import MetricsWriter
+from rl.workdir import ResumeConfigError, check_resumable, phase_diff
+
+
+def _paths(diff):
+    return [p for p, _, _ in diff]
+
+
+def test_each_stage_depends_on_what_changes_its_weights():
+    base = rl_configs.get_config("demo")
+
+    def changed(**fields):
+        c = rl_configs.get_config("demo")
+        for path, v in fields.items():
+            *head, last = path.split("__")
+            node = c
+            for h in head:
+                node = node[h]
+            node[last] = v
+        return {stage: _paths(phase_diff(base, c, stage)) for stage in ("sft", "sft_qat", "rl")}
+
+    assert changed(model__d_model=128) == {s: ["model.d_model"] for s in ("sft", "sft_qat", "rl")}
+    assert changed(sft__lr=2e-3) == {s: ["sft.lr"] for s in ("sft", "sft_qat", "rl")}
+    assert changed(rl__agent__max_turns=3)["sft"] == ["rl.agent.max_turns"]  # SFT's episodes
+    assert changed(rl__algo__kl_coef=0.1) == {"sft": [], "sft_qat": [],
+                                              "rl": ["rl.algo.kl_coef"]}
+    # a longer SFT is SFT's own continuation, but RL (and QAT) started from the shorter one's end
+    assert changed(sft__steps=1500) == {"sft": [], "sft_qat": ["sft.dense_steps", "sft.steps"],
+                                        "rl": ["sft.dense_steps", "sft.steps"]}
+    assert changed(rl__steps=500) == {"sft": [], "sft_qat": [], "rl": []}  # optim.total_steps too
+    assert changed(optim__lr=1e-3)["sft"] == [] and changed(optim__mu_dtype="bfloat16")["sft"] == [
+        "optim.mu_dtype"]
+    assert changed(sft__log_every=1, rl__checkpoint_every=5, eval__val_tasks=8,
+                   workdir="elsewhere", tasks__test_per_family=50) == {
+        "sft": [], "sft_qat": [], "rl": []}
+    assert changed(seed=3) == {s: ["seed"] for s in ("sft", "sft_qat", "rl")}
+    # RL from scratch on both sides does not depend on SFT's settings
+    a, b = rl_configs.get_config("demo"), rl_configs.get_config("demo")
+    a.rl.init_from = b.rl.init_from = "scratch"
+    b.sft.lr = 5e-3
+    assert phase_diff(a, b, "rl") == []
+    b.rl.init_from = "sft"
+    assert _paths(phase_diff(a, b, "rl")) == ["rl.init_from", "sft.lr"]
+
+
+def _config(workdir):
+    """The smoke config on a cut test model (one DSA layer, d_model 32), 3 SFT steps."""
+    c = rl_configs.get_config("smoke")
+    c.workdir = str(workdir)
+    c.model.num_layers, c.model.layer_pattern, c.model.d_model = 1, "D", 32
+    c.model.moe.expert_dim, c.model.moe.dense_dim, c.model.mtp.depth = 32, 32, 0
+    c.tasks.update(dict(train_per_family=8, val_per_family=2, test_per_family=2))
+    c.sft.update(dict(steps=3, batch_size=4, indexer_warmup_steps=0, log_every=1,
+                      checkpoint_every=1, dense_steps=0))
+    return c
+
+
+def _steps(d):
+    return sorted(int(p.name) for p in (d / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _params(state):
+    return jax.tree.leaves(jax.device_get(state.variables["params"]))
+
+
+@pytest.mark.slow
+def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path):
+    a = _config(tmp_path)
+    first = loop.run_sft(a, progress=False)
+    sft = tmp_path / "sft"
+    assert _steps(sft) == [2, 3]
+
+    b = _config(tmp_path)
+    b.sft.lr = a.sft.lr * 3
+    with pytest.raises(ResumeConfigError) as e:
+        loop.run_sft(b, progress=False)
+    msg = str(e.value)
+    assert "sft.lr: 0.003 -> 0.009" in msg.replace("0.0030000000000000005", "0.003"), msg
+    assert "--noresume" in msg and "--config.workdir" in msg and "latest step 3" in msg
+    assert _steps(sft) == [2, 3]  # nothing touched
+    assert json.loads((sft / "config.json").read_text())["sft"]["lr"] == a.sft.lr
+
+    longer = _config(tmp_path)  # another cadence and a longer schedule: the same run, continued
+    longer.sft.update(dict(steps=4, log_every=2, checkpoint_every=2))
+    cont = loop.run_sft(longer, progress=False)
+    assert int(cont.step) == 4 and _steps(sft) == [3, 4]
+    assert len((sft / "metrics.jsonl").read_text().splitlines()) == 4  # 3 + 1, none again
+
+    fresh = loop.run_sft(b, resume=False, progress=False)  # starts over; the old run is kept
+    old = [p for p in tmp_path.iterdir() if p.name.startswith("sft.replaced-")]
+    assert len(old) == 1 and _steps(old[0]) == [3, 4]
+    assert json.loads((old[0] / "config.json").read_text())["sft"]["steps"] == 4
+    assert int(fresh.step) == 3 and _steps(sft) == [2, 3]
+    assert len((sft / "metrics.jsonl").read_text().splitlines()) == 3  # the new run's alone
+    model = loop._model(b)
+    loaded = jax.tree.leaves(loop.load_sft_variables(b, model)["params"])
+    for x, y in zip(loaded, _params(fresh)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert any(not np.array_equal(y, z) for y, z in zip(_params(fresh), _params(first)))
+
+    # RL refuses to start from this workdir's SFT weights under another SFT config ...
+    c = _config(tmp_path)
+    c.sft.lr = a.sft.lr * 3
+    c.sft.weight_decay = 0.5
+    with pytest.raises(ResumeConfigError, match=r"(?s)sft holds checkpoints.*sft.weight_decay"):
+        loop.run_rl(c, progress=False)
+    # ... and to resume RL checkpoints written under another objective
+    rl = tmp_path / "rl"
+    MetricsWriter(str(rl), tensorboard=False, config=b).close()
+    ck = Checkpointer(str(rl / "checkpoints"), keep=1)
+    ck.save(1, fresh, rng=jax.random.key(0), force=True)
+    ck.wait()
+    ck.close()
+    d = _config(tmp_path)
+    d.sft.lr = b.sft.lr
+    d.rl.algo.kl_coef = 0.5
+    with pytest.raises(ResumeConfigError, match=r"(?s)rl holds checkpoints.*rl.algo.kl_coef"):
+        loop.run_rl(d, progress=False)
+    check_resumable(b, "rl")  # the config that wrote them resumes
