@@ -99,7 +99,10 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
         # with the routed experts fake-quantised to MXFP4 (model.moe.qat for this phase only),
         # lr qat_lr; checkpoints in <workdir>/sft/qat, which are then the SFT weights RL starts
         # from; 0 skips it
-        qat_steps=0, qat_lr=3e-4))
+        qat_steps=0, qat_lr=3e-4,
+        # the task families SFT's demonstrations come from ("": tasks.families, those RL and
+        # evaluation use; rl/loop.py:sft_families)
+        families=""))
     c.sft.episode_seq_len = ml_collections.config_dict.placeholder(int)
     c.sft.episode_batch_size = ml_collections.config_dict.placeholder(int)
     c.sft.episode_share = ml_collections.config_dict.placeholder(float)
@@ -259,16 +262,21 @@ def smoke() -> ml_collections.ConfigDict:
 def agent() -> ml_collections.ConfigDict:
     """The demo's multi-step terminal episodes alone (sandbox/tasks/domains/multistep.py level 1:
     the file to copy or count is only named inside another file or in grep's output) on the
-    demo model: SFT on multi-turn demonstrations (40% well-formed but wrong), then GRPO over
-    episodes played in sandbox sessions through Hermes tool calls (rl/agent.py).
+    demo model: the demo's SFT (its three domains' demonstrations, 40% well-formed but wrong),
+    then GRPO over episodes alone, played in sandbox sessions through Hermes tool calls
+    (rl/agent.py), and evaluation on episodes.
         python scripts/demo.py --config configs/rl.py:agent"""
     c = demo()
     c.name = "agent"
     c.workdir = "runs/agent"
+    # SFT is the demo's (its three domains, 1200 steps: the same weights, so a copy of
+    # runs/demo/sft resumes here); RL and evaluation take the episodes alone. SFT on episodes
+    # alone formed their name copying on the ninth session's machine after 600 steps, but not on
+    # the twenty-third's (0 of 64 val episodes after 600 or 900 dense steps), where the demo's
+    # mix (720 episode batches beside 480 one-shot ones, whose completions copy names and
+    # numbers from their prompts) formed it at 95% (README, "Agents")
+    c.sft.families = c.tasks.families
     c.tasks.families = "multistep"
-    # 600 steps formed the episodes' name copying on the ninth session's machine, not on the
-    # twenty-third's (0 of 64 val episodes after 600 or 900 dense steps; README, "Agents")
-    c.sft.update(dict(steps=600, episode_share=None))
     c.rl.update(dict(steps=80))
     c.eval.update(dict(every=20, val_tasks=32))
     return c

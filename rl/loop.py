@@ -100,26 +100,39 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- tasks
-def task_families(config) -> list[str]:
-    """config.tasks.families as a list, each checked against the task domain registry."""
+def _families(spec: str, field: str) -> list[str]:
     from sandbox.tasks.domains import generated_domains
 
-    fams = [f.strip() for f in config.tasks.families.split(",") if f.strip()]
+    fams = [f.strip() for f in spec.split(",") if f.strip()]
     valid = generated_domains()
     unknown = [f for f in fams if f not in valid]
     if unknown or not fams:
-        raise ValueError(f"tasks.families: unknown family {(unknown or [''])[0]!r}; give a "
+        raise ValueError(f"{field}: unknown family {(unknown or [''])[0]!r}; give a "
                          f"comma-separated list of {valid}")
     return fams
 
 
-def load_task_splits(config) -> dict:
-    """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generated domains (or
-    tasks.task_file for RL prompts, without demonstrations)."""
+def task_families(config) -> list[str]:
+    """config.tasks.families (RL's and evaluation's) as a list, each checked against the task
+    domain registry."""
+    return _families(config.tasks.families, "tasks.families")
+
+
+def sft_families(config) -> list[str]:
+    """The families SFT's demonstrations come from: config.sft.families, or tasks.families when
+    it is empty or absent."""
+    spec = config.sft.get("families", "")
+    return _families(spec, "sft.families") if spec else task_families(config)
+
+
+def load_task_splits(config, families: list[str] | None = None) -> dict:
+    """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generated domains
+    `families` (default: task_families) (or tasks.task_file for RL prompts, without
+    demonstrations)."""
     from sandbox.tasks.sampling import make_split
 
     t = config.tasks
-    fams = task_families(config)
+    fams = task_families(config) if families is None else families
     diff = {f: (t.difficulty.get(f, 0) or None) for f in fams}
     n = {"train": t.train_per_family, "val": t.val_per_family, "test": t.test_per_family}
 
@@ -518,7 +531,7 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
         num_devices = (math.prod(d.values()) if d and -1 not in d.values()
                        else jax.device_count())
     algo = algo_from_config(config.rl.algo)
-    fams = task_families(config)
+    fams, sft_fams = task_families(config), sft_families(config)
     lines = [check_run_config(config, num_devices, phase=p) for p in phases]
     if "sft" in phases and (dense := sft_dense_steps(config, model_config(config))):
         lines.append(f"  SFT dense stage: the first {dense} of {config.sft.steps} steps attend "
@@ -532,8 +545,9 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
                      "RL starts from")
     lines.append(f"  algorithm {algo.name}: estimator {algo.estimator}, clip "
                  f"[{algo.clip_low}, {algo.clip_high}], agg {algo.agg}, KL {algo.kl_kind} x "
-                 f"{algo.kl_coef} in the {algo.kl_placement}; tasks {', '.join(fams)}; "
-                 f"workdir {config.workdir}")
+                 f"{algo.kl_coef} in the {algo.kl_placement}; tasks {', '.join(fams)}"
+                 + (f" (SFT: {', '.join(sft_fams)})" if sft_fams != fams else "")
+                 + f"; workdir {config.workdir}")
     return "\n".join(lines)
 
 
@@ -581,8 +595,7 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     qat_steps = sft_qat_steps(config)
     qmodel = qat_model(model.cfg) if qat_steps else None  # rejected before SFT runs
     mesh, rules = shd.mesh_from_config(config)
-    splits = load_task_splits(config)
-    examples = sft_examples(config, splits["train"])
+    examples = sft_examples(config, load_task_splits(config, sft_families(config))["train"])
     it = _sft_stream(examples, tok, s, config.seed)
 
     opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,

@@ -13,10 +13,11 @@ What a phase depends on (`PHASES`): the whole config except the fields listed as
 it: where and how a run is logged, checkpointed, evaluated, sharded and scored (workdir, name,
 eval, sandbox, sharding, log/checkpoint cadence, held-out split sizes), and the phase's own
 length (sft.steps, sft.dense_steps, rl.steps and optim.total_steps: lengthening a finished phase
-continues it under the new schedule). SFT ignores the RL section and RL's optimizer (config.optim)
-except rl.agent (it renders the demonstrations' episodes) and the optimizer's numerics fields
-(rl.loop.optim_numerics); RL depends on everything SFT does, since it starts from SFT's weights, unless both
-configs have rl.init_from="scratch".
+continues it under the new schedule). SFT depends on the task families it reads (sft.families,
+or tasks.families when that is empty), not on those RL uses, and ignores the RL section and RL's
+optimizer (config.optim) except rl.agent (it renders the demonstrations' episodes) and the
+optimizer's numerics fields (rl.loop.optim_numerics); RL depends on everything SFT does, since it
+starts from SFT's weights, unless both configs have rl.init_from="scratch".
 
 Covered: tests/rl/test_resume_config.py. Not covered: checkpoints written before config.json was
 recorded (resumed with a warning), and a workdir edited by hand.
@@ -79,11 +80,23 @@ def _under(path: str, prefixes) -> bool:
     return any(path == p or path.startswith(p + ".") for p in prefixes)
 
 
+def _sft_view(d: dict) -> dict:
+    """A plain config with tasks.families replaced by the families SFT reads (the non-empty
+    sft.families, else tasks.families; rl.loop.sft_families) and sft.families dropped."""
+    sft, tasks = dict(d.get("sft", {})), dict(d.get("tasks", {}))
+    own = sft.pop("families", "")
+    if own:
+        tasks["families"] = own
+    return {**d, "sft": sft, "tasks": tasks}
+
+
 def phase_diff(old, new, phase: str) -> list[tuple[str, object, object]]:
     """config_diff restricted to what `phase` (a key of PHASES) depends on."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
     ignored, kept = PHASES[phase]
+    if phase != "rl":  # SFT reads its own families (sft.families, "" = tasks.families)
+        old, new = (_sft_view(_plain(c)) for c in (old, new))
     diff = config_diff(old, new)
     if phase == "rl" and all(_plain(c).get("rl", {}).get("init_from") == "scratch"
                              for c in (old, new)):

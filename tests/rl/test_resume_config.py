@@ -57,6 +57,13 @@ def test_each_stage_depends_on_what_changes_its_weights():
                    workdir="elsewhere", tasks__test_per_family=50) == {
         "sft": [], "sft_qat": [], "rl": []}
     assert changed(seed=3) == {s: ["seed"] for s in ("sft", "sft_qat", "rl")}
+    # the agent variant's SFT is the demo's (its own families): a copy of the demo's sft/ resumes
+    demo, agent = rl_configs.get_config("demo"), rl_configs.get_config("agent")
+    assert phase_diff(demo, agent, "sft") == []
+    assert {"tasks.families", "sft.families"} <= set(_paths(phase_diff(demo, agent, "rl")))
+    assert loop.sft_families(agent) == loop.task_families(demo) != loop.task_families(agent)
+    agent.sft.families = "multistep"  # SFT on the episodes alone: another SFT
+    assert _paths(phase_diff(demo, agent, "sft")) == ["tasks.families"]
     # RL from scratch on both sides does not depend on SFT's settings
     a, b = rl_configs.get_config("demo"), rl_configs.get_config("demo")
     a.rl.init_from = b.rl.init_from = "scratch"
