@@ -263,6 +263,11 @@ def sft_examples(config, pairs) -> list:
     return out
 
 
+def sft_train_examples(config) -> list:
+    """SFT's examples (sft_examples) from the train split of its own families (sft_families)."""
+    return sft_examples(config, load_task_splits(config, sft_families(config))["train"])
+
+
 def agent_env_config(a):
     """rl.envs.EnvConfig of multi-turn episodes from the agent section (config.rl.agent)."""
     from rl.envs import EnvConfig
@@ -339,7 +344,8 @@ def sft_buckets(examples, s) -> list[dict]:
                dict(examples=eps, width=ep_width, batch_size=ep_batch)]
     buckets = [b for b in buckets if b["examples"]]
     if not buckets:
-        raise ValueError("no SFT examples: check tasks.families and tasks.train_per_family")
+        raise ValueError("no SFT examples: check sft.families (empty: tasks.families) and "
+                         "tasks.train_per_family")
     for b in buckets:
         b["weight"] = len(b["examples"]) / b["batch_size"]
     share = s.get("episode_share", None)
@@ -595,7 +601,7 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     qat_steps = sft_qat_steps(config)
     qmodel = qat_model(model.cfg) if qat_steps else None  # rejected before SFT runs
     mesh, rules = shd.mesh_from_config(config)
-    examples = sft_examples(config, load_task_splits(config, sft_families(config))["train"])
+    examples = sft_train_examples(config)
     it = _sft_stream(examples, tok, s, config.seed)
 
     opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,

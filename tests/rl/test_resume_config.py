@@ -8,7 +8,8 @@ and the ways out, its checkpoints untouched), resumes under a changed cadence an
 schedule, and with resume=False moves the old run aside and trains a new one whose final weights
 are the ones loaded afterwards (before the fix the old final step was "already saved" and the
 new run's final weights were dropped); RL refuses to start from SFT weights of another config
-and to resume RL checkpoints of another objective.
+and to resume RL checkpoints of another objective; SFT reads its own families (sft.families:
+the agent variant's SFT is the demo's, one-shot rows and episodes, and a copy of it resumes).
 Not covered: multi-process set-aside (process 0 moves, all wait: the barrier is jax's).
 """
 
@@ -62,7 +63,12 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert phase_diff(demo, agent, "sft") == []
     assert {"tasks.families", "sft.families"} <= set(_paths(phase_diff(demo, agent, "rl")))
     assert loop.sft_families(agent) == loop.task_families(demo) != loop.task_families(agent)
+    for c in (demo, agent):
+        c.tasks.train_per_family = 6
+    kinds = lambda c: sorted({loop._is_episode(ex) for ex in loop.sft_train_examples(c)})
+    assert kinds(demo) == kinds(agent) == [False, True]  # one-shot rows and episodes
     agent.sft.families = "multistep"  # SFT on the episodes alone: another SFT
+    assert kinds(agent) == [True]
     assert _paths(phase_diff(demo, agent, "sft")) == ["tasks.families"]
     # RL from scratch on both sides does not depend on SFT's settings
     a, b = rl_configs.get_config("demo"), rl_configs.get_config("demo")

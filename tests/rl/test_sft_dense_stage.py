@@ -54,7 +54,7 @@ def test_dense_stage_trains_the_dense_model_first_then_the_sparse_one(tmp_path):
     model = Model(ModelConfig.from_dict(config.model))
     dense = loop.warmup_model(model.cfg)
     tok = load_tokenizer(config.tokenizer)
-    examples = loop.sft_examples(config, loop.load_task_splits(config)["train"])
+    examples = loop.sft_train_examples(config)
     stream = loop._sft_stream(examples, tok, config.sft, config.seed)
     batches = [{k: jnp.asarray(v) for k, v in next(stream).items()} for _ in range(3)]
 
@@ -101,7 +101,7 @@ def test_dense_stage_rejects_bad_settings(tmp_path):
 
 
 def test_demo_sft_is_dense_throughout_and_follows_its_step_count():
-    for name, steps in (("demo", 1200), ("agent", 600)):
+    for name, steps in (("demo", 1200), ("agent", 1200)):
         c = rl_configs.get_config(name)
         assert (c.sft.steps, c.sft.dense_steps, c.sft.indexer_warmup_steps) == (steps, steps, 0)
     c = rl_configs.get_config("demo")
