@@ -18,3 +18,22 @@ def small_lm():
     c.moe.num_experts, c.moe.dense_dim, c.mtp.depth = 0, 32, 0
     model = Model(ModelConfig.from_dict(c))
     return model, model.init(jax.random.key(0))
+
+
+@pytest.fixture(scope="session")
+def cut_sft_config():
+    """make(workdir, **sft) -> the smoke RL config on a cut test model (one DSA layer and its
+    MoE, d_model 32, no MTP: the SFT programs compile in a fraction of the full test model's
+    time), 8 train tasks per family, no indexer warm-up, logging every step, with the given
+    sft fields on top; for tests whose subject is an SFT phase's driving (rl/loop.py:run_sft)."""
+    from configs import rl as rl_configs
+
+    def make(workdir, **sft):
+        c = rl_configs.get_config("smoke")
+        c.workdir = str(workdir)
+        c.model.num_layers, c.model.layer_pattern, c.model.d_model = 1, "D", 32
+        c.model.moe.expert_dim, c.model.moe.dense_dim, c.model.mtp.depth = 32, 32, 0
+        c.tasks.update(dict(train_per_family=8, val_per_family=2, test_per_family=2))
+        c.sft.update(dict(batch_size=4, indexer_warmup_steps=0, log_every=1, **sft))
+        return c
+    return make

@@ -13,6 +13,7 @@ the agent variant's SFT is the demo's, one-shot rows and episodes, and a copy of
 Not covered: multi-process set-aside (process 0 moves, all wait: the barrier is jax's).
 """
 
+import functools
 import json
 
 import jax
@@ -79,18 +80,6 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert _paths(phase_diff(a, b, "rl")) == ["rl.init_from", "sft.lr"]
 
 
-def _config(workdir):
-    """The smoke config on a cut test model (one DSA layer, d_model 32), 3 SFT steps."""
-    c = rl_configs.get_config("smoke")
-    c.workdir = str(workdir)
-    c.model.num_layers, c.model.layer_pattern, c.model.d_model = 1, "D", 32
-    c.model.moe.expert_dim, c.model.moe.dense_dim, c.model.mtp.depth = 32, 32, 0
-    c.tasks.update(dict(train_per_family=8, val_per_family=2, test_per_family=2))
-    c.sft.update(dict(steps=3, batch_size=4, indexer_warmup_steps=0, log_every=1,
-                      checkpoint_every=1, dense_steps=0))
-    return c
-
-
 def _steps(d):
     return sorted(int(p.name) for p in (d / "checkpoints").iterdir() if p.name.isdigit())
 
@@ -100,7 +89,8 @@ def _params(state):
 
 
 @pytest.mark.slow
-def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path):
+def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path, cut_sft_config):
+    _config = functools.partial(cut_sft_config, steps=3, checkpoint_every=1, dense_steps=0)
     a = _config(tmp_path)
     first = loop.run_sft(a, progress=False)
     sft = tmp_path / "sft"

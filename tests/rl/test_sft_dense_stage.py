@@ -24,18 +24,15 @@ from rl.checkpoint import Checkpointer
 from rl.train_step import init_train_state, make_optimizer, make_sft_loss
 
 
-def _config(workdir, dense_steps=2):
-    """The smoke config on a cut test model (one DSA layer and its MoE, d_model 32, top-k 8 of
-    rows up to 128 tokens wide: the sparse and dense paths differ), 3 SFT steps."""
-    c = rl_configs.get_config("smoke")
-    c.workdir = str(workdir)
-    c.model.num_layers, c.model.layer_pattern, c.model.d_model = 1, "D", 32
-    c.model.moe.expert_dim, c.model.moe.dense_dim, c.model.mtp.depth = 32, 32, 0
-    c.model.dsa.index_topk = 8
-    c.tasks.update(dict(train_per_family=8, val_per_family=2, test_per_family=2))
-    c.sft.update(dict(steps=3, batch_size=4, indexer_warmup_steps=0, log_every=1,
-                      checkpoint_every=1, dense_steps=dense_steps))
-    return c
+@pytest.fixture
+def _config(cut_sft_config):
+    """make(workdir, dense_steps=2): the cut SFT test config (conftest) with top-k 8 of rows up
+    to 128 tokens wide (the sparse and dense paths differ), 3 SFT steps."""
+    def make(workdir, dense_steps=2):
+        c = cut_sft_config(workdir, steps=3, checkpoint_every=1, dense_steps=dense_steps)
+        c.model.dsa.index_topk = 8
+        return c
+    return make
 
 
 def _ce(model, variables, batch) -> float:
@@ -44,7 +41,7 @@ def _ce(model, variables, batch) -> float:
 
 
 @pytest.mark.slow
-def test_dense_stage_trains_the_dense_model_first_then_the_sparse_one(tmp_path):
+def test_dense_stage_trains_the_dense_model_first_then_the_sparse_one(tmp_path, _config):
     config = _config(tmp_path)
     loop.run_sft(config, progress=False)
     logged = [json.loads(line)["sft/ce"]
@@ -81,7 +78,7 @@ def test_dense_stage_trains_the_dense_model_first_then_the_sparse_one(tmp_path):
     assert "SFT dense stage: the first 2 of 3 steps attend densely" in report
 
 
-def test_dense_stage_rejects_bad_settings(tmp_path):
+def test_dense_stage_rejects_bad_settings(tmp_path, _config):
     cfg = ModelConfig.from_dict(_config(tmp_path).model)
     for bad in (-1, 4, 1.5, True, "2"):
         c = _config(tmp_path, dense_steps=0)

@@ -11,6 +11,7 @@ numbers), the STE gradients themselves (tests/model/test_mxfp4_e2e.py).
 """
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -18,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import rl as rl_configs
 from model.config import ModelConfig
 from model.tokenizer import load_tokenizer
 from model.transformer import Model
@@ -26,17 +26,10 @@ from rl import loop
 from rl.train_step import make_sft_loss
 
 
-def _config(workdir, qat_steps=2):
-    """The smoke config on a cut test model (one KDA layer and its MoE, d_model 32, no MTP:
-    the programs compile in a fraction of the full test model's time), 2 SFT steps."""
-    c = rl_configs.get_config("smoke")
-    c.workdir = str(workdir)
-    c.model.num_layers, c.model.layer_pattern, c.model.d_model = 1, "D", 32
-    c.model.moe.expert_dim, c.model.moe.dense_dim, c.model.mtp.depth = 32, 32, 0
-    c.tasks.update(dict(train_per_family=8, val_per_family=2, test_per_family=2))
-    c.sft.update(dict(steps=2, batch_size=4, indexer_warmup_steps=0, log_every=1,
-                      checkpoint_every=2, qat_steps=qat_steps))
-    return c
+@pytest.fixture
+def _config(cut_sft_config):
+    """make(workdir, qat_steps=2): the cut SFT test config (conftest), 2 SFT steps."""
+    return functools.partial(cut_sft_config, steps=2, checkpoint_every=2, qat_steps=2)
 
 
 def _metrics(path):
@@ -44,7 +37,7 @@ def _metrics(path):
 
 
 @pytest.mark.slow
-def test_qat_phase_runs_after_sft_and_is_what_rl_starts_from(tmp_path):
+def test_qat_phase_runs_after_sft_and_is_what_rl_starts_from(tmp_path, _config):
     config = _config(tmp_path)
     state = loop.run_sft(config, progress=False)
     sft = _metrics(tmp_path / "sft" / "metrics.jsonl")
@@ -86,7 +79,7 @@ def test_qat_phase_runs_after_sft_and_is_what_rl_starts_from(tmp_path):
     assert "SFT QAT phase: 2 steps" in report and "sft/qat/checkpoints" in report
 
 
-def test_qat_phase_rejects_bad_settings(tmp_path):
+def test_qat_phase_rejects_bad_settings(tmp_path, _config):
     for bad in (-1, 2.5, True, "2"):
         c = _config(tmp_path, qat_steps=0)
         del c.sft.qat_steps  # the field is typed int; a hand-written config may hold anything
