@@ -6,6 +6,7 @@ check), the imperfect fraction, and every malformed task folder refused with a m
 
 import os
 import random
+import re
 from collections import Counter
 
 import pytest
@@ -94,6 +95,73 @@ def test_offline_demonstrations_match_real_sessions(pool):
             assert steps[-1].reward == 0.0 and steps[-1].info["status"] == "fail", t.meta["template"]
     finally:
         env.close()
+
+
+def _blind_answers(task):
+    """{rule: final files} of rules that act without reading the pointer or grepping: the last
+    demonstrated command (cp, wc or sed) applied to the first / last random-named file (top
+    level, and in the task's directory), the first / last file of words, the first / last
+    file holding a number; for count_named also every constant count 1..60."""
+    files, last = task.files, task.meta["demo_turns"][-1]["command"]
+    fixed = set(multistep._PTRS) | set(multistep._OUTS) | set(multistep._CFGS)
+    top = sorted(p for p in files if "/" not in p and p not in fixed)
+    inner = sorted(p for p in files if "/" in p)
+    kinds = {"any": top, "dir": inner,
+             "words": [p for p in top if not re.fullmatch(r"\d+\n", files[p])
+                       and ".txt" not in files[p]],
+             "number": [p for p in top if re.fullmatch(r"\d+\n", files[p])]}
+    out = {}
+    for kind, paths in kinds.items():
+        for pos, path in (("first", paths[:1]), ("last", paths[-1:])):
+            if not path:
+                continue
+            cmd = (re.sub(r"^cp \S+", f"cp {path[0]}", last) if last.startswith("cp ") else
+                   re.sub(r"< \S+", f"< {path[0]}", last) if last.startswith("wc ") else
+                   re.sub(r"=(\d+)/'", f"={files[path[0]].strip()}/'", last)
+                   if kind == "number" else None)
+            if cmd is not None:
+                out[f"{kind}-{pos}"] = multistep.simulate(files, [cmd])[1]
+    if task.meta["template"] == "count_named":
+        target = task.meta["params"]["target"]
+        out.update({f"count-{k}": {**files, target: f"{k}\n"} for k in range(1, 61)})
+    return out
+
+
+def test_blind_rules_pass_few_tasks_of_any_template():
+    """A policy that never reads what the task points to (always copies the first file, always
+    writes the same count, ...) passes at most 15% of any template's tasks (the decoys and the
+    count range in multistep.py; before them up to 50%), while the demonstrations pass all."""
+    tasks = multistep.make_split("train", 720, seed=2)
+    wins, seen = Counter(), Counter()
+    for t in tasks:
+        seen[t.meta["template"]] += 1
+        for rule, final in _blind_answers(t).items():
+            wins[t.meta["template"], rule] += multistep.passes(t, final)
+    assert min(seen.values()) >= 60 and len(seen) == 8
+    rates = {k: n / seen[k[0]] for k, n in wins.items()}
+    worst = max(rates, key=rates.get)
+    assert rates[worst] <= 0.15, (worst, rates[worst])
+    assert sum(1 for k in rates if k[1].startswith("count-")) == 60  # the rules did run
+    assert any(r > 0 for r in rates.values())  # and can win (the decoys are not the answer)
+
+
+def test_a_blind_episode_fails_in_a_real_session(pool):
+    """The first rule above as a shell command in real sessions, on count_named and copy_named
+    tasks: `wc -l`/`cp` of the alphabetically first 4-letter file, never reading the pointer."""
+    tasks = [t for t in multistep.make_split("test", 90, seed=4, difficulty=1)
+             if t.meta["template"] in ("count_named", "copy_named")][:24]
+    env = SessionEnv(tasks, executor=pool)
+    first = "$(ls | grep -E '^[a-z2-9]{4}[.]txt$' | grep -vxE 'note|hint|todo|memo|next|info|lead|clue' | head -1)"
+    try:
+        rewards = []
+        for i, t in enumerate(tasks):
+            out = t.meta["params"]["target"]
+            cmd = (f"wc -l < {first} > {out}" if t.meta["template"] == "count_named"
+                   else f"cp {first} {out}")
+            rewards.append(play(env, i, [format_tool_call("bash", {"command": cmd})])[-1].reward)
+    finally:
+        env.close()
+    assert len(tasks) == 24 and sum(rewards) <= 3, rewards
 
 
 def _folder(tmp_path, files: dict[str, str | bytes]):

@@ -26,8 +26,11 @@ from sandbox.verifiers import (
 
 # sha256[:16] of [[task.to_dict(), demo], ...] for make_split(domain, "val", 6, seed=0), taken
 # from the code before the domains were split into files: a change here changes every dataset.
+# multistep re-pinned when its tasks got decoy files (multistep.DECOYS) and a wider count range:
+# what the model sees (prompts, demonstration turns, splits) is pinned apart and did not change.
 PINNED = {"arithmetic": "971f2905d3c1e83b", "code": "3f5a1b35c07eb9c2",
-          "terminal": "31e8e5875caba67a", "multistep": "4ee5d2de9b07c52f"}
+          "terminal": "31e8e5875caba67a", "multistep": "7c5db6f64472e33a"}
+PINNED_MULTISTEP_SEEN = "6fce16d96f18ba8c"  # [[prompt, demo_turns, split], ...] of the same tasks
 PINNED_SFT = "42b2c8fa0a55197c"  # sft_examples(make_mixture(one-shot, "train", 4, 1), 0.5, 2)
 
 
@@ -39,6 +42,9 @@ def test_generated_tasks_are_the_same_bytes_as_before():
     assert generated_domains() == sorted(PINNED)
     got = {f: _digest([[t.to_dict(), d] for t, d in make_split(f, "val", 6, 0)]) for f in PINNED}
     assert got == PINNED
+    seen = [[t.prompt, t.meta["demo_turns"], t.meta["split"]]
+            for t, _ in make_split("multistep", "val", 6, 0)]
+    assert _digest(seen) == PINNED_MULTISTEP_SEEN
     one_shot = [f for f in generated_domains() if not is_multi_turn(f)]
     mix = make_mixture(one_shot, "train", 4, 1)
     rows = sft.sft_examples(mix, 0.5, 2)

@@ -32,8 +32,10 @@ are the random names, visible only in files):
     find_set     "One file in {d}/ contains {w} and a file name; that file has a number. Set
                  {key}= in {cfg} to it."               grep -l ...; cat {d}/X; cat Y; sed -i ...
 
-Every task has decoy files with random names (and numbers), so copying "some" file, the first
-file or the pointer itself fails. Sizes fit a byte-level model of about 1M parameters: prompts
+Every task has decoy files with random names (and numbers): DECOYS more of each kind beside the
+template's own, so a rule that never reads the pointer (copy the first file, the only file of
+words, write a constant count) passes at most 15% of any template's tasks (it passed 30-60%
+with the template's two or three files alone; see DECOYS), and copying the pointer fails. Sizes fit a byte-level model of about 1M parameters: prompts
 under 110 bytes (MAX_PROMPT_BYTES = 200 is the bound tested), commands under 48 bytes, each
 observation's stdout under 40 bytes (MAX_OBSERVATION_BYTES = 100).
 
@@ -194,6 +196,12 @@ def _t_count_named(rng):
     pool = [w for w in _WORDS]
     files = {ptr: x + "\n", x: "".join(rng.choice(pool) + "\n" for _ in range(n)),
              d1: "".join(rng.choice(pool) + "\n" for _ in range(m))}
+    # The counted file's length: one of COUNT_LINES, drawn from a second rng seeded by the
+    # names (the draws above stay, so every later task's draw is what it was). Drawn from 2..6,
+    # as first written, the constant answer 4 passed a fifth of these tasks without reading.
+    side = random.Random(task_hash(FAMILY, "count", x, d1))
+    n = side.choice(COUNT_LINES)
+    files[x] = "".join(side.choice(pool) + "\n" for _ in range(n))
     return ((ptr, out), f"{ptr} names a file. Write its line count to {out}.", files,
             [f"cat {ptr}", f"wc -l < {x} > {out}"], {"target": out, "want": [str(n)]},
             [[f"cat {ptr}", f"wc -l < {d1} > {out}"], [f"wc -l < {ptr} > {out}"]])
@@ -307,6 +315,55 @@ def _t_find_set(rng):
              head + [f"cat {y}", wrong_sed[1]], head + [f"cat {y}", wrong_sed[0]]])
 
 
+# Blind guessing. A task's answer is one of its files (its content, its line count, its number),
+# so a rule that never reads the pointer still passes when it happens to pick that file: as first
+# written (two or three random-named files per task), "copy the first random-named file" passed a
+# third of copy_named, "copy the one file of words" half of two_hops, "set the number of the first
+# number file" half of set_key. Each task therefore gets DECOYS more files of every kind it has
+# (files of words; files holding one number) beside its random-named files and in its directory,
+# none equal to the answer, none holding a find template's word or a file name, drawn from a
+# second rng seeded by the task's own draw (so prompts, demonstrations and splits are unchanged:
+# no demonstrated command lists a directory). tests/sandbox/test_multistep_tasks.py plays such
+# rules: none passes more than 15% of any template's tasks.
+DECOYS = 12
+COUNT_LINES = range(7, 50)  # count_named: every decoy and the other file have 1-6 lines
+
+
+def _with_decoys(files: dict[str, str], visible, name: str) -> dict[str, str]:
+    """`files` plus DECOYS files of words beside the random-named files (top level) and in each
+    directory, and DECOYS one-number files at the top level when the task has number files."""
+    side = random.Random(task_hash(FAMILY, "decoys", name, files))
+    word = next((v for v in visible if v in _WORDS), None)  # a find template's grep word
+    taken, contents = set(files), set(files.values())
+    number_files = [c for c in files.values() if re.fullmatch(r"\d+\n", c)]
+    out = dict(files)
+
+    def fresh_names(k, prefix=""):
+        names = []
+        while len(names) < k:
+            n = prefix + _names(side, 1)[0]
+            if n not in taken:
+                taken.add(n)
+                names.append(n)
+        return names
+
+    def add(paths, make):
+        for p in paths:
+            c = make()
+            while c in contents:
+                c = make()
+            contents.add(c)
+            out[p] = c
+
+    dirs = sorted({p.rsplit("/", 1)[0] for p in files if "/" in p})
+    add(fresh_names(DECOYS), lambda: _words(side, word))
+    for d in dirs:
+        add(fresh_names(DECOYS, d + "/"), lambda: _words(side, word))
+    if number_files:
+        add(fresh_names(DECOYS), lambda: f"{side.randint(10, 99)}\n")
+    return out
+
+
 TEMPLATES: dict[int, list[Callable]] = {
     1: [_t_copy_named, _t_count_named, _t_find_word],
     2: [_t_two_hops, _t_set_key, _t_find_named],
@@ -321,6 +378,7 @@ def sample(rng: random.Random, difficulty: int) -> Task:
     tt = rng.choice(TEMPLATES[difficulty])
     visible, prompt, files, demo, params, wrong = tt(rng)
     name = tt.__name__[3:]
+    files = _with_decoys(files, visible, name)
     turns, final = simulate(files, demo)
     key = (name, list(visible))
     split = split_of(FAMILY, key)
