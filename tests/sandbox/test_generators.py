@@ -5,6 +5,7 @@ limits hold, difficulty matters."""
 import ast
 import json
 import random
+from collections import Counter
 
 import pytest
 
@@ -74,6 +75,25 @@ def test_arithmetic_checks_numbers_operators_and_target(verifier):
     pend = [verifier.submit(task, c) for c in good + bad]
     scores = [p.result()[0] for p in pend]
     assert scores == [1.0] * len(good) + [0.0] * len(bad), list(zip(good + bad, scores))
+
+
+def test_no_constant_arithmetic_rule_is_paid_often():
+    """Level 1 (two numbers, the demo's arithmetic): adding, subtracting the smaller or
+    multiplying without reading the target each solve at most 40% of the test and train tasks
+    (one op is right for about a third; before the operator was drawn first, adding solved 58.5%
+    of the test split), while every demonstration solves its task."""
+    for split, n in (("test", 200), ("train", 1500)):
+        tasks = make_split("arithmetic", split, n, 1234, difficulty=1)
+        wins = Counter()
+        for t, demo in tasks:
+            nums, target = t.meta["params"]["numbers"], t.meta["params"]["target"]
+            assert countdown_ok(demo, nums, target)
+            a, b = nums
+            for rule, text in (("add", f"{a}+{b}"), ("multiply", f"{a}*{b}"),
+                               ("subtract", f"{max(a, b)}-{min(a, b)}")):
+                wins[rule] += countdown_ok(text, nums, target)
+        rates = {r: w / n for r, w in wins.items()}
+        assert max(rates.values()) <= 0.40 and min(rates.values()) >= 0.2, (split, rates)
 
 
 def test_terminal_check_reads_the_produced_file(verifier):

@@ -4,7 +4,11 @@ Scoring method `answer_check` (sandbox/verifiers.py): the completion is written 
 a Python check in the sandbox parses it with `ast` (only integer literals, + - * and
 parentheses), requires the multiset of literals to equal the given numbers (each used exactly
 once) and the value to equal the target. Difficulty d uses d+1 numbers (2..4). Targets come from
-a random expression over the numbers, so every task is solvable.
+a random expression over the numbers, so every task is solvable. With two numbers (level 1) the
+operator is drawn first, a third each, and products go up to _PRODUCT_MAX (sums and differences
+to 200): drawn as for more numbers, 58.5% of the level-1 test tasks were sums, so always adding
+was paid more often than the demo's SFT model earned (47.5%); now each constant rule is paid on
+about a third (_two_numbers).
 
 Canonical key (the split, sandbox/tasks/splits.py): the sorted numbers and the target.
 Corruptions: a wrong operator, a number off by one, swapped operands of a minus, or the
@@ -63,6 +67,7 @@ countdown_ok: Callable[[str, Sequence[int], int], bool] = _ns["countdown_ok"]
 # enough for a 3000-task train split; it is what a byte-level model of ~1M params partly learns.
 _ARITH_RANGES = {1: (2, 1, 70), 2: (3, 1, 12), 3: (4, 1, 9)}
 _ARITH_TARGET = (1, 200)
+_PRODUCT_MAX = 999  # level 1 products (two numbers): distinct ones enough for a third of a split
 _PREC = {"+": 1, "-": 1, "*": 2}
 _AST_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}
 
@@ -96,6 +101,23 @@ def _random_tree(rng: random.Random, nums: list[int]) -> Tree:
         return nums[0]
     i = rng.randrange(1, len(nums))
     return (rng.choice("+-*"), _random_tree(rng, nums[:i]), _random_tree(rng, nums[i:]))
+
+
+def _two_numbers(rng: random.Random, lo: int, hi: int) -> Tree:
+    """A two-number tree whose operator is drawn first (+, - or *, a third each), then numbers in
+    [lo, hi] for which it gives a target in _ARITH_TARGET (a product: up to _PRODUCT_MAX).
+    Drawing the numbers first and an operator at random (as for more numbers) kept the target in range mostly for +: 58.5% of
+    the level-1 test tasks were solved by adding the two numbers, without reading the target,
+    more than the demo's SFT checkpoint solved (47.5%). With products up to _PRODUCT_MAX (enough
+    distinct ones for a third of a split; at 200 they were a sixth of the test split) each
+    constant rule (add, subtract the smaller, multiply) solves 26-37% of the test and train
+    splits (tests/sandbox/test_generators.py)."""
+    op = rng.choice("+-*")
+    while True:
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        t = (op, max(a, b), min(a, b)) if op == "-" else (op, a, b)
+        if _ARITH_TARGET[0] <= _tree_value(t) <= (_PRODUCT_MAX if op == "*" else _ARITH_TARGET[1]):
+            return t
 
 
 def _parse_tree(s: str) -> Tree | None:
@@ -133,10 +155,14 @@ class ArithmeticDomain(OneShotDomain):
 
     def _draw(self, rng, difficulty):
         count, lo, hi = _ARITH_RANGES[difficulty]
-        nums = [rng.randint(lo, hi) for _ in range(count)]
-        tree = _random_tree(rng, nums)
+        if count == 2:  # the operator first, each a third of the tasks (_two_numbers)
+            tree = _two_numbers(rng, lo, hi)
+            nums = [tree[1], tree[2]]
+        else:
+            nums = [rng.randint(lo, hi) for _ in range(count)]
+            tree = _random_tree(rng, nums)
         target = _tree_value(tree)
-        if not _ARITH_TARGET[0] <= target <= _ARITH_TARGET[1]:
+        if count != 2 and not _ARITH_TARGET[0] <= target <= _ARITH_TARGET[1]:
             return None
         return self.build(nums, target, _render(tree), difficulty)
 
