@@ -96,6 +96,25 @@ def test_no_constant_arithmetic_rule_is_paid_often():
         assert max(rates.values()) <= 0.40 and min(rates.values()) >= 0.2, (split, rates)
 
 
+def test_no_constant_terminal_count_is_paid_often():
+    """One-shot terminal tasks whose answer is a count (wc -l, grep -c, distinct lines): the
+    most common answer of each template is right on at most 12% of its tasks (it was 21-24%
+    when their files had 4-9 lines)."""
+    from sandbox.tasks.domains import terminal
+
+    answers, n = {}, Counter()
+    for t, _ in make_split("terminal", "train", 1500, 1234):
+        p, name = t.meta["params"], t.meta["template"]
+        if name in ("count", "grep_c", "distinct"):
+            n[name] += 1
+            want = terminal._run_pipeline([tuple(o) for o in p["ops"]], t.files[p["file"]],
+                                          p["file"])
+            answers.setdefault(name, Counter())[tuple(want)] += 1
+    assert set(n) == {"count", "grep_c", "distinct"} and min(n.values()) >= 60, n
+    for name, c in answers.items():
+        assert c.most_common(1)[0][1] / n[name] <= 0.12, (name, c.most_common(3), n[name])
+
+
 def test_terminal_check_reads_the_produced_file(verifier):
     t, demo = make_split("terminal", "train", 1, seed=5, difficulty=1)[0]
     no_file = demo.removesuffix(" > out.txt")  # right output, but on stdout

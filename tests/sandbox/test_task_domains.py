@@ -29,9 +29,10 @@ from sandbox.verifiers import (
 # multistep re-pinned when its tasks got decoy files (multistep.DECOYS) and a wider count range:
 # what the model sees (prompts, demonstration turns, splits) is pinned apart and did not change.
 # arithmetic re-pinned when level 1 drew its operator first (arithmetic._two_numbers), and
-# PINNED_SFT with it (its mixture holds level-1 arithmetic).
+# PINNED_SFT with it (its mixture holds level-1 arithmetic); terminal when its count templates'
+# files got 4-40 lines (terminal._COUNT_LINES).
 PINNED = {"arithmetic": "5e88246f1a349e9e", "code": "3f5a1b35c07eb9c2",
-          "terminal": "31e8e5875caba67a", "multistep": "7c5db6f64472e33a"}
+          "terminal": "4df38d3059cbeda8", "multistep": "7c5db6f64472e33a"}
 PINNED_MULTISTEP_SEEN = "6fce16d96f18ba8c"  # [[prompt, demo_turns, split], ...] of the same tasks
 PINNED_SFT = "a1212f7489f5558b"  # sft_examples(make_mixture(one-shot, "train", 4, 1), 0.5, 2)
 
