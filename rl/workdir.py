@@ -20,7 +20,8 @@ optimizer's numerics fields (rl.loop.optim_numerics); RL depends on everything S
 starts from SFT's weights, unless both configs have rl.init_from="scratch".
 
 Covered: tests/rl/test_resume_config.py. Not covered: checkpoints written before config.json was
-recorded (resumed with a warning), and a workdir edited by hand.
+recorded (resumed with a warning), a workdir edited by hand, and code changes under the same
+config (a task generator's new draw, another objective): the record holds the config only.
 """
 
 from __future__ import annotations
