@@ -5,8 +5,10 @@ editable into .venv); they do not patch sys.path. `import _common` works because
 running script's directory (scripts/) first on the path.
 """
 
+import contextlib
 import logging
 import os
+import sys
 
 from model._xla_env import configure_xla_env
 
@@ -39,3 +41,17 @@ def define_dry_run():
     return flags.DEFINE_bool(
         "dry_run", False, "only validate the config and flags (model, algorithm, task families, "
         "mesh and batch splits for this host's devices), print what would run, and exit")
+
+
+@contextlib.contextmanager
+def stop_on_workdir_mismatch():
+    """A workdir that holds another config's checkpoints (rl.workdir.ResumeConfigError) ends the
+    script with its message on stderr and exit code 2, not a traceback: it is the user's input,
+    and the message names the differing fields and the ways out."""
+    from rl.workdir import ResumeConfigError
+
+    try:
+        yield
+    except ResumeConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

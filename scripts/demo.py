@@ -123,8 +123,9 @@ def main(_):
 
     config = _CONFIG.value
     if _RESUME.value:  # both phases' checkpoints must be this config's before anything runs
-        check_resumable(config, "sft")
-        check_resumable(config, "rl")
+        with _common.stop_on_workdir_mismatch():
+            check_resumable(config, "sft")
+            check_resumable(config, "rl")
     os.makedirs(config.workdir, exist_ok=True)
     t0 = time.time()
     print(f"[demo] workdir {config.workdir}: SFT {config.sft.steps} steps, RL "

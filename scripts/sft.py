@@ -47,7 +47,8 @@ def main(_):
     _common.setup_jax()
     from rl.loop import run_sft
 
-    state = run_sft(_CONFIG.value, resume=_RESUME.value)
+    with _common.stop_on_workdir_mismatch():
+        state = run_sft(_CONFIG.value, resume=_RESUME.value)
     print(f"SFT done: step {int(state.step)}, checkpoints in {_CONFIG.value.workdir}/sft")
 
 

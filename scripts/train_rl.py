@@ -47,7 +47,8 @@ def main(_):
     from rl.checkpoint import tree_digest
     from rl.loop import run_rl
 
-    state = run_rl(_CONFIG.value, resume=_RESUME.value)
+    with _common.stop_on_workdir_mismatch():
+        state = run_rl(_CONFIG.value, resume=_RESUME.value)
     digest = tree_digest(state.params)
     bad = shd.replica_mismatches(state.params)
     print(f"process {jax.process_index()}/{jax.process_count()}: params digest {digest}; "

@@ -143,3 +143,28 @@ def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path
     with pytest.raises(ResumeConfigError, match=r"(?s)rl holds checkpoints.*rl.algo.kl_coef"):
         loop.run_rl(d, progress=False)
     check_resumable(b, "rl")  # the config that wrote them resumes
+
+
+def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
+    """scripts/sft.py on a workdir holding another config's SFT checkpoint: exit code 2, the
+    differing field and the ways out on stderr, no traceback, nothing trained or moved."""
+    import os
+    import subprocess
+    import sys
+
+    smoke = rl_configs.get_config("smoke")
+    smoke.workdir = str(tmp_path)
+    MetricsWriter(str(tmp_path / "sft"), tensorboard=False, config=smoke).close()
+    ck = Checkpointer(str(tmp_path / "sft" / "checkpoints"), keep=1)
+    ck.save(30, {"w": np.zeros(3, np.float32)}, rng=None, force=True)
+    ck.wait()
+    ck.close()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "scripts/sft.py", "--config", "configs/rl.py:smoke",
+                        f"--config.workdir={tmp_path}", "--config.sft.lr=0.5"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "sft.lr: 0.003 -> 0.5" in r.stderr and "--noresume" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]
+    assert _steps(tmp_path / "sft") == [30]
