@@ -409,6 +409,13 @@ def _committed_steps(root: epath.Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
 
 
+def latest_committed_step(directory) -> int | None:
+    """The newest committed step under a Checkpointer directory (a path or URI), read without
+    opening a manager (nothing is created, cleaned or waited for); None when there is none."""
+    steps = _committed_steps(_path(directory))
+    return steps[-1] if steps else None
+
+
 def _reason(e: BaseException) -> str:
     """One line: the error and, when chained, its root cause (tensorstore's status message)."""
 

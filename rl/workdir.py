@@ -32,6 +32,8 @@ import logging
 import os
 import shutil
 
+from rl.checkpoint import latest_committed_step
+
 log = logging.getLogger(__name__)
 
 _EVERY_PHASE = ("name", "workdir", "eval", "sandbox", "sharding", "tasks.val_per_family",
@@ -105,15 +107,6 @@ def phase_diff(old, new, phase: str) -> list[tuple[str, object, object]]:
     return [d for d in diff if not _under(d[0], ignored) or _under(d[0], kept)]
 
 
-def _latest_step(checkpoints: str) -> int | None:
-    """The newest committed step under a Checkpointer directory, read without opening one."""
-    if not os.path.isdir(checkpoints):
-        return None
-    steps = [int(p) for p in os.listdir(checkpoints)
-             if p.isdigit() and os.path.isdir(os.path.join(checkpoints, p))]
-    return max(steps) if steps else None
-
-
 def check_resumable(config, phase: str, *, flag: str = "--noresume") -> None:
     """Raise ResumeConfigError if a stage directory of `phase` ("sft": workdir/sft and its
     indexer_warmup/ and qat/ stages; "rl": workdir/rl) holds checkpoints of a run whose recorded
@@ -123,7 +116,7 @@ def check_resumable(config, phase: str, *, flag: str = "--noresume") -> None:
         if sub.split(os.sep)[0] != phase:
             continue
         root = os.path.join(config.workdir, sub)
-        step = _latest_step(os.path.join(root, "checkpoints"))
+        step = latest_committed_step(os.path.join(root, "checkpoints"))
         if step is None:
             continue
         record = os.path.join(root, "config.json")

@@ -106,9 +106,9 @@ def _random_tree(rng: random.Random, nums: list[int]) -> Tree:
 def _two_numbers(rng: random.Random, lo: int, hi: int) -> Tree:
     """A two-number tree whose operator is drawn first (+, - or *, a third each), then numbers in
     [lo, hi] for which it gives a target in _ARITH_TARGET (a product: up to _PRODUCT_MAX).
-    Drawing the numbers first and an operator at random (as for more numbers) kept the target in range mostly for +: 58.5% of
-    the level-1 test tasks were solved by adding the two numbers, without reading the target,
-    more than the demo's SFT checkpoint solved (47.5%). With products up to _PRODUCT_MAX (enough
+    Drawing the numbers first and an operator at random (as for more numbers) kept the target
+    in range mostly for +: 58.5% of the level-1 test tasks were solved by adding the two
+    numbers, without reading the target, more than the demo's SFT checkpoint solved (47.5%). With products up to _PRODUCT_MAX (enough
     distinct ones for a third of a split; at 200 they were a sixth of the test split) each
     constant rule (add, subtract the smaller, multiply) solves 26-37% of the test and train
     splits (tests/sandbox/test_generators.py)."""
@@ -116,7 +116,8 @@ def _two_numbers(rng: random.Random, lo: int, hi: int) -> Tree:
     while True:
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         t = (op, max(a, b), min(a, b)) if op == "-" else (op, a, b)
-        if _ARITH_TARGET[0] <= _tree_value(t) <= (_PRODUCT_MAX if op == "*" else _ARITH_TARGET[1]):
+        top = _PRODUCT_MAX if op == "*" else _ARITH_TARGET[1]
+        if _ARITH_TARGET[0] <= _tree_value(t) <= top:
             return t
 
 

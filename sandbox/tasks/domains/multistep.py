@@ -35,9 +35,10 @@ are the random names, visible only in files):
 Every task has decoy files with random names (and numbers): DECOYS more of each kind beside the
 template's own, so a rule that never reads the pointer (copy the first file, the only file of
 words, write a constant count) passes at most 15% of any template's tasks (it passed 30-60%
-with the template's two or three files alone; see DECOYS), and copying the pointer fails. Sizes fit a byte-level model of about 1M parameters: prompts
-under 110 bytes (MAX_PROMPT_BYTES = 200 is the bound tested), commands under 48 bytes, each
-observation's stdout under 40 bytes (MAX_OBSERVATION_BYTES = 100).
+with the template's two or three files alone; see DECOYS), and copying the pointer fails.
+Sizes fit a byte-level model of about 1M parameters: prompts under 110 bytes (MAX_PROMPT_BYTES
+= 200 is the bound tested), commands under 48 bytes, each observation's stdout under 40 bytes
+(MAX_OBSERVATION_BYTES = 100).
 
 The check (python, run isolated on the session's final state, sandbox/session.py) compares the
 target file's lines (trailing whitespace and trailing empty lines ignored) with the expected
