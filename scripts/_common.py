@@ -43,6 +43,20 @@ def define_dry_run():
         "mesh and batch splits for this host's devices), print what would run, and exit")
 
 
+def stop_on_bad_config(config, phases) -> None:
+    """Before anything runs: rl.loop.validate_run_config (what --dry_run prints), and a config it
+    rejects (ValueError: a field out of range, an unknown name, a batch that does not split)
+    ends the script with the message on stderr and exit code 2, not a traceback. Call after
+    setup_jax (on several hosts the device count needs jax.distributed)."""
+    from rl.loop import validate_run_config
+
+    try:
+        validate_run_config(config, phases=tuple(phases))
+    except ValueError as e:
+        print(f"error: the config is rejected before anything ran: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 @contextlib.contextmanager
 def stop_on_workdir_mismatch():
     """A workdir that holds another config's checkpoints (rl.workdir.ResumeConfigError) ends the

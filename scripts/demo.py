@@ -100,6 +100,7 @@ def main(_):
         print(validate_run_config(_CONFIG.value, phases=('sft', 'rl')))
         return
     _common.setup_jax()
+    _common.stop_on_bad_config(_CONFIG.value, ('sft', 'rl'))
     import functools
 
     import jax

@@ -45,6 +45,7 @@ def main(_):
         print(check_run_config(_CONFIG.value, _CHECK.value, phase="sft"))
         return
     _common.setup_jax()
+    _common.stop_on_bad_config(_CONFIG.value, ('sft',))
     from rl.loop import run_sft
 
     with _common.stop_on_workdir_mismatch():

@@ -41,6 +41,7 @@ def main(_):
         print(check_run_config(_CONFIG.value, _CHECK.value, phase="rl"))
         return
     _common.setup_jax()
+    _common.stop_on_bad_config(_CONFIG.value, ('rl',))
     import jax
 
     from model import sharding as shd

@@ -168,3 +168,19 @@ def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
     assert "Traceback" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]
     assert _steps(tmp_path / "sft") == [30]
+
+
+def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
+    """A field rl.loop.validate_run_config rejects (here rl.oversample=0): exit code 2, the
+    message on stderr, no traceback, nothing written to the workdir."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
+                        f"--config.workdir={tmp_path / 'w'}", "--config.rl.oversample=0"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rl.oversample must be an int >= 1" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "w").exists()
