@@ -136,6 +136,11 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # rollouts: share_prefix prefills each prompt once for its group (rl.sampler: same tokens,
     # ~2x faster generation on the demo shapes); rollout_slots R > 0 decodes the batch in R
     # slots, a finished row's slot taking the next queued row (row refill; 0 = all at once)
+    # oversample k > 1: DAPO's dynamic sampling with refill (rl/pipeline.py:select_groups):
+    # each update draws k batches' prompts, generates and scores all of them (k rollout calls of
+    # the usual shape) and trains on one batch of groups, those whose rewards differ first;
+    # logs informative_frac (of drawn groups) and kept_informative_frac
+    c.rl.oversample = 1
     c.rl.share_prefix = True
     c.rl.rollout_slots = 0
     # precompile: the update's programs (train step per row width, rollout-time forward,

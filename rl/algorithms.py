@@ -108,6 +108,9 @@ class AlgoConfig:
       vf_clip: PPO value clip (absolute), or None.
     DAPO
       dynamic_sampling: drop groups whose raw rewards are all equal (prepare_advantages' keep).
+        The refill half of DAPO's dynamic sampling (drawing more prompts so that the batch
+        holds groups that carry a signal) is a run setting: rl.oversample (configs/rl.py,
+        rl/pipeline.py:select_groups).
       overlong_shaping: add overlong_penalty(length; max_len, overlong_cache_len) to the reward.
       overlong_cache_len: the soft window in tokens (DAPO used 4096 of 20480); required by
         overlong_shaping, otherwise unused (like max_len, a run parameter any preset accepts).

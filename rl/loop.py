@@ -74,6 +74,7 @@ from rl.checkpoint import Checkpointer
 from rl.critic import CriticConfig, critic_optim_config, init_value_params
 from rl.metrics import MetricsWriter
 from rl.pipeline import (
+    PendingSelection,
     RolloutWorker,
     ScoredGroup,
     build_train_batch,
@@ -537,6 +538,7 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
         num_devices = (math.prod(d.values()) if d and -1 not in d.values()
                        else jax.device_count())
     algo = algo_from_config(config.rl.algo)
+    oversample = rl_oversample(config.rl) if "rl" in phases else 1
     fams, sft_fams = task_families(config), sft_families(config)
     lines = [check_run_config(config, num_devices, phase=p) for p in phases]
     if "sft" in phases and (dense := sft_dense_steps(config, model_config(config))):
@@ -554,6 +556,9 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
                  f"{algo.kl_coef} in the {algo.kl_placement}; tasks {', '.join(fams)}"
                  + (f" (SFT: {', '.join(sft_fams)})" if sft_fams != fams else "")
                  + f"; workdir {config.workdir}")
+    if oversample > 1:
+        lines.append(f"  dynamic sampling: {oversample} batches' prompts drawn per update, one "
+                     "batch of groups trained (informative groups first)")
     return "\n".join(lines)
 
 
@@ -909,17 +914,28 @@ class _Launcher:
     exactly the pending (lookahead) batch (bit-exact when rl.overlap_scoring=False; with overlap
     the lookahead batch was generated one update earlier than on resume)."""
 
-    def __init__(self, worker, data, mine, to_sampler):
+    def __init__(self, worker, data, mine, to_sampler, *, batch: int, oversample: int = 1):
         self._worker, self._data, self._mine, self._to_sampler = worker, data, mine, to_sampler
+        self._batch, self._oversample = batch, oversample
         self.rng = self._pos = None  # the launch point (set by launch)
 
     def launch(self, rng, state):
-        """-> (the next rng, the pending rollout group of the next prompt batch)."""
+        """-> (the next rng, the pending rollout group of the next prompt batch). With
+        oversample k the data batch holds k global prompt batches: each is generated as one
+        (the same compiled shapes) and the scored groups go through rl.pipeline.select_groups,
+        which keeps one batch's worth (this process's share), informative groups first."""
         self.rng, self._pos = rng, self._data.get_state()
-        rng, sub = jax.random.split(rng)
-        return rng, self._worker.start(self._to_sampler(state.variables),
-                                       next(self._data)[self._mine], sub,
-                                       version=int(state.step))
+        tasks, variables = next(self._data), self._to_sampler(state.variables)
+        if self._oversample == 1:
+            rng, sub = jax.random.split(rng)
+            return rng, self._worker.start(variables, tasks[self._mine], sub,
+                                           version=int(state.step))
+        pendings = []
+        for i in range(self._oversample):
+            rng, sub = jax.random.split(rng)
+            part = tasks[i * self._batch:(i + 1) * self._batch][self._mine]
+            pendings.append(self._worker.start(variables, part, sub, version=int(state.step)))
+        return rng, PendingSelection(pendings, len(tasks[:self._batch][self._mine]))
 
     def position(self) -> _Position:
         """The data iterator as the checkpoint should save it: at the latest launch point."""
@@ -1049,6 +1065,16 @@ def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
     return future
 
 
+def rl_oversample(r) -> int:
+    """rl.oversample (config.rl), checked: an int >= 1."""
+    k = r.get("oversample", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"rl.oversample must be an int >= 1 (1 = train on every drawn group; k: "
+                         f"draw k batches' prompts, keep one batch, informative groups first), "
+                         f"got {k!r}")
+    return k
+
+
 def _timing_metrics(group, train_s: float, iteration_s: float) -> dict:
     """The iteration's time split (generate / score-wait / score / train / whole) and the
     fraction of scoring time hidden behind generation."""
@@ -1092,8 +1118,9 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     val_tasks = _balanced([t for t, _ in splits["val"]], e.val_tasks)
     # one-shot and multi-turn tasks in separate batches (each trains at its own row width)
     from rl.agent import is_agent_task
-    data = iter(task_dataset(train_tasks, seed=config.seed, batch_size=r.prompts_per_batch,
-                             group_by=is_agent_task))
+    oversample = rl_oversample(r)  # draw this many batches' prompts, train on one batch
+    data = iter(task_dataset(train_tasks, seed=config.seed,
+                             batch_size=r.prompts_per_batch * oversample, group_by=is_agent_task))
 
     # the policy's train state (with a critic: the value head) from the initial weights, or the
     # latest checkpoint; the frozen reference policy is the initial weights in their own buffers
@@ -1121,7 +1148,8 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     eval_worker = make_rollout_worker(r, sample_model, tok, eval_sampling(e, sampling), verifier,
                                       pool, group_size=1, tasks=val_tasks, **on_mesh)
     launcher = _Launcher(worker, data, host_prompt_slice(r.prompts_per_batch, r.group_size,
-                                                         mesh, rules), to_sampler)
+                                                         mesh, rules), to_sampler,
+                         batch=r.prompts_per_batch, oversample=oversample)
 
     # training: the rollout-time forward and the update, both jit programs on the mesh
     old_src = old_logp_source(r, algo)
@@ -1164,6 +1192,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
             rng, nxt = launcher.launch(rng, state)
         pending = nxt
         met.update(_timing_metrics(group, train_s, time.perf_counter() - t_iter))
+        met.update(group.selection)  # rl.oversample > 1: groups drawn, informative fractions
         if _due(step, r.log_every, r.steps):
             met = shd.reduce_host_metrics(met)  # host-side values over every process's rows
             if writer is not None:

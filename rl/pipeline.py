@@ -131,11 +131,115 @@ class ScoredGroup:
     target_mask: np.ndarray | None = None
     overlap_s: float = 0.0  # agent rollouts: generation time with sandbox commands in flight
     prefill_tokens: int = 0  # agent rollouts: context positions the turns prefilled (padded)
+    selection: dict = dataclasses.field(default_factory=dict)  # select_groups' counts
 
     def model_tokens(self) -> np.ndarray:
         """[N] tokens the model generated per row."""
         m = self.completion_mask if self.target_mask is None else self.target_mask
         return m.sum(1)
+
+
+def informative_groups(group: ScoredGroup) -> np.ndarray:
+    """[number of groups] bool: the group's rewards differ (a group-relative advantage is
+    non-zero somewhere in it) and none of its rows failed scoring. Groups are the runs of equal
+    group_ids, in order."""
+    ids = np.asarray(group.group_ids)
+    out = []
+    for g in dict.fromkeys(ids.tolist()):
+        rows = ids == g
+        r = np.asarray(group.rewards)[rows]
+        out.append(bool(r.max() > r.min()) and not bool(np.asarray(group.failed)[rows].any()))
+    return np.asarray(out, bool)
+
+
+def _take_groups(group: ScoredGroup, keep: list[int]) -> ScoredGroup:
+    """The rows of the groups numbered `keep` (positions in group order), renumbered 0.."""
+    ids = np.asarray(group.group_ids)
+    order = list(dict.fromkeys(ids.tolist()))
+    rows = np.concatenate([np.flatnonzero(ids == order[k]) for k in keep])
+    new_ids = np.concatenate([np.full(int((ids == order[k]).sum()), i)
+                              for i, k in enumerate(keep)])
+    arr = lambda x: None if x is None else np.asarray(x)[rows]
+    lst = lambda x: [x[i] for i in rows] if len(x) else x
+    return dataclasses.replace(
+        group, tasks=lst(group.tasks), group_ids=new_ids, prompts=arr(group.prompts),
+        prompt_lengths=arr(group.prompt_lengths), completions=arr(group.completions),
+        completion_mask=arr(group.completion_mask), sampler_logp=arr(group.sampler_logp),
+        texts=lst(group.texts), rewards=arr(group.rewards), failed=arr(group.failed),
+        details=lst(group.details), target_mask=arr(group.target_mask),
+        selection=dict(group.selection))
+
+
+def _cat_padded(arrays: list) -> np.ndarray:
+    """[N_i, W_i] arrays -> [sum N_i, max W_i], zero-padded on the right (as `_Merged` rows:
+    positions past a row's prompt length or completion mask are never read)."""
+    arrays = [np.asarray(a) for a in arrays]
+    w = max(a.shape[1] for a in arrays)
+    return np.concatenate([np.pad(a, ((0, 0), (0, w - a.shape[1]))) for a in arrays])
+
+
+def concat_groups(groups: list[ScoredGroup]) -> ScoredGroup:
+    """Scored batches of one kind as one (prompts and completions zero-padded to the widest:
+    multi-turn batches differ in width), group ids offset so that each batch's groups stay
+    distinct; timings summed (score_s: the longest)."""
+    if len(groups) == 1:
+        return groups[0]
+    masks = [g.target_mask for g in groups]
+    if any(m is None for m in masks) and not all(m is None for m in masks):
+        masks = [g.completion_mask if m is None else m for g, m in zip(groups, masks)]
+    offset, ids = 0, []
+    for g in groups:
+        gi = np.asarray(g.group_ids)
+        ids.append(gi + offset)
+        offset += int(gi.max()) + 1 if gi.size else 0
+    cat = lambda name: np.concatenate([np.asarray(getattr(g, name)) for g in groups])
+    pad = lambda name: _cat_padded([getattr(g, name) for g in groups])
+    first = groups[0]
+    out = ScoredGroup(
+        tasks=[t for g in groups for t in g.tasks], group_ids=np.concatenate(ids),
+        prompts=pad("prompts"), prompt_lengths=cat("prompt_lengths"),
+        completions=pad("completions"), completion_mask=pad("completion_mask"),
+        sampler_logp=pad("sampler_logp"), texts=[t for g in groups for t in g.texts],
+        rewards=cat("rewards"), failed=cat("failed"),
+        details=[d for g in groups for d in g.details], gen_s=sum(g.gen_s for g in groups),
+        policy_version=first.policy_version,
+        target_mask=None if masks[0] is None else _cat_padded(masks))
+    out.score_wait_s = sum(g.score_wait_s for g in groups)
+    out.score_s = max(g.score_s for g in groups)
+    out.overlap_s = sum(g.overlap_s for g in groups)
+    out.prefill_tokens = sum(g.prefill_tokens for g in groups)
+    return out
+
+
+def select_groups(group: ScoredGroup, n_keep: int) -> ScoredGroup:
+    """DAPO's dynamic sampling with refill: of the scored groups (more drawn than trained on),
+    keep n_keep for the update, the informative ones (`informative_groups`: rewards that
+    differ, nothing failed) first, in drawn order, then the rest in drawn order when fewer
+    than n_keep are informative (the batch keeps its shape). Records in `selection` the groups
+    drawn, the fraction of them that were informative and of the kept ones, and the mean reward
+    over every drawn row (the trainer's reward_mean is over the kept rows only)."""
+    info = informative_groups(group)
+    if n_keep > len(info):
+        raise ValueError(f"select_groups: {n_keep} groups asked for, {len(info)} scored")
+    keep = sorted(([i for i in range(len(info)) if info[i]]
+                   + [i for i in range(len(info)) if not info[i]])[:n_keep])
+    out = _take_groups(group, keep)
+    ok = ~np.asarray(group.failed)
+    out.selection = {"groups_drawn": float(len(info)), "informative_frac": float(info.mean()),
+                     "kept_informative_frac": float(info[keep].mean()),
+                     "drawn_reward_mean": float(np.asarray(group.rewards)[ok].mean())
+                     if ok.any() else float("nan")}
+    return out
+
+
+class PendingSelection:
+    """Several pending scored batches of one kind -> `select_groups` of them all (n_keep)."""
+
+    def __init__(self, pendings: list, n_keep: int):
+        self._pendings, self._n_keep = pendings, n_keep
+
+    def result(self) -> ScoredGroup:
+        return select_groups(concat_groups([p.result() for p in self._pendings]), self._n_keep)
 
 
 class PendingScores:

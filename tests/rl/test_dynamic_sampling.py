@@ -17,8 +17,8 @@ from ml_collections import ConfigDict
 from configs import rl as rl_configs
 from rl import loop
 from rl.pipeline import ScoredGroup, concat_groups, informative_groups, select_groups
-from sandbox.tasks.schema import Task
 from sandbox.tasks.loaders import save_tasks
+from sandbox.tasks.schema import Task
 
 
 def _scored(rewards, failed=(), group_size=2, tag=""):
@@ -55,7 +55,8 @@ def test_select_keeps_informative_groups_first_in_drawn_order_with_their_rows():
     assert [d["row"] for d in out.details] == [str(r) for r in rows]
     assert out.prompt_lengths.tolist() == [r + 1 for r in rows]
     assert out.selection == {"groups_drawn": 6.0, "informative_frac": 0.5,
-                             "kept_informative_frac": 1.0}
+                             "kept_informative_frac": 1.0,
+                             "drawn_reward_mean": pytest.approx(5 / 12)}
 
 
 def test_select_fills_with_the_first_uninformative_groups_keeping_the_shape():
