@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 _EVERY_PHASE = ("name", "workdir", "eval", "sandbox", "sharding", "tasks.val_per_family",
                 "tasks.test_per_family", "sft.log_every", "sft.checkpoint_every",
-                "rl.log_every", "rl.checkpoint_every", "rl.keep_checkpoints", "rl.precompile")
+                "rl.log_every", "rl.checkpoint_every", "rl.keep_checkpoints", "rl.precompile",
+                "rl.overlap_generation")
 
 # stage -> (dotted prefixes that do not affect it, prefixes kept although under an ignored one)
 # (SFT reads the RL section's agent rendering and the RL optimizer's numerics fields alone)
@@ -49,6 +50,9 @@ PHASES = {
     "sft_qat": (_EVERY_PHASE + ("sft.qat_steps", "rl", "optim"), _SFT_KEEPS),  # after SFT's end
     "rl": (_EVERY_PHASE + ("rl.steps", "optim.total_steps"), ()),  # total_steps: RL's length
 }
+# fields added after runs were recorded: absent from an older config.json means this value
+# (the behaviour those runs had), so such a run still resumes under the default
+ADDED_DEFAULTS = {"rl.oversample": 1}
 # a stage's directory under the workdir -> its entry in PHASES
 STAGE_DIRS = {"sft": "sft", os.path.join("sft", "indexer_warmup"): "sft",
               os.path.join("sft", "qat"): "sft_qat", "rl": "rl"}
@@ -100,7 +104,8 @@ def phase_diff(old, new, phase: str) -> list[tuple[str, object, object]]:
     ignored, kept = PHASES[phase]
     if phase != "rl":  # SFT reads its own families (sft.families, "" = tasks.families)
         old, new = (_sft_view(_plain(c)) for c in (old, new))
-    diff = config_diff(old, new)
+    diff = [(p, a, b) for p, a, b in config_diff(old, new)
+            if not (a == "<absent>" and p in ADDED_DEFAULTS and b == ADDED_DEFAULTS[p])]
     if phase == "rl" and all(_plain(c).get("rl", {}).get("init_from") == "scratch"
                              for c in (old, new)):
         ignored = ignored + ("sft",)

@@ -34,7 +34,7 @@ def _paths(diff):
 def test_each_stage_depends_on_what_changes_its_weights():
     base = rl_configs.get_config("demo")
 
-    def changed(**fields):
+    def changed_config(**fields):
         c = rl_configs.get_config("demo")
         for path, v in fields.items():
             *head, last = path.split("__")
@@ -42,6 +42,10 @@ def test_each_stage_depends_on_what_changes_its_weights():
             for h in head:
                 node = node[h]
             node[last] = v
+        return c
+
+    def changed(**fields):
+        c = changed_config(**fields)
         return {stage: _paths(phase_diff(base, c, stage)) for stage in ("sft", "sft_qat", "rl")}
 
     assert changed(model__d_model=128) == {s: ["model.d_model"] for s in ("sft", "sft_qat", "rl")}
@@ -78,6 +82,13 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert phase_diff(a, b, "rl") == []
     b.rl.init_from = "sft"
     assert _paths(phase_diff(a, b, "rl")) == ["rl.init_from", "sft.lr"]
+    # a record from before rl.oversample existed resumes under its default, not under another
+    old = base.to_dict()
+    del old["rl"]["oversample"]
+    assert phase_diff(old, base, "rl") == []
+    assert changed(rl__oversample=2)["rl"] == ["rl.oversample"]
+    assert phase_diff(old, changed_config(rl__oversample=2), "rl") == [
+        ("rl.oversample", "<absent>", 2)]
 
 
 def _steps(d):
