@@ -38,8 +38,7 @@ log = logging.getLogger(__name__)
 
 _EVERY_PHASE = ("name", "workdir", "eval", "sandbox", "sharding", "tasks.val_per_family",
                 "tasks.test_per_family", "sft.log_every", "sft.checkpoint_every",
-                "rl.log_every", "rl.checkpoint_every", "rl.keep_checkpoints", "rl.precompile",
-                "rl.overlap_generation")
+                "rl.log_every", "rl.checkpoint_every", "rl.keep_checkpoints", "rl.precompile")
 
 # stage -> (dotted prefixes that do not affect it, prefixes kept although under an ignored one)
 # (SFT reads the RL section's agent rendering and the RL optimizer's numerics fields alone)
