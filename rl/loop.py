@@ -95,7 +95,7 @@ from rl.train_step import (
     make_train_step,
     train_state_shardings,
 )
-from rl.workdir import check_resumable, set_aside
+from rl.workdir import check_resumable, phase_data, record_data, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -460,15 +460,17 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
     return state
 
 
-def start_phase(config, phase: str, resume: bool) -> None:
+def start_phase(config, phase: str, resume: bool, data: dict) -> None:
     """Before a phase ("sft" or "rl") runs: resuming, its checkpoints must come from this config
-    (rl.workdir.check_resumable raises naming the differences); starting over (resume=False),
+    and from this data (`data`: rl.workdir.phase_data's record of what the phase trains on;
+    rl.workdir.check_resumable raises naming the differences); starting over (resume=False),
     the previous run's directory is moved aside (rl.workdir.set_aside), so its checkpoints are
-    kept and never mistaken for the new run's."""
+    kept and never mistaken for the new run's. Then `data` is recorded (data.json)."""
     if resume:
-        check_resumable(config, phase)
+        check_resumable(config, phase, data=data)
     else:
         set_aside(os.path.join(config.workdir, phase))
+    record_data(config, phase, data)
 
 
 def _local_key(rng):
@@ -601,12 +603,12 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
 
     s = config.sft
     workdir = os.path.join(config.workdir, "sft")
-    start_phase(config, "sft", resume)
+    examples = sft_train_examples(config)
+    start_phase(config, "sft", resume, phase_data(config, "sft", examples))
     model, tok = _model(config), load_tokenizer(config.tokenizer)
     qat_steps = sft_qat_steps(config)
     qmodel = qat_model(model.cfg) if qat_steps else None  # rejected before SFT runs
     mesh, rules = shd.mesh_from_config(config)
-    examples = sft_train_examples(config)
     it = _sft_stream(examples, tok, s, config.seed)
 
     opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,
@@ -1108,13 +1110,13 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     r, e = config.rl, config.eval
     if r.init_from == "sft":  # the weights RL starts from must be this config's SFT
         check_resumable(config, "sft")
-    start_phase(config, "rl", resume)
+    splits = load_task_splits(config)
+    train_tasks = [t for t, _ in splits["train"]]
+    start_phase(config, "rl", resume, phase_data(config, "rl", train_tasks))
     model, tok, algo = rl_model(config), load_tokenizer(config.tokenizer), algo_from_config(r.algo)
     workdir = os.path.join(config.workdir, "rl")
     mesh, rules = shd.mesh_from_config(config)
     on_mesh = dict(mesh=mesh, rules=rules)
-    splits = load_task_splits(config)
-    train_tasks = [t for t, _ in splits["train"]]
     val_tasks = _balanced([t for t, _ in splits["val"]], e.val_tasks)
     # one-shot and multi-turn tasks in separate batches (each trains at its own row width)
     from rl.agent import is_agent_task

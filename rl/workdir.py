@@ -19,14 +19,21 @@ optimizer (config.optim) except rl.agent (it renders the demonstrations' episode
 optimizer's numerics fields (rl.loop.optim_numerics); RL depends on everything SFT does, since it
 starts from SFT's weights, unless both configs have rl.init_from="scratch".
 
-Covered: tests/rl/test_resume_config.py. Not covered: checkpoints written before config.json was
-recorded (resumed with a warning), a workdir edited by hand, and code changes under the same
-config (a task generator's new draw, another objective): the record holds the config only.
+Each phase directory also records what its weights were trained on (data.json: a digest of
+SFT's demonstrations, `rl.loop.sft_train_examples`, or of RL's train tasks): the same config
+can draw other data when the code that draws it changed (a task generator's new draw, a
+loader) or the task file's contents did, and such checkpoints do not resume either.
+
+Covered: tests/rl/test_resume_config.py. Not covered: checkpoints written before config.json or
+data.json were recorded (resumed, with a warning for config.json), a workdir edited by hand, and
+other code changes under the same config and data (another objective, another model code).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -57,8 +64,53 @@ STAGE_DIRS = {"sft": "sft", os.path.join("sft", "indexer_warmup"): "sft",
               os.path.join("sft", "qat"): "sft_qat", "rl": "rl"}
 
 
+DATA_RECORD = "data.json"  # in each phase directory: what its weights were trained on
+
+
 class ResumeConfigError(ValueError):
-    """A phase directory holds checkpoints of a run whose config differs from this one."""
+    """A phase directory holds checkpoints of a run whose config (or data) differs from this
+    one."""
+
+
+def data_digest(items) -> str:
+    """sha256 of a list of training items (tuples, dicts, dataclasses such as Task) as
+    canonical JSON."""
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return dataclasses.asdict(x)
+        if isinstance(x, (set, frozenset)):  # in an order that does not depend on hashing
+            return sorted(x, key=repr)
+        return repr(x)
+    return hashlib.sha256(json.dumps(items, sort_keys=True, default=plain).encode()).hexdigest()
+
+
+def phase_data(config, phase: str, items=None) -> dict:
+    """The data record of `phase`: "sft" -> SFT's demonstrations (rl.loop.sft_train_examples),
+    "rl" -> RL's train tasks (the train split of rl.loop.load_task_splits); `items`: those, when
+    the caller has them already. {"data", "count", "sha256"}."""
+    from rl import loop
+
+    if phase == "sft":
+        items = loop.sft_train_examples(config) if items is None else items
+    elif phase == "rl":
+        items = ([t for t, _ in loop.load_task_splits(config)["train"]] if items is None
+                 else items)
+    else:
+        raise ValueError(f"phase must be 'sft' or 'rl', got {phase!r}")
+    what = "SFT demonstrations" if phase == "sft" else "RL train tasks"
+    return {"data": what, "count": len(items), "sha256": data_digest(items)}
+
+
+def record_data(config, phase: str, record: dict) -> None:
+    """Write `record` (phase_data) to <workdir>/<phase>/data.json (process 0)."""
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    d = os.path.join(config.workdir, phase)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, DATA_RECORD), "w") as f:
+        json.dump(record, f, indent=1)
 
 
 def _plain(config) -> dict:
@@ -111,11 +163,19 @@ def phase_diff(old, new, phase: str) -> list[tuple[str, object, object]]:
     return [d for d in diff if not _under(d[0], ignored) or _under(d[0], kept)]
 
 
-def check_resumable(config, phase: str, *, flag: str = "--noresume") -> None:
+def _ways_out(phase: str, flag: str) -> str:
+    return (f"Use another --config.workdir, or pass {flag} to start {phase} over here (the old "
+            f"run is moved to {phase}.replaced-<time> beside it, not deleted)")
+
+
+def check_resumable(config, phase: str, *, flag: str = "--noresume", data=None) -> None:
     """Raise ResumeConfigError if a stage directory of `phase` ("sft": workdir/sft and its
     indexer_warmup/ and qat/ stages; "rl": workdir/rl) holds checkpoints of a run whose recorded
-    config (its config.json) differs from `config` on what the stage depends on (phase_diff). A
-    checkpoint without a record resumes with a warning. `flag`: how the caller starts over."""
+    config (its config.json) differs from `config` on what the stage depends on (phase_diff), or
+    whose recorded data (data.json) differs from what `config` draws now (`data`: phase_data's
+    record, computed when None and needed). A checkpoint without a config record resumes with a
+    warning, one without a data record as it is. `flag`: how the caller starts over."""
+    latest = None
     for sub, stage in STAGE_DIRS.items():
         if sub.split(os.sep)[0] != phase:
             continue
@@ -123,6 +183,7 @@ def check_resumable(config, phase: str, *, flag: str = "--noresume") -> None:
         step = latest_committed_step(os.path.join(root, "checkpoints"))
         if step is None:
             continue
+        latest = step if latest is None else max(latest, step)
         record = os.path.join(root, "config.json")
         if not os.path.exists(record):
             log.warning("%s holds checkpoints (step %d) but no config.json recording the config "
@@ -138,9 +199,22 @@ def check_resumable(config, phase: str, *, flag: str = "--noresume") -> None:
                 f"{root} holds checkpoints (latest step {step}) of a run whose config differs "
                 f"from this one in what that stage depends on (recorded -> now):\n{lines}{more}"
                 f"\nResuming would continue (or, finished, reuse) those weights as this "
-                f"config's. Use another --config.workdir, or pass {flag} to start {phase} over "
-                f"here (the old run is moved to {phase}.replaced-<time> beside it, not deleted), "
-                "or set the recorded values back.")
+                f"config's. {_ways_out(phase, flag)}, or set the recorded values back.")
+    record = os.path.join(config.workdir, phase, DATA_RECORD)
+    if latest is None or not os.path.exists(record):
+        return
+    with open(record) as f:
+        old = json.load(f)
+    now = phase_data(config, phase) if data is None else data
+    if old.get("sha256") != now["sha256"]:
+        root = os.path.join(config.workdir, phase)
+        raise ResumeConfigError(
+            f"{root} holds checkpoints (latest step {latest}) trained on other data than this "
+            f"config draws now: {now['data']} {old.get('count')} items, sha256 "
+            f"{str(old.get('sha256'))[:12]} (recorded) -> {now['count']} items, "
+            f"{now['sha256'][:12]} (now). The config is the same, so the code that draws the "
+            f"data (a task generator, a loader) or the task file changed since. "
+            f"{_ways_out(phase, flag)}.")
 
 
 def set_aside(phase_dir: str) -> str | None:

@@ -24,7 +24,13 @@ from configs import rl as rl_configs
 from rl import loop
 from rl.checkpoint import Checkpointer
 from rl.metrics import MetricsWriter
-from rl.workdir import ResumeConfigError, check_resumable, phase_diff
+from rl.workdir import (
+    ResumeConfigError,
+    check_resumable,
+    phase_data,
+    phase_diff,
+    record_data,
+)
 
 
 def _paths(diff):
@@ -116,6 +122,7 @@ def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path
     assert "--noresume" in msg and "--config.workdir" in msg and "latest step 3" in msg
     assert _steps(sft) == [2, 3]  # nothing touched
     assert json.loads((sft / "config.json").read_text())["sft"]["lr"] == a.sft.lr
+    assert json.loads((sft / "data.json").read_text()) == phase_data(a, "sft")  # what it read
 
     longer = _config(tmp_path)  # another cadence and a longer schedule: the same run, continued
     longer.sft.update(dict(steps=4, log_every=2, checkpoint_every=2))
@@ -195,3 +202,38 @@ def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rl.oversample must be an int >= 1" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_a_run_trained_on_other_data_does_not_resume(tmp_path):
+    """The same config drawing other data (here: the task file's contents changed; likewise a
+    task generator's new draw after a code change): RL checkpoints trained on the old tasks are
+    refused, naming the data and both digests; a run without a data record resumes."""
+    from sandbox.tasks.loaders import save_tasks
+    from sandbox.tasks.schema import Task
+
+    def tasks(word):
+        return [Task(id=f"{word}{i}", family="answer_check", prompt=f"say {word} {i}",
+                     check="import sys\nsys.exit(0)\n", check_language="python", timeout_s=5)
+                for i in range(8)]
+
+    c = rl_configs.get_config("smoke")
+    c.workdir, c.rl.init_from = str(tmp_path / "w"), "scratch"
+    c.tasks.task_file = str(tmp_path / "tasks.jsonl")
+    save_tasks(tasks("yes"), c.tasks.task_file)
+    rl = tmp_path / "w" / "rl"
+    MetricsWriter(str(rl), tensorboard=False, config=c).close()
+    ck = Checkpointer(str(rl / "checkpoints"), keep=1)
+    ck.save(5, {"w": np.zeros(3, np.float32)}, rng=None, force=True)
+    ck.wait()
+    ck.close()
+    check_resumable(c, "rl")  # no data record (a run from before them): resumes
+    recorded = phase_data(c, "rl")
+    assert recorded["count"] == len(loop.load_task_splits(c)["train"]) > 0
+    record_data(c, "rl", recorded)
+    check_resumable(c, "rl")  # the same tasks: resumes
+    save_tasks(tasks("no"), c.tasks.task_file)  # same path and config, other contents
+    with pytest.raises(ResumeConfigError, match=r"(?s)latest step 5\) trained on other data.*"
+                       r"RL train tasks.*--noresume") as e:
+        check_resumable(c, "rl")
+    assert recorded["sha256"][:12] in str(e.value)
+    assert phase_data(c, "rl")["sha256"][:12] in str(e.value)
