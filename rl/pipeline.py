@@ -19,6 +19,9 @@ Failures are never silent: a completion whose scoring failed in the sandbox (sta
 "sandbox_error", a crashed worker, a verifier exception) keeps reward 0 but is flagged in
 `ScoredGroup.failed`; its row is dropped from the loss mask and counted in the metrics.
 
+DAPO's dynamic sampling with refill (rl.oversample k > 1 in run_rl): k batches are generated and
+scored and `select_groups` keeps one batch of groups, those whose rewards differ first.
+
 Also here: `evaluate` (pass@k per family on a task list, through the same sampler and sandbox).
 """
 
