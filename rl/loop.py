@@ -283,9 +283,15 @@ def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_si
     """The rollout worker of a run from the RL section `r` (config.rl: max_prompt_len,
     share_prefix, rollout_slots, agent): rl.pipeline.RolloutWorker for one-shot tasks, wrapped
     in an rl.agent.RoutingWorker with an AgentRolloutWorker (rl.agent: width, turn_tokens, the
-    environment's caps) when any of `tasks` is a multi-turn task."""
+    environment's caps) when any of `tasks` is a multi-turn task. A mesh of one device in a
+    single process counts as none."""
     from rl.agent import AgentRolloutWorker, RoutingWorker, is_agent_task
 
+    if mesh is not None and mesh.size == 1 and jax.process_count() == 1:
+        # one device: nothing to shard, so the samplers run as plain jitted programs on it
+        # (the same programs as workers made without a mesh, e.g. the demo's evaluation, so
+        # they compile once; and the agent's turn cache, which a mesh turns off, applies)
+        mesh = rules = None
     worker = RolloutWorker(model, tok, sampling, verifier, group_size=group_size,
                            max_prompt_len=r.max_prompt_len, mesh=mesh, rules=rules,
                            share_prefix=bool(r.share_prefix), slots=int(r.rollout_slots))

@@ -205,3 +205,24 @@ def test_turn_cache_equals_rereading_the_whole_context(agent, monkeypatch):
     full, cached = runs[0.0, False][0], runs[0.0, True][0]
     assert cached.prefill_tokens * 3 < full.prefill_tokens, (cached.prefill_tokens,
                                                              full.prefill_tokens)
+
+
+def test_one_device_mesh_rollouts_keep_the_turn_cache(agent):
+    """run_rl passes its mesh to the rollout workers; a mesh of one device (the CPU configs)
+    has nothing to shard, so make_rollout_worker builds the plain samplers (shared with the
+    evaluation's, which have no mesh) and the agent keeps its turn cache, which a mesh of
+    several devices turns off."""
+    from ml_collections import ConfigDict
+
+    from configs import rl as rl_configs
+    from model import sharding as shd
+    from rl.loop import make_rollout_worker
+
+    r = rl_configs.get_config("demo").rl
+    mesh, rules = shd.mesh_from_config(ConfigDict({"sharding": shd.sharding_config("one_device")}))
+    assert mesh.size == 1
+    with SandboxPool(workers=1) as pool:
+        w = make_rollout_worker(r, agent["model"], agent["tok"], SAMPLING, None, pool,
+                                group_size=2, tasks=[agent["task"]], mesh=mesh, rules=rules)
+    assert w.agent.cache_turns and w.agent.sampler.mesh is None
+    assert w.one_shot.mesh is None and w.one_shot.sampler.mesh is None
