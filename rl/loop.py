@@ -288,10 +288,13 @@ def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_si
     from rl.agent import AgentRolloutWorker, RoutingWorker, is_agent_task
 
     if mesh is not None and mesh.size == 1 and jax.process_count() == 1:
-        # one device: nothing to shard, so the samplers run as plain jitted programs on it
-        # (the same programs as workers made without a mesh, e.g. the demo's evaluation, so
-        # they compile once; and the agent's turn cache, which a mesh turns off, applies)
-        mesh = rules = None
+        # one device: nothing to shard, so the samplers run as plain jitted programs on it, fed
+        # the variables placed plainly on that device: the same programs, for the same
+        # argument placement, as workers made without a mesh (e.g. the demo's evaluation),
+        # so they compile once; and the agent's turn cache, which a mesh turns off, applies
+        device = mesh.devices.flat[0]
+        return _OnDevice(make_rollout_worker(r, model, tok, sampling, verifier, executor,
+                                             group_size=group_size, tasks=tasks), device)
     worker = RolloutWorker(model, tok, sampling, verifier, group_size=group_size,
                            max_prompt_len=r.max_prompt_len, mesh=mesh, rules=rules,
                            share_prefix=bool(r.share_prefix), slots=int(r.rollout_slots))
@@ -306,6 +309,21 @@ def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_si
         group_size=group_size, width=int(a.width), env_config=agent_env_config(a),
         mesh=mesh, rules=rules, cache_turns=bool(a.cache_turns))
     return RoutingWorker(worker, agent)
+
+
+class _OnDevice:
+    """A rollout worker made without a mesh, whose `start` places the variables it is given
+    (e.g. a train state's, laid out on a one-device mesh) on `device` as single-device arrays
+    first; everything else is the worker's."""
+
+    def __init__(self, worker, device):
+        self._worker, self._device = worker, device
+
+    def start(self, variables, *args, **kwargs):
+        return self._worker.start(jax.device_put(variables, self._device), *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._worker, name)
 
 
 def workers_by_temperature(r, model, tok, sampling, verifier, executor, *, tasks=()):

@@ -209,20 +209,41 @@ def test_turn_cache_equals_rereading_the_whole_context(agent, monkeypatch):
 
 def test_one_device_mesh_rollouts_keep_the_turn_cache(agent):
     """run_rl passes its mesh to the rollout workers; a mesh of one device (the CPU configs)
-    has nothing to shard, so make_rollout_worker builds the plain samplers (shared with the
-    evaluation's, which have no mesh) and the agent keeps its turn cache, which a mesh of
-    several devices turns off."""
+    has nothing to shard, so make_rollout_worker builds the plain samplers and the agent keeps
+    its turn cache, which a mesh of several devices turns off; a train state's variables (laid
+    out on the mesh) reach them as single-device arrays, so an episode batch compiles nothing
+    that a worker made without a mesh (the demo's evaluation) compiled already, and plays the
+    same episodes."""
     from ml_collections import ConfigDict
 
     from configs import rl as rl_configs
     from model import sharding as shd
+    from rl import sampler as sampler_mod
     from rl.loop import make_rollout_worker
 
     r = rl_configs.get_config("demo").rl
+    r.agent.width = WIDTH
     mesh, rules = shd.mesh_from_config(ConfigDict({"sharding": shd.sharding_config("one_device")}))
     assert mesh.size == 1
-    with SandboxPool(workers=1) as pool:
-        w = make_rollout_worker(r, agent["model"], agent["tok"], SAMPLING, None, pool,
-                                group_size=2, tasks=[agent["task"]], mesh=mesh, rules=rules)
-    assert w.agent.cache_turns and w.agent.sampler.mesh is None
-    assert w.one_shot.mesh is None and w.one_shot.sampler.mesh is None
+    model, tok, task = agent["model"], agent["tok"], agent["task"]
+    on_mesh = jax.device_put(agent["variables"], jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+
+    def compiled():
+        return sum(f._cache_size() for f in sampler_mod._PROGRAMS.values()
+                   if hasattr(f, "_cache_size"))
+
+    with SandboxPool(workers=2) as pool:
+        plain, w = (make_rollout_worker(r, model, tok, SAMPLING, None, pool, group_size=2,
+                                        tasks=[task], mesh=m, rules=rules)
+                    for m in (None, mesh))
+        assert w.agent.cache_turns and w.agent.sampler.mesh is None
+        assert w.one_shot.mesh is None and w.one_shot.sampler.mesh is None
+        # the evaluation's variables: a checkpoint restored onto the device (committed there)
+        restored = jax.device_put(agent["variables"], jax.devices()[0])
+        a = plain.start(restored, [task], jax.random.key(3)).result()
+        before = compiled()
+        b = w.start(on_mesh, [task], jax.random.key(3)).result()
+        assert compiled() == before > 0
+    np.testing.assert_array_equal(a.completions, b.completions)
+    np.testing.assert_array_equal(a.rewards, b.rewards)
