@@ -952,15 +952,13 @@ class _Launcher:
         which keeps one batch's worth (this process's share), informative groups first."""
         self.rng, self._pos = rng, self._data.get_state()
         tasks, variables = next(self._data), self._to_sampler(state.variables)
-        if self._oversample == 1:
-            rng, sub = jax.random.split(rng)
-            return rng, self._worker.start(variables, tasks[self._mine], sub,
-                                           version=int(state.step))
         pendings = []
         for i in range(self._oversample):
             rng, sub = jax.random.split(rng)
             part = tasks[i * self._batch:(i + 1) * self._batch][self._mine]
             pendings.append(self._worker.start(variables, part, sub, version=int(state.step)))
+        if len(pendings) == 1:
+            return rng, pendings[0]
         return rng, PendingSelection(pendings, len(tasks[:self._batch][self._mine]))
 
     def position(self) -> _Position:

@@ -159,9 +159,9 @@ def _take_groups(group: ScoredGroup, keep: list[int]) -> ScoredGroup:
     """The rows of the groups numbered `keep` (positions in group order), renumbered 0.."""
     ids = np.asarray(group.group_ids)
     order = list(dict.fromkeys(ids.tolist()))
-    rows = np.concatenate([np.flatnonzero(ids == order[k]) for k in keep])
-    new_ids = np.concatenate([np.full(int((ids == order[k]).sum()), i)
-                              for i, k in enumerate(keep)])
+    per_group = [np.flatnonzero(ids == order[k]) for k in keep]
+    rows = np.concatenate(per_group)
+    new_ids = np.concatenate([np.full(len(r), i) for i, r in enumerate(per_group)])
     arr = lambda x: None if x is None else np.asarray(x)[rows]
     lst = lambda x: [x[i] for i in rows] if len(x) else x
     return dataclasses.replace(
