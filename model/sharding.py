@@ -599,6 +599,16 @@ def constrain_cache(cache):
     return jax.tree_util.tree_map_with_path(one, cache)
 
 
+def cache_shardings(cache, mesh: Mesh, rules: Rules | None = None):
+    """NamedShardings of a decode cache's leaves (arrays or ShapeDtypeStructs) on `mesh`: the
+    layout `constrain_cache` gives them inside a mesh program (each leaf's `cache_axes`)."""
+    def one(path, x):
+        names = cache_axes(path)
+        names = names + (None,) * (len(x.shape) - len(names))
+        return NamedSharding(mesh, logical_to_spec(names, x.shape, mesh, rules))
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
 # --------------------------------------------------------------------------- mesh programs
 class MeshJit:
     """A function jitted for one mesh: every trace runs inside `use_mesh(mesh, rules)` (so

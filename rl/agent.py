@@ -19,11 +19,12 @@ The same rendering gives SFT rows (`encode_episode`), so demonstrations and roll
 token for token.
 
 Batching: a turn is one sampler call over the rows of a half, stopping each row at
-`</tool_call>` or EOS. With `cache_turns` (the default; without a mesh, which a one-device mesh
-counts as in rl.loop.make_rollout_worker, and without speculative decoding) each half keeps its decode cache (KDA state and conv window, DSA latent rows) between
-turns, and a turn prefills only the tokens the cache does not hold yet (the turn's last sampled
-token and the observation) before decoding: `Sampler.extend`, one compiled program per padded
-width of those new tokens (powers of two from 32). Otherwise every turn re-reads its whole
+`</tool_call>` or EOS. With `cache_turns` (the default; without speculative decoding, and on a
+mesh only in a single process: the cache is then laid out over the mesh like the sampler's,
+rows over the batch axes) each half keeps its decode cache (KDA state and conv window, DSA
+latent rows) between turns, and a turn prefills only the tokens the cache does not hold yet
+(the turn's last sampled token and the observation) before decoding: `Sampler.extend`, one
+compiled program per padded width of those new tokens (powers of two from 32). Otherwise every turn re-reads its whole
 context: a fixed [rows, width - turn_tokens] context batch (one compiled program). The rows are
 split into two halves that alternate: while one half's commands run in the sandbox pool, the
 other half generates (`overlap_s` in the metrics is the time generation spent with commands in
@@ -33,7 +34,7 @@ done. The reward is the environment's: the task's check on the session's final s
 format penalties (`info["episode_return"]`); an episode the sandbox failed is flagged in
 `failed` and dropped from the loss, like a one-shot sandbox_error.
 
-Not covered: the turn cache on a mesh of several devices or with speculative decoding (every
+Not covered: the turn cache with speculative decoding or on a mesh of several processes (every
 turn re-reads its context there), sharded multi-process agent rollouts (the sampler's mesh works, rows are this
 process's), and tools other than the environment's.
 """
@@ -144,8 +145,8 @@ class AgentRolloutWorker:
     SandboxClient with sessions (`max_sessions` >= the rows of a batch). width: tokens per
     episode row; contexts are generated from at width - max_new_tokens, and the environment's
     token cap is set so that an episode never outgrows it. cache_turns: keep each half's decode
-    cache between turns (module docstring); ignored on a mesh (rl.loop.make_rollout_worker
-    passes none for a one-device mesh) and with speculative decoding.
+    cache between turns (module docstring); ignored with speculative decoding and on a mesh of
+    several processes.
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingConfig, executor, *, group_size: int,
@@ -170,7 +171,8 @@ class AgentRolloutWorker:
         self.sampling, self.width, self.group_size = sampling, width, group_size
         self.sampler = Sampler(model, sampling, mesh=mesh, rules=rules)
         self.count_tokens = lambda s: len(tokenizer.encode(s))
-        self.cache_turns = bool(cache_turns) and mesh is None and sampling.speculative == "none"
+        self.cache_turns = (bool(cache_turns) and sampling.speculative == "none"
+                            and (mesh is None or jax.process_count() == 1))
         if width > model.cfg.max_seq_len:
             raise ValueError(f"width {width} exceeds the model's max_seq_len "
                              f"{model.cfg.max_seq_len}")

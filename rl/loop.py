@@ -291,7 +291,7 @@ def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_si
         # one device: nothing to shard, so the samplers run as plain jitted programs on it, fed
         # the variables placed plainly on that device: the same programs, for the same
         # argument placement, as workers made without a mesh (e.g. the demo's evaluation),
-        # so they compile once; and the agent's turn cache, which a mesh turns off, applies
+        # so they compile once
         device = mesh.devices.flat[0]
         return _OnDevice(make_rollout_worker(r, model, tok, sampling, verifier, executor,
                                              group_size=group_size, tasks=tasks), device)

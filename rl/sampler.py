@@ -245,8 +245,9 @@ def _program(model: Model, cfg: SamplingConfig, mesh=None, rules=None, mode: tup
     fn = _PROGRAMS.get(key)
     if fn is None:
         if mode[0] == "extend":  # (variables, cache, tokens, lengths, rng, temperature)
-            fn = _PROGRAMS[key] = jax.jit(_per_layer(_extend_impl, model, key[1]),
-                                          donate_argnums=(1,))
+            impl = _per_layer(_extend_impl, model, key[1])
+            fn = _PROGRAMS[key] = (jax.jit(impl, donate_argnums=(1,)) if mesh is None else
+                                   _mesh_extend_program(impl, model, mesh, rules))
             return fn
         if cfg.speculative == "mtp":
             from rl.speculative import generate_speculative_impl as impl
@@ -306,11 +307,52 @@ def _mesh_program(impl, model: Model, mesh, rules, speculative: bool, group: int
                             out_shardings=outs, name="sampler") for t in (True, False)}
 
     def call(variables, prompts, lengths, rng, temperature):
-        typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
-        data = np.asarray(jax.random.key_data(rng) if typed else rng)
-        data = jax.make_array_from_callback(data.shape, rep, lambda i: data[i])
-        temp = jax.make_array_from_callback((), rep, lambda i: np.float32(temperature))
+        typed, data, temp = _replicated_draw_args(rng, temperature, rep)
         return progs[typed](variables, prompts, lengths, data, temp)
+
+    return call
+
+
+def _replicated_draw_args(rng, temperature, rep):
+    """(whether rng is a typed key, its key data and the temperature as arrays replicated with
+    `rep`): a mesh program's random key and temperature, the same on every device."""
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    data = np.asarray(jax.random.key_data(rng) if typed else rng)
+    data = jax.make_array_from_callback(data.shape, rep, lambda i: data[i])
+    temp = jax.make_array_from_callback((), rep, lambda i: np.float32(temperature))
+    return typed, data, temp
+
+
+def _mesh_extend_program(impl, model: Model, mesh, rules):
+    """`Sampler.extend` on a mesh (one process): parameters with the model's shardings, the
+    decode cache in and out with its `cache_shardings` (rows over the batch axes, KDA state heads
+    over tensor; donated), the new tokens, their lengths and every output row over the batch
+    axes, the rng key and temperature replicated. One program per (rows, new-token width, cache
+    size)."""
+    var_sh = shd.model_shardings(model, mesh, rules)
+    rep = shd.replicated(mesh)
+
+    def run(variables, cache, tokens, lengths, key_data, temperature, *, typed):
+        rng = jax.random.wrap_key_data(key_data) if typed else key_data
+        return impl(variables, cache, tokens, lengths, rng, temperature)
+
+    def ins(variables, cache, tokens, *_):
+        b = shd.batch_sharding(mesh, tokens.shape[0], rules)
+        return (shd.variables_shardings(var_sh, variables, mesh),
+                shd.cache_shardings(cache, mesh, rules), b, b, rep, rep)
+
+    def outs(variables, cache, tokens, *_):
+        b = shd.batch_sharding(mesh, tokens.shape[0], rules)
+        return (SampleOutput(tokens=b, logprobs=b, mask=b, lengths=b, finished=b),
+                shd.cache_shardings(cache, mesh, rules))
+
+    progs = {t: shd.MeshJit(functools.partial(run, typed=t), mesh, rules, in_shardings=ins,
+                            out_shardings=outs, donate_argnums=(1,), name="sampler-extend")
+             for t in (True, False)}
+
+    def call(variables, cache, tokens, lengths, rng, temperature):
+        typed, data, temp = _replicated_draw_args(rng, temperature, rep)
+        return progs[typed](variables, cache, tokens, lengths, data, temp)
 
     return call
 
@@ -434,14 +476,21 @@ class Sampler:
         return fn(variables, prompts, lengths, rng, np.float32(self.cfg.temperature))
 
     def _check_extend(self):
-        if self.mesh is not None or self.cfg.speculative != "none":
-            raise ValueError("Sampler.extend runs without a mesh and without speculative "
-                             "decoding: use generate (every call prefills its prompts)")
+        if self.cfg.speculative != "none":
+            raise ValueError("Sampler.extend runs without speculative decoding: use generate "
+                             "(every call prefills its prompts)")
+        if self.mesh is not None and jax.process_count() > 1:
+            raise ValueError("Sampler.extend on a mesh of several processes is not implemented: "
+                             "use generate (every call prefills its prompts)")
 
     def new_cache(self, batch: int, max_len: int):
-        """An empty decode cache of `batch` rows and `max_len` positions for `extend`."""
+        """An empty decode cache of `batch` rows and `max_len` positions for `extend` (on a
+        mesh: laid out as the mesh's extend program takes it, shd.cache_shardings)."""
         self._check_extend()
-        return self.model.init_cache(batch, max_len)
+        cache = self.model.init_cache(batch, max_len)
+        if self.mesh is None:
+            return cache
+        return jax.device_put(cache, shd.cache_shardings(cache, self.mesh, self.rules))
 
     def extend(self, variables, cache, tokens, lengths, rng):
         """Continue rows from a decode cache (multi-turn episodes: the next turn's context is the
@@ -466,7 +515,9 @@ class Sampler:
                              f"{lengths.shape}")
         if lengths.min() < 0 or lengths.max() > tokens.shape[1]:
             raise ValueError(f"lengths must be in [0, {tokens.shape[1]}], got {lengths}")
-        fn = _program(self.model, self.cfg, mode=("extend",))
+        fn = _program(self.model, self.cfg, self.mesh, self.rules, mode=("extend",))
+        if self.mesh is not None:
+            tokens, lengths = shd.to_global((tokens, lengths), self.mesh, self.rules)
         return fn(variables, cache, tokens, lengths, rng, np.float32(self.cfg.temperature))
 
 

@@ -209,8 +209,8 @@ def test_turn_cache_equals_rereading_the_whole_context(agent, monkeypatch):
 
 def test_one_device_mesh_rollouts_keep_the_turn_cache(agent):
     """run_rl passes its mesh to the rollout workers; a mesh of one device (the CPU configs)
-    has nothing to shard, so make_rollout_worker builds the plain samplers and the agent keeps
-    its turn cache, which a mesh of several devices turns off; a train state's variables (laid
+    has nothing to shard, so make_rollout_worker builds the plain samplers (the agent keeps
+    its turn cache; on several devices: tests/rl/test_sharded_rl.py); a train state's variables (laid
     out on the mesh) reach them as single-device arrays, so an episode batch compiles nothing
     that a worker made without a mesh (the demo's evaluation) compiled already, and plays the
     same episodes."""

@@ -9,7 +9,8 @@ the loss, metrics, gradients, updated parameters, router state and optimizer sta
 single-device step (f32); the mesh step's state keeps the shardings the rules give (experts
 over "expert", Adam moments like their parameters) and the old state is donated; greedy
 rollouts of the sharded sampler (`rl.sampler.Sampler(mesh=...)`, KDA/DSA caches sharded over
-the batch) equal the single-device ones token for token. The sampler's model is the test
+the batch) equal the single-device ones token for token, and so do two `Sampler.extend` calls through one decode
+cache laid out on the mesh (the agent's turn cache). The sampler's model is the test
 preset's KDA + DSA trunk (MoE, all_to_all) with a DSA top-k of 8, so its 6-token greedy decode
 over a 12-position cache crosses top-k: the first steps attend densely by the run-time choice
 (model/layers/dsa.py RUNTIME_DENSE_DECODE), the later ones select, on every mesh.
@@ -190,6 +191,27 @@ def _sample_model():
     return Model(ModelConfig.from_dict(c))
 
 
+def _extends(sampler, variables):
+    """Two `Sampler.extend` calls through one decode cache (the agent's cached turns): the
+    prompts from an empty cache, then per row its last generated token and two more (row 0 sits
+    the second call out); greedy. -> host arrays (tokens and masks of both calls, the cache's
+    final positions)."""
+    import jax
+
+    from model import sharding as shd
+    prompts, plen, _ = _inputs()
+    cache = sampler.new_cache(N, P + 2 * G + 4)
+    first, cache = sampler.extend(variables, cache, prompts, plen, jax.random.key(4))
+    last = shd.host_rows(first.tokens)[:, -1]
+    new = np.stack([last, np.full(N, 7), np.arange(N) + 11], axis=1).astype(np.int32)
+    lens = np.full(N, 3, np.int32)
+    lens[0] = 0
+    second, cache = sampler.extend(variables, cache, new, lens, jax.random.key(5))
+    return {k: shd.host_rows(v) for k, v in dict(
+        first=first.tokens, first_mask=first.mask, second=second.tokens,
+        second_mask=second.mask, positions=cache["lengths"]).items()}
+
+
 def _inputs():
     """Prompts [N,P] (+ lengths) and one packed RL batch, from numpy only (every child builds
     the same): old log-probs near the random-init policy's (log 1/259, so ratios sit near 1 and
@@ -230,12 +252,13 @@ def child_reference(path):
     new, met = step(init_train_state(variables, opt), {k: jnp.asarray(v) for k, v in
                                                         batch.items()})
     sm = _sample_model()
-    out = Sampler(sm, _greedy()).generate(sm.init(jax.random.key(1)), prompts, plen,
-                                            jax.random.key(3))
+    sampler, sv = Sampler(sm, _greedy()), sm.init(jax.random.key(1))
+    out = sampler.generate(sv, prompts, plen, jax.random.key(3))
+    ext = _extends(sampler, sv)
     tmp = pathlib.Path(str(path) + ".tmp")
     with open(tmp, "wb") as f:
         pickle.dump(jax.device_get({"state": new, "metrics": met, "tokens": out.tokens,
-                                    "rollout_mask": out.mask}), f)
+                                    "rollout_mask": out.mask, "extends": ext}), f)
     tmp.rename(path)  # the mesh children wait for the complete file
     print("OK reference")
 
@@ -319,10 +342,18 @@ def child_meshes(path, meshes):
         t0 = time.perf_counter()
         sv = jax.device_put(sample_vars, shd.variables_shardings(  # (one init compile per child)
             shd.model_shardings(sm, mesh), sample_vars, mesh))
-        out = Sampler(sm, _greedy(), mesh=mesh).generate(sv, prompts, plen, jax.random.key(3))
+        sampler = Sampler(sm, _greedy(), mesh=mesh)
+        out = sampler.generate(sv, prompts, plen, jax.random.key(3))
         assert out.tokens.sharding.spec == shd.batch_sharding(mesh, N).spec
         np.testing.assert_array_equal(shd.host_rows(out.tokens), ref["tokens"])
         np.testing.assert_array_equal(shd.host_rows(out.mask), ref["rollout_mask"])
+        # the agent's turn cache: the decode cache laid out over the mesh between calls
+        cache = sampler.new_cache(N, 16)
+        assert cache["lengths"].sharding.spec == shd.batch_sharding(mesh, N).spec
+        ext = _extends(sampler, sv)
+        assert ext["positions"][0] == ref["extends"]["positions"][0] > 0  # row 0 sat out
+        for k, v in ext.items():
+            np.testing.assert_array_equal(v, ref["extends"][k], err_msg=f"extend {k}")
         print(f"OK rollouts {shape} ({time.perf_counter() - t0:.1f} s)")
     if meshes.startswith(",".join(map(str, MESHES[0]))):
         planner_vs_compiled()
