@@ -290,12 +290,11 @@ def agent() -> ml_collections.ConfigDict:
 def smoke_8dev() -> ml_collections.ConfigDict:
     """The smoke pipeline on 8 devices (data 2, fsdp 2, expert 2) with expert-parallel MoE:
     runs on 8 fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) and is the
-    model of the two-process test (tests/rl/test_multihost.py). Its terminal domain is the
-    one-shot one: multi-turn rollouts run in one process (rl/agent.py)."""
+    model of the two-process check (scripts/multihost_check.py), whose processes play their
+    multi-turn episodes in lockstep (rl/agent.py)."""
     c = smoke()
     c.name = "smoke_8dev"
     c.workdir = "runs/smoke_8dev"
-    c.tasks.families = "arithmetic,code,terminal"
     c.model.moe.expert_parallel = "all_to_all"
     c.sharding = shd.sharding_config("eight_devices")
     return c

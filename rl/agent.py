@@ -19,24 +19,29 @@ The same rendering gives SFT rows (`encode_episode`), so demonstrations and roll
 token for token.
 
 Batching: a turn is one sampler call over the rows of a half, stopping each row at
-`</tool_call>` or EOS. With `cache_turns` (the default; without speculative decoding, and on a
-mesh only in a single process: the cache is then laid out over the mesh like the sampler's,
-rows over the batch axes) each half keeps its decode cache (KDA state and conv window, DSA
-latent rows) between turns, and a turn prefills only the tokens the cache does not hold yet
-(the turn's last sampled token and the observation) before decoding: `Sampler.extend`, one
-compiled program per padded width of those new tokens (powers of two from 32). Otherwise every turn re-reads its whole
-context: a fixed [rows, width - turn_tokens] context batch (one compiled program). The rows are
-split into two halves that alternate: while one half's commands run in the sandbox pool, the
-other half generates (`overlap_s` in the metrics is the time generation spent with commands in
-flight).
+`</tool_call>` or EOS. With `cache_turns` (the default; without speculative decoding) each half
+keeps its decode cache (KDA state and conv window, DSA latent rows) between turns, and a turn
+prefills only the tokens the cache does not hold yet (the turn's last sampled token and the
+observation) before decoding: `Sampler.extend`, one compiled program per padded width of those
+new tokens (powers of two from 32). Otherwise every turn re-reads its whole context: a fixed
+[rows, width - turn_tokens] context batch (one compiled program). The rows are split into two
+halves that alternate: while one half's commands run in the sandbox pool, the other half
+generates (`overlap_s` in the metrics is the time generation spent with commands in flight).
 A row whose episode ended keeps its slot (its context is not generated from) until every row is
 done. The reward is the environment's: the task's check on the session's final state minus the
 format penalties (`info["episode_return"]`); an episode the sandbox failed is flagged in
 `failed` and dropped from the loss, like a one-shot sandbox_error.
 
-Not covered: the turn cache with speculative decoding or on a mesh of several processes (every
-turn re-reads its context there), sharded multi-process agent rollouts (the sampler's mesh works, rows are this
-process's), and tools other than the environment's.
+On a mesh the sampler runs there (rows over the batch axes, the turn cache laid out like its
+programs take it). With several processes each plays its own rows in its own sandbox sessions
+and every sampler call is one program over all processes' rows, so they run turns in lockstep:
+before each call they agree (one small all-gather) on whether any process still needs the turn,
+on the width of the new tokens and on starting a fresh cache; a process whose rows of a half are
+all done or waiting joins with rows that sit the call out. Every process passes the same number
+of rows (the RL loop's even shares).
+
+Not covered: the turn cache with speculative decoding (every turn re-reads its context there),
+and tools other than the environment's.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from concurrent.futures import Future
 import jax
 import numpy as np
 
+from model import sharding as shd
 from model.tokenizer import ASSISTANT
 from rl.envs import EnvConfig, SessionEnv, StepResult
 from rl.pipeline import ScoredGroup
@@ -145,8 +151,8 @@ class AgentRolloutWorker:
     SandboxClient with sessions (`max_sessions` >= the rows of a batch). width: tokens per
     episode row; contexts are generated from at width - max_new_tokens, and the environment's
     token cap is set so that an episode never outgrows it. cache_turns: keep each half's decode
-    cache between turns (module docstring); ignored with speculative decoding and on a mesh of
-    several processes.
+    cache between turns (module docstring); ignored with speculative decoding. mesh/rules: the
+    sampler's (on several processes: lockstep turns, module docstring).
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingConfig, executor, *, group_size: int,
@@ -171,8 +177,10 @@ class AgentRolloutWorker:
         self.sampling, self.width, self.group_size = sampling, width, group_size
         self.sampler = Sampler(model, sampling, mesh=mesh, rules=rules)
         self.count_tokens = lambda s: len(tokenizer.encode(s))
-        self.cache_turns = (bool(cache_turns) and sampling.speculative == "none"
-                            and (mesh is None or jax.process_count() == 1))
+        self.cache_turns = bool(cache_turns) and sampling.speculative == "none"
+        # several processes share each sampler call (one program over the global batch): they
+        # take every decision that starts one together (_agree)
+        self.lockstep = mesh is not None and jax.process_count() > 1
         if width > model.cfg.max_seq_len:
             raise ValueError(f"width {width} exceeds the model's max_seq_len "
                              f"{model.cfg.max_seq_len}")
@@ -235,10 +243,10 @@ class AgentRolloutWorker:
         halves = [rows[:half], rows[half:]]
         caches = [_HalfCache(), _HalfCache()]
         overlap, prefilled = 0.0, 0
-        while not all(r.done for r in rows):
+        while self._agree(not all(r.done for r in rows)):
             for h, hc in zip(halves, caches):
                 self._collect(h, wait=True)
-                if all(r.done for r in h):
+                if not self._agree(not all(r.done for r in h)):
                     continue
                 in_flight = any(r.pending is not None for r in rows)
                 t = time.perf_counter()
@@ -252,7 +260,7 @@ class AgentRolloutWorker:
         """One sampler call for the rows of a half whose episode waits for a model turn; returns
         the context positions it prefilled (rows x padded width)."""
         active = [i for i, r in enumerate(rows) if not r.done and r.pending is None]
-        if not active:
+        if not active and not self.lockstep:  # (in lockstep another process's rows need it)
             return 0
         turn = self._cached_turn if self.cache_turns else self._full_turn
         toks, mask, lps, prefilled = turn(variables, rows, active, rng, hc)
@@ -267,6 +275,16 @@ class AgentRolloutWorker:
             r.pending = r.env.submit_step(self.tok.decode(gen))
         return prefilled
 
+    def _agree(self, value) -> int:
+        """The largest of every process's `value` (an int or bool) in lockstep, so that they all
+        take the same branch (whether to run a turn, the new tokens' width, a fresh cache);
+        `value` itself in one process."""
+        if not self.lockstep:
+            return int(value)
+        from jax.experimental import multihost_utils
+
+        return int(np.max(multihost_utils.process_allgather(np.array([value], np.int32))))
+
     def _full_turn(self, variables, rows: list[_Row], active: list[int], rng, hc=None):
         """The turn from scratch: every row's whole context, one [rows, context] program."""
         del hc
@@ -279,8 +297,7 @@ class AgentRolloutWorker:
             prompts[i, :len(ids)] = ids
             lens[i] = len(ids)
         out = self.sampler.generate(variables, prompts, lens, rng)
-        toks, mask, lps = (np.asarray(x) for x in jax.device_get(
-            (out.tokens, out.mask, out.logprobs)))
+        toks, mask, lps = shd.host_rows((out.tokens, out.mask, out.logprobs))
         return toks, mask, lps, prompts.size
 
     def _cached_turn(self, variables, rows: list[_Row], active: list[int], rng,
@@ -291,11 +308,12 @@ class AgentRolloutWorker:
         is started afresh: every active row then feeds its whole context."""
         live = [i for i, r in enumerate(rows) if not r.done]
 
-        def width(fed):
-            return _segment_width(max(len(rows[i].ids) - fed[i] for i in active), self.context)
+        def width(fed):  # the padded width of the longest new segment (of every process's rows)
+            need = max((len(rows[i].ids) - fed[i] for i in active), default=0)
+            return _segment_width(self._agree(need), self.context)
 
         M = width(hc.fed) if hc.cache is not None else 0
-        if hc.cache is None or any(hc.fed[i] + M > self.cache_len for i in live):
+        if self._agree(hc.cache is None or any(hc.fed[i] + M > self.cache_len for i in live)):
             hc.cache = self.sampler.new_cache(len(rows), self.cache_len)
             hc.fed = np.zeros(len(rows), np.int64)
             M = width(hc.fed)
@@ -306,8 +324,8 @@ class AgentRolloutWorker:
             tokens[i, :len(seg)] = seg
             lens[i] = len(seg)
         out, hc.cache = self.sampler.extend(variables, hc.cache, tokens, lens, rng)
-        toks, mask, lps, fed = (np.asarray(x) for x in jax.device_get(
-            (out.tokens, out.mask, out.logprobs, hc.cache["lengths"])))
+        toks, mask, lps, fed = shd.host_rows(
+            (out.tokens, out.mask, out.logprobs, hc.cache["lengths"]))
         hc.fed = fed.astype(np.int64)
         return toks, mask, lps, tokens.size
 
@@ -447,6 +465,15 @@ class RoutingWorker:
             raise ValueError(f"task {tasks[agent_idx[0]].id} is a multi-turn task but this run "
                              "has no agent worker (rl.agent)")
         one_idx = [i for i in range(len(tasks)) if i not in set(agent_idx)]
+        if self.mesh is not None and jax.process_count() > 1:
+            # each kind's worker runs one program over every process's rows: all must call it
+            kinds = shd.allgather_json([bool(one_idx), bool(agent_idx)])
+            if any(k != kinds[0] for k in kinds):
+                raise ValueError(
+                    f"the processes' shares of one batch hold different task kinds (one-shot, "
+                    f"multi-turn per process: {kinds}); on several processes every batch must "
+                    "be of one kind on all of them (the RL loop's batches are; evaluation "
+                    "splits its tasks by kind)")
         r1, r2 = jax.random.split(rng)
         parts = []
         if one_idx:

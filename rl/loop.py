@@ -300,9 +300,6 @@ def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_si
                            share_prefix=bool(r.share_prefix), slots=int(r.rollout_slots))
     if not any(is_agent_task(t) for t in tasks):
         return worker
-    if mesh is not None and jax.process_count() > 1:
-        raise ValueError("multi-turn rollouts run on one process (rl/agent.py); split the "
-                         "multi-step tasks into a single-process run")
     a = r.agent
     agent = AgentRolloutWorker(
         model, tok, dataclasses.replace(sampling, max_new_tokens=int(a.turn_tokens)), executor,

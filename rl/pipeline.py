@@ -433,7 +433,8 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     generated while the previous chunk is scored. "_seconds": the evaluation's wall time.
 
     On a mesh with several processes (worker.mesh): the tasks are split over the processes that
-    hold distinct rows (task i to block i mod blocks), each generates and scores its own
+    hold distinct rows (one-shot and multi-turn tasks apart, each kind's task i to block i mod
+    blocks), each generates and scores its own
     (batch_prompts / blocks tasks per process and chunk, so a chunk's global batch has the
     single-process shape; the same number of chunks everywhere, a process without tasks left
     generates a dropped placeholder), and the per-task results are gathered once at the end."""
@@ -443,8 +444,14 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
         raise ValueError(f"batch_prompts={batch_prompts} does not split over the {blocks} "
                          "processes holding distinct rows")
     batch_prompts //= blocks  # per process: the global chunk keeps the rollout batch's shape
-    mine = list(range(me, len(tasks), blocks))  # indices of this process's tasks
-    n_chunks = math.ceil(math.ceil(len(tasks) / blocks) / batch_prompts)
+    # the tasks' indices by kind: one list on one process; with several processes one-shot and
+    # multi-turn tasks apart, so that every chunk is of one kind on all of them (one program
+    # per kind and chunk over every process's rows, rl.agent.RoutingWorker)
+    if blocks > 1:
+        from rl.agent import is_agent_task
+        kinds = [[i for i, t in enumerate(tasks) if is_agent_task(t) == a] for a in (False, True)]
+    else:
+        kinds = [list(range(len(tasks)))]
     results = []  # (task index in `tasks`, correct samples, [turns, tokens] summed or None)
     failed = 0
 
@@ -460,15 +467,18 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
             results.append((t, int((r >= 1.0).sum()), ep))
 
     prev = None
-    for c in range(n_chunks):
-        idx = mine[c * batch_prompts:(c + 1) * batch_prompts]
-        chunk = [tasks[t] for t in idx] or tasks[:1]  # an empty share still joins the program
-        rng, sub = jax.random.split(rng)
-        pending = worker.start(variables, chunk, sub, group_size=n_samples, pad_to=batch_prompts)
-        cur = (idx, pending)
-        if prev is not None:
-            collect(*prev)
-        prev = cur
+    for kind in (k for k in kinds if k):
+        mine = kind[me::blocks]  # this process's tasks of the kind (task i to block i mod blocks)
+        for c in range(math.ceil(math.ceil(len(kind) / blocks) / batch_prompts)):
+            idx = mine[c * batch_prompts:(c + 1) * batch_prompts]
+            chunk = [tasks[t] for t in idx or kind[:1]]  # an empty share still joins the program
+            rng, sub = jax.random.split(rng)
+            pending = worker.start(variables, chunk, sub, group_size=n_samples,
+                                   pad_to=batch_prompts)
+            cur = (idx, pending)
+            if prev is not None:
+                collect(*prev)
+            prev = cur
     if prev is not None:
         collect(*prev)
     if blocks > 1:  # one gather: every process's (task, correct) pairs and failure count

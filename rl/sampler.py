@@ -30,8 +30,8 @@ equals the plain sampler's token for token (tests/rl/test_sampler_fast.py); meas
 tokens, lengths, rng)` per call): each row's new tokens are prefilled at its cache position and
 decoding runs as above; the cache comes back for the next call (multi-turn episodes,
 rl/agent.py: a turn prefills its last sampled token and the observation, not the whole
-context). On a mesh, sharing needs the distinct prompts to split over the same batch axes as
-the rows (otherwise every row is prefilled, logged once); refill runs on a one-process mesh
+context; on a mesh the cache is laid out over it, `shd.cache_shardings`). On a mesh, sharing
+needs the distinct prompts to split over the same batch axes as the rows (otherwise every row is prefilled, logged once); refill runs on a one-process mesh
 only. `prefill_groups` is the shared prefill for other decoders. Not covered:
 either with speculative="mtp" (sharing falls back to prefilling every row, logged once; refill
 raises), refill across several processes (raises), sharing a common prefix of different prompts.
@@ -231,6 +231,7 @@ def _hits_stop(buf, t, cfg: SamplingConfig):
 # eval, sampled eval and RL rollouts of one batch shape compile once per process. mode:
 # ("plain",), ("shared", G) (prefix sharing) or ("refill", G, R) (row refill into R slots).
 _PROGRAMS: dict = {}
+_NEW_CACHES: dict = {}  # (model config, rows, positions, mesh) -> jitted empty cache on the mesh
 PLAIN = ("plain",)
 
 
@@ -479,18 +480,27 @@ class Sampler:
         if self.cfg.speculative != "none":
             raise ValueError("Sampler.extend runs without speculative decoding: use generate "
                              "(every call prefills its prompts)")
-        if self.mesh is not None and jax.process_count() > 1:
-            raise ValueError("Sampler.extend on a mesh of several processes is not implemented: "
-                             "use generate (every call prefills its prompts)")
+
+    def _global_rows(self, n: int) -> int:
+        return n if self.mesh is None else shd.global_rows(n, self.mesh, self.rules)
 
     def new_cache(self, batch: int, max_len: int):
-        """An empty decode cache of `batch` rows and `max_len` positions for `extend` (on a
-        mesh: laid out as the mesh's extend program takes it, shd.cache_shardings)."""
+        """An empty decode cache of `batch` rows (on a mesh: this process's rows of the global
+        batch) and `max_len` positions for `extend`; on a mesh a global cache laid out as the
+        mesh's extend program takes it (shd.cache_shardings), made by one jitted program per
+        shape (every process runs it)."""
         self._check_extend()
-        cache = self.model.init_cache(batch, max_len)
         if self.mesh is None:
-            return cache
-        return jax.device_put(cache, shd.cache_shardings(cache, self.mesh, self.rules))
+            return self.model.init_cache(batch, max_len)
+        n = self._global_rows(batch)
+        key = (self.model.cfg, n, max_len, _mesh_key(self.mesh, self.rules))
+        fn = _NEW_CACHES.get(key)
+        if fn is None:
+            def make(model=self.model):
+                return model.init_cache(n, max_len)
+            sh = shd.cache_shardings(jax.eval_shape(make), self.mesh, self.rules)
+            fn = _NEW_CACHES[key] = jax.jit(make, out_shardings=sh)
+        return fn()
 
     def extend(self, variables, cache, tokens, lengths, rng):
         """Continue rows from a decode cache (multi-turn episodes: the next turn's context is the
@@ -504,12 +514,14 @@ class Sampler:
         query attends them; a write that does not fit lands inside the row's history), and a
         generating row's position + its new tokens + max_new_tokens too. One compiled program
         per (B, M, cache size). Greedy output equals `generate` on the whole context up to
-        float reassociation (tests/rl/test_agent.py)."""
+        float reassociation (tests/rl/test_agent.py). On a mesh: tokens and lengths are this
+        process's rows, the cache and the outputs global (as `generate`); with several processes
+        every process calls with the same M and cache size (its rows may all sit out)."""
         self._check_extend()
         tokens = np.asarray(tokens, np.int32)
         lengths = np.asarray(lengths, np.int32)
         if (tokens.ndim != 2 or lengths.shape != tokens.shape[:1]
-                or cache["lengths"].shape != lengths.shape):
+                or cache["lengths"].shape != (self._global_rows(len(lengths)),)):
             raise ValueError(f"tokens must be [B,M] and lengths [B] for a cache of "
                              f"{cache['lengths'].shape[0]} rows; got {tokens.shape}, "
                              f"{lengths.shape}")

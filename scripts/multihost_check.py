@@ -4,8 +4,9 @@
     python scripts/multihost_check.py --steps 3 --workdir /tmp/mh
 
 What it runs (CPU, fake devices; configs/rl.py:smoke_8dev from scratch: the test model with
-expert-parallel MoE on a (data 2, fsdp 2, expert 2) mesh, GRPO with KL, sandbox rewards,
-held-out evaluation at the last step):
+expert-parallel MoE on a (data 2, fsdp 2, expert 2) mesh, GRPO with KL, sandbox rewards, the
+demo's domains with multi-turn episodes played in lockstep across the processes, held-out
+evaluation at the last step):
 
 1. two processes (4 CPU devices each, gloo collectives, JAX_COORDINATOR_ADDRESS /
    JAX_NUM_PROCESSES / JAX_PROCESS_ID) run `scripts/train_rl.py` for --steps RL steps; each

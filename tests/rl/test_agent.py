@@ -9,6 +9,8 @@ contribute exactly nothing to the loss, its gradient or the KL, the reward is th
 check's, and SFT rendering (encode_episode) equals what a rollout of the same turns produces.
 """
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,7 @@ from rl.train_step import make_logp_fn, make_rl_loss
 from sandbox import SandboxPool
 from sandbox.tasks.domains import multistep
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 WIDTH, TURN = 448, 96
 ENV = EnvConfig(observation_tokens=32, max_turns=4)
 SAMPLING = SamplingConfig(max_new_tokens=TURN, temperature=0.7, eos_id=ByteTokenizer.eos_id)
@@ -247,3 +250,101 @@ def test_one_device_mesh_rollouts_keep_the_turn_cache(agent):
         assert compiled() == before > 0
     np.testing.assert_array_equal(a.completions, b.completions)
     np.testing.assert_array_equal(a.rewards, b.rewards)
+
+
+@pytest.mark.slow
+def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path):
+    """Two processes joined by jax.distributed (one CPU device each, a data=2 mesh across them)
+    each play their own episodes in their own sandbox sessions, every turn one sampler program
+    over both processes' rows: process 0 two tasks x 2, process 1 one task x 2 and two padding
+    rows, so its second half has nothing to generate while process 0's does and it joins those
+    turns with rows that sit out. Greedy, with the turn cache and re-reading the context, each
+    process's episodes equal what one process without a mesh plays for the same tasks."""
+    import os
+    import pickle
+    import socket
+    import subprocess
+    import sys
+
+    model, variables, tok, task = agent["model"], agent["variables"], agent["tok"], agent["task"]
+    tasks = [task] + multistep.make_split("train", 3, seed=5, difficulty=1)
+    shares = [tasks[:2], tasks[2:3]]  # process 1: one task x 2 + two padding rows
+    greedy = SamplingConfig(max_new_tokens=TURN, temperature=0.0, eos_id=tok.eos_id)
+    with open(tmp_path / "in.pkl", "wb") as f:
+        pickle.dump({"cfg": model.cfg, "variables": jax.device_get(variables), "shares": shares},
+                    f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ)
+        flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count",
+                                                 "--_x")
+        env.update(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=1".strip(),
+                   JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid),
+                   PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env,
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    with SandboxPool(workers=2) as pool:  # meanwhile, one process without a mesh
+        w = AgentRolloutWorker(model, tok, greedy, pool, group_size=2, width=WIDTH,
+                               env_config=ENV)
+        want = [w.generate(variables, share, jax.random.key(0), pad_to=2) for share in shares]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (so, se) in zip(procs, outs):
+        assert p.returncode == 0, f"process failed:\n{so[-3000:]}\n{se[-6000:]}"
+    assert max(d["turns"] for d in want[0].details) >= 3 and (want[0].rewards == 1.0).any()
+    for pid, ref in enumerate(want):
+        with open(tmp_path / f"out{pid}.pkl", "rb") as f:
+            got = pickle.load(f)
+        for cached, g in got.items():
+            for k in ("completions", "target_mask", "rewards"):
+                np.testing.assert_array_equal(g[k], getattr(ref, k), err_msg=f"{pid} {cached} {k}")
+            assert g["turns"] == [d["turns"] for d in ref.details]
+
+
+def _lockstep_process(tmp):
+    """One of the two processes of test_two_processes_play_their_episodes_in_lockstep."""
+    import pickle
+
+    from model._xla_env import configure_xla_env
+
+    configure_xla_env(fast_compile=True)
+    from model import sharding as shd
+
+    assert shd.maybe_initialize_distributed()
+    me = jax.process_index()
+    tmp = pathlib.Path(tmp)
+    with open(tmp / "in.pkl", "rb") as f:
+        d = pickle.load(f)
+    model, tok = Model(d["cfg"]), ByteTokenizer()
+    mesh = shd.make_mesh((2, 1, 1, 1))  # one device per process: rows split by process
+    sh = shd.variables_shardings(shd.model_shardings(model, mesh), d["variables"], mesh)
+    variables = jax.tree.map(lambda x, s: jax.make_array_from_callback(
+        np.shape(x), s, lambda i: np.asarray(x)[i]), d["variables"], sh)
+    greedy = SamplingConfig(max_new_tokens=TURN, temperature=0.0, eos_id=tok.eos_id)
+    out = {}
+    with SandboxPool(workers=2) as pool:
+        for cached in (True, False):
+            w = AgentRolloutWorker(model, tok, greedy, pool, group_size=2, width=WIDTH,
+                                   env_config=ENV, mesh=mesh, cache_turns=cached)
+            assert w.lockstep and w.cache_turns == cached
+            g = w.generate(variables, d["shares"][me], jax.random.key(0), pad_to=2)
+            out[cached] = {"completions": g.completions, "target_mask": g.target_mask,
+                           "rewards": g.rewards, "turns": [x["turns"] for x in g.details]}
+    with open(tmp / f"out{me}.pkl", "wb") as f:
+        pickle.dump(out, f)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _lockstep_process(sys.argv[1])
