@@ -1029,7 +1029,8 @@ def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, m
     t0 = time.perf_counter()
     if callable(width):  # the width of this group's rows (train_width of its tasks)
         width = width(group.tasks)
-    batch, met = build_train_batch(group, algo, width, forward=forward.at(state))
+    batch, met = build_train_batch(group, algo, width, forward=forward.at(state), mesh=mesh,
+                                   rules=rules)
     met["staleness"] = int(state.step) - group.policy_version  # updates behind
     state, tmet = step_fn(state, shd.to_global(batch, mesh, rules))
     met.update({k: float(v) for k, v in jax.device_get(tmet).items()})

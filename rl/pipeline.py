@@ -39,7 +39,7 @@ import numpy as np
 
 from model import sharding as shd
 from rl import losses
-from rl.algorithms import AlgoConfig, prepare_advantages
+from rl.algorithms import AlgoConfig, PreparedAdvantages, prepare_advantages
 from rl.metrics import clustered_interval, mean_interval, pass_at_k
 from rl.sampler import Sampler, SamplingConfig, pack
 
@@ -336,10 +336,45 @@ class RolloutWorker:
 
 
 _prepare_advantages_jit = jax.jit(prepare_advantages, static_argnums=(0,))
+_MESH_ADVANTAGES: dict = {}  # (algo, mesh, rules) -> MeshJit of prepare_advantages
+
+
+def batch_advantages(algo: AlgoConfig, rewards, mask, *, group_ids, values=None, kl=None,
+                     lengths=None, mesh=None, rules=None):
+    """`prepare_advantages` of this process's rows as host arrays (one compiled program per
+    algorithm and shapes). When several processes hold distinct rows of the batch (`mesh`), one
+    program runs over every process's rows, so what the estimator and the metrics reduce over
+    the batch (reinforce_baseline's std, adv_mean, keep_frac, ...) is the global batch's, as
+    on one process; group ids are made distinct per process (a group's rows are on one
+    process) and the outputs come back as this process's rows."""
+    n = len(rewards)
+    if (mesh is None or jax.process_count() == 1
+            or shd.global_rows(n, mesh, rules) == n):  # every process holds every row
+        return jax.device_get(_prepare_advantages_jit(
+            algo, rewards, mask, group_ids=group_ids, values=values, kl=kl, lengths=lengths))
+    key = (algo, mesh, tuple(sorted(shd._rules(rules).items())))
+    prog = _MESH_ADVANTAGES.get(key)
+    if prog is None:
+        def fn(rewards, mask, group_ids, values, kl, lengths):
+            return prepare_advantages(algo, rewards, mask, group_ids=group_ids, values=values,
+                                      kl=kl, lengths=lengths)
+
+        def outs(rewards, mask, group_ids, values, *_):
+            b, rep = shd.batch_sharding(mesh, mask.shape[0], rules), shd.replicated(mesh)
+            return PreparedAdvantages(b, None if values is None else b, b, rep)
+        prog = _MESH_ADVANTAGES[key] = shd.MeshJit(fn, mesh, rules, out_shardings=outs,
+                                                   name="advantages")
+    ids = np.asarray(group_ids) + jax.process_index() * n  # distinct across processes
+    args = shd.to_global((np.asarray(rewards, np.float32), np.asarray(mask), ids, values, kl,
+                          lengths), mesh, rules)
+    out = prog(*args)
+    return PreparedAdvantages(*shd.host_rows((out.advantages, out.returns, out.keep)),
+                              jax.device_get(out.metrics))
 _kl_penalty_jit = jax.jit(losses.kl_penalty, static_argnums=(2,))
 
 
-def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forward=None):
+def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forward=None,
+                      mesh=None, rules=None):
     """Pack rows, compute advantages (per algo), drop failed rows. Returns (batch dict of numpy
     arrays for the train step, metrics).
 
@@ -355,6 +390,8 @@ def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forwa
     -kl_coef * kl_penalty(old_logp, ref_logp)). In that case it runs before the advantages, on
     the mask of non-failed rows (rows that the advantages' keep later drops, e.g. by dynamic
     sampling, are in that forward but not in the loss); otherwise after, on the final mask.
+    mesh/rules: the run's; with several processes the advantages are the global batch's
+    (batch_advantages).
     """
     tm = () if group.target_mask is None else (group.target_mask.astype(np.float32),)
     tokens, mask, rollout, *placed = pack(group.prompts, group.prompt_lengths, group.completions,
@@ -379,11 +416,10 @@ def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forwa
                              f"{missing}")
         if reward_kl:
             kl = _kl_penalty_jit(fw["old_logp"], fw["ref_logp"], algo.kl_kind, mask=mask)
-    # one compiled program per (algorithm, shapes) instead of op-by-op dispatch
-    prep = jax.device_get(_prepare_advantages_jit(
+    prep = batch_advantages(
         algo, np.asarray(group.rewards, np.float32), mask,
         group_ids=np.asarray(group.group_ids), values=fw.get("old_values"), kl=kl,
-        lengths=np.asarray(group.model_tokens())))
+        lengths=np.asarray(group.model_tokens()), mesh=mesh, rules=rules)
     keep = np.asarray(prep.keep)
     mask = mask & keep[:, None]
     if forward is not None and not before:

@@ -5,6 +5,8 @@ collectives over 4 fake CPU devices each, one (data 2, fsdp 2, expert 2) mesh ac
   assembled from every process's rows (model.sharding.to_global), reduced by a MeshJit program
   (compiled, then a barrier, then run, with donation), and this process's rows back
   (host_rows);
+* the advantages of a batch over both processes' rows (rl.pipeline.batch_advantages):
+  REINFORCE++-baseline's batch std and the advantage metrics equal one process's over all rows;
 * host-side metrics reduced over processes (reduce_host_metrics: mean / max / sum by key, keys
   only some processes report) and a JSON gather (allgather_json);
 * the Checkpointer saving a sharded state with rng and the data-iterator position from both
@@ -132,6 +134,31 @@ def worker(tmp):
         assert "splits a group" in str(e)
     else:
         raise AssertionError("a group split over processes was accepted")
+
+    # -- advantages over the global batch (rl.pipeline.batch_advantages): the rows of both
+    # processes in one program, so REINFORCE++-baseline's batch std and the metrics are the
+    # whole batch's, as on one process (each process's groups kept apart)
+    from rl.algorithms import get_algorithm, prepare_advantages
+    from rl.pipeline import batch_advantages
+
+    rewards = np.array([0.0, 1.0, 1.0, 1.0, 0.0, 0.2, 0.9, 0.0], np.float32)  # process p: 4p..
+    tmask = np.ones((8, 5), bool)
+    tmask[1, 3:] = tmask[6, 2:] = False
+    gids = np.array([0, 0, 1, 1] * 2)  # each process numbers its own groups
+    mine = slice(4 * me, 4 * me + 4)
+    for est in ("reinforce_baseline", "grpo"):
+        algo = get_algorithm("grpo", estimator=est)
+        got = batch_advantages(algo, rewards[mine], tmask[mine], group_ids=gids[mine], mesh=mesh)
+        want = jax.device_get(prepare_advantages(algo, rewards, tmask,
+                                                 group_ids=gids + np.repeat([0, 2], 4)))
+        np.testing.assert_allclose(got.advantages, want.advantages[mine], rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(got.keep, want.keep[mine])
+        for k, v in want.metrics.items():
+            np.testing.assert_allclose(got.metrics[k], v, rtol=1e-6, err_msg=k)
+        alone = jax.device_get(prepare_advantages(algo, rewards[mine], tmask[mine],
+                                                  group_ids=gids[mine]))
+        if est == "reinforce_baseline":  # one process's rows alone have another batch std
+            assert not np.allclose(alone.advantages, want.advantages[mine])
 
     # -- host metrics
     met = {"reward_mean": float(me), "logp_gap_max": 1.0 + me, "sandbox_failed": 1.0}
