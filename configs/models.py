@@ -41,6 +41,9 @@ def _base(**kw) -> ml_collections.ConfigDict:
         rope_theta=10000.0, indexer_stage="sparse", impl="auto",
         # the indexer is trained only by its KL loss: at 0 its top-k selection stays random
         indexer_loss_weight=1.0,
+        # > 0: that KL in chunks of this many queries for longer sequences, recomputed in the
+        # backward (less memory, more compute; model/layers/dsa.py:indexer_kl_chunked)
+        indexer_kl_chunk=0,
         # positions: "rope" | "nope"; rope_scaling "yarn" extends a RoPE model's context by
         # rope_factor from rope_original_max_position (model/layers/rope.py)
         positions="rope", rope_scaling="none", rope_factor=1.0, rope_original_max_position=4096,

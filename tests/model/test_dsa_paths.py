@@ -9,7 +9,8 @@ and parameter gradients) on each path equals the token-sparse path forced by mon
 rule, at lengths below top-k, between top-k and the masked limit, and past it; with a decode
 cache, the same by the cache's length, and the run-time dense choice while every row holds at
 most top-k keys (model/layers/dsa.py: RUNTIME_DENSE_DECODE) equal to selecting at every step.
-Not covered: the timings (benchmarks/dsa.py measures the crossover).
+The indexer KL in query chunks (long training sequences) equals the one-pass KL (values and
+gradients). Not covered: the timings (benchmarks/dsa.py measures the crossover).
 """
 
 import jax
@@ -94,6 +95,42 @@ def test_layer_paths_equal_the_sparse_gather(T, path, monkeypatch):
                                rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(g_rule), jax.tree.leaves(g_sp)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+def test_query_chunked_indexer_kl_equals_one_pass(stage):
+    """dsa.indexer_kl_chunk = 8 at T = 21 (the last chunk padded): the indexer KL in query
+    chunks, each recomputed in the backward (dsa.indexer_kl_chunked), on the dense stage
+    (every causal key) and the sparse stage (the top-k selection, T past top-k): the layer's
+    output, its indexer KL and every parameter gradient equal the one-pass KL's."""
+    import dataclasses
+
+    cfg = dataclasses.replace(_layer().cfg, indexer_stage=stage)
+    layers = [dsa.DSALayer(cfg=dataclasses.replace(cfg, indexer_kl_chunk=n), d_model=24)
+              for n in (0, 8)]
+    B, T = 2, 21
+    x = jax.random.normal(jax.random.key(1), (B, T, 24))
+    valid = jnp.arange(T)[None] < jnp.array([[T], [T - 4]])
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    params = layers[0].init(jax.random.key(0), x, valid=valid, positions=pos)
+
+    def step(layer):
+        def loss(p):
+            out, _, aux = layer.apply(p, x, valid=valid, positions=pos)
+            return jnp.sum(out * jnp.cos(jnp.arange(24.0))) + aux["indexer_kl"], (out, aux)
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (l1, (o1, a1)), g1 = step(layers[0])
+    (l2, (o2, a2)), g2 = step(layers[1])
+    assert float(a1["indexer_kl"]) > 0
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    np.testing.assert_allclose(float(a2["indexer_kl"]), float(a1["indexer_kl"]), rtol=1e-5)
+    idx_grads = 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+        idx_grads += "idx_" in jax.tree_util.keystr(path) and bool(np.any(np.asarray(a) != 0))
+    assert idx_grads >= 3  # the indexer's q, k and weight projections get the KL's gradient
 
 
 def _cached_decode(layer, params, x, lengths, P, S, n):
