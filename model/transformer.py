@@ -50,6 +50,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from model import sharding as shd
 from model._xla_env import unroll_threefry_on_cpu
 from model.config import ModelConfig, span_name
 from model.layers import registry
@@ -99,6 +100,7 @@ class Block(nn.Module):
         dt, pdt = _dtype(c.dtype), _dtype(c.param_dtype)
         kind = registry.get(self.kind)
         attn = kind.layer(c.section(kind.section), c.d_model, c.norm_eps, dt, pdt, name="attn")
+        x = shd.constrain(x, shd.BLOCK_AXES)  # the residual stream's layout between blocks
         h = RMSNorm(c.norm_eps, pdt, name="attn_norm")(x)
         a, new_cache, aux = attn(h, valid=valid, positions=positions, cache=cache, offset=offset,
                                  step_caches=step_caches)
@@ -109,7 +111,7 @@ class Block(nn.Module):
             aux = {**aux, **moe_aux}
         else:
             f = MLP(c.moe.dense_dim, dt, pdt, name="ffn")(h)
-        return x + f, new_cache, aux
+        return shd.constrain(x + f, shd.BLOCK_AXES), new_cache, aux
 
 
 # model.remat -> jax.checkpoint policy of every block (trunk and MTP). "full" is jax.checkpoint's
