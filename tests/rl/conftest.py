@@ -1,5 +1,11 @@
 """Fixtures shared by the RL tests."""
 
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
 import jax
 import pytest
 
@@ -37,3 +43,52 @@ def cut_sft_config():
         c.sft.update(dict(batch_size=4, indexer_warmup_steps=0, log_every=1, **sft))
         return c
     return make
+
+
+class TwoProcesses:
+    """Two local processes running `script` (a test file's __main__) joined by jax.distributed:
+    a free coordinator port, `devices` fake CPU devices each, the repository on PYTHONPATH."""
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+
+    def start(self, script, *args, devices: int) -> list:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        for pid in range(2):
+            env = dict(os.environ)
+            flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count",
+                                                     "--_x")
+            env.update(
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+                JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid),
+                PYTHONPATH=str(self.root) + os.pathsep + env.get("PYTHONPATH", ""))
+            procs.append(subprocess.Popen(
+                [sys.executable, str(pathlib.Path(script).resolve()), *map(str, args)], env=env,
+                cwd=self.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return procs
+
+    @staticmethod
+    def finish(procs, timeout: float = 600) -> list:
+        """[(stdout, stderr)] of each process once all have exited (killed past `timeout`);
+        fails the test with a process's output when its exit status is not 0."""
+        outs = []
+        try:
+            for p in procs:
+                outs.append(p.communicate(timeout=timeout))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for p, (so, se) in zip(procs, outs):
+            assert p.returncode == 0, f"process failed:\n{so[-3000:]}\n{se[-6000:]}"
+        return outs
+
+
+@pytest.fixture(scope="session")
+def two_processes():
+    """TwoProcesses: start(script, *args, devices=N) then finish(procs)."""
+    return TwoProcesses()

@@ -32,7 +32,6 @@ from rl.train_step import make_logp_fn, make_rl_loss
 from sandbox import SandboxPool
 from sandbox.tasks.domains import multistep
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 WIDTH, TURN = 448, 96
 ENV = EnvConfig(observation_tokens=32, max_turns=4)
 SAMPLING = SamplingConfig(max_new_tokens=TURN, temperature=0.7, eos_id=ByteTokenizer.eos_id)
@@ -253,18 +252,14 @@ def test_one_device_mesh_rollouts_keep_the_turn_cache(agent):
 
 
 @pytest.mark.slow
-def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path):
+def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path, two_processes):
     """Two processes joined by jax.distributed (one CPU device each, a data=2 mesh across them)
     each play their own episodes in their own sandbox sessions, every turn one sampler program
     over both processes' rows: process 0 two tasks x 2, process 1 one task x 2 and two padding
     rows, so its second half has nothing to generate while process 0's does and it joins those
     turns with rows that sit out. Greedy, with the turn cache and re-reading the context, each
     process's episodes equal what one process without a mesh plays for the same tasks."""
-    import os
     import pickle
-    import socket
-    import subprocess
-    import sys
 
     model, variables, tok, task = agent["model"], agent["variables"], agent["tok"], agent["task"]
     tasks = [task] + multistep.make_split("train", 3, seed=5, difficulty=1)
@@ -273,34 +268,12 @@ def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path):
     with open(tmp_path / "in.pkl", "wb") as f:
         pickle.dump({"cfg": model.cfg, "variables": jax.device_get(variables), "shares": shares},
                     f)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for pid in range(2):
-        env = dict(os.environ)
-        flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count",
-                                                 "--_x")
-        env.update(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=1".strip(),
-                   JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid),
-                   PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env,
-                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+    procs = two_processes.start(__file__, tmp_path, devices=1)
     with SandboxPool(workers=2) as pool:  # meanwhile, one process without a mesh
         w = AgentRolloutWorker(model, tok, greedy, pool, group_size=2, width=WIDTH,
                                env_config=ENV)
         want = [w.generate(variables, share, jax.random.key(0), pad_to=2) for share in shares]
-    try:
-        outs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (so, se) in zip(procs, outs):
-        assert p.returncode == 0, f"process failed:\n{so[-3000:]}\n{se[-6000:]}"
+    two_processes.finish(procs)
     assert max(d["turns"] for d in want[0].details) >= 3 and (want[0].rewards == 1.0).any()
     for pid, ref in enumerate(want):
         with open(tmp_path / f"out{pid}.pkl", "rb") as f:

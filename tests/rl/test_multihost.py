@@ -24,10 +24,7 @@ docs/scaling.md).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -42,33 +39,8 @@ def _values():
             "step": np.int32(2)}
 
 
-def test_two_processes_share_batches_metrics_and_sharded_checkpoints(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for pid in range(2):
-        env = dict(os.environ)
-        flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count",
-                                                 "--_x")
-        env.update(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4".strip(),
-                   JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid),
-                   PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(pathlib.Path(__file__).resolve()), str(tmp_path)], env=env,
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=600))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (so, se) in zip(procs, outs):
-        assert p.returncode == 0, f"worker failed:\n{so[-3000:]}\n{se[-6000:]}"
+def test_two_processes_share_batches_metrics_and_sharded_checkpoints(tmp_path, two_processes):
+    outs = two_processes.finish(two_processes.start(__file__, tmp_path, devices=4))
     digests = [json.loads(so.strip().splitlines()[-1])["digest"] for so, _ in outs]
     assert digests[0] == digests[1]
 
