@@ -31,8 +31,8 @@ tokens, lengths, rng)` per call): each row's new tokens are prefilled at its cac
 decoding runs as above; the cache comes back for the next call (multi-turn episodes,
 rl/agent.py: a turn prefills its last sampled token and the observation, not the whole
 context; on a mesh the cache is laid out over it, `shd.cache_shardings`). On a mesh, sharing
-needs the distinct prompts to split over the same batch axes as the rows (otherwise every row is prefilled, logged once); refill runs on a one-process mesh
-only. `prefill_groups` is the shared prefill for other decoders. Not covered:
+needs the distinct prompts to split over the same batch axes as the rows (otherwise every row
+is prefilled, logged once); refill runs on a one-process mesh only. `prefill_groups` is the shared prefill for other decoders. Not covered:
 either with speculative="mtp" (sharing falls back to prefilling every row, logged once; refill
 raises), refill across several processes (raises), sharing a common prefix of different prompts.
 
@@ -325,11 +325,11 @@ def _replicated_draw_args(rng, temperature, rep):
 
 
 def _mesh_extend_program(impl, model: Model, mesh, rules):
-    """`Sampler.extend` on a mesh (one process): parameters with the model's shardings, the
-    decode cache in and out with its `cache_shardings` (rows over the batch axes, KDA state heads
-    over tensor; donated), the new tokens, their lengths and every output row over the batch
-    axes, the rng key and temperature replicated. One program per (rows, new-token width, cache
-    size)."""
+    """`Sampler.extend` on a mesh (model.sharding.MeshJit): parameters with the model's
+    shardings, the decode cache in and out with its `cache_shardings` (rows over the batch axes,
+    KDA state heads over tensor; donated), the new tokens, their lengths and every output row
+    over the batch axes, the rng key and temperature replicated. One program per (rows,
+    new-token width, cache size)."""
     var_sh = shd.model_shardings(model, mesh, rules)
     rep = shd.replicated(mesh)
 
