@@ -17,8 +17,15 @@ padding), decode-loop steps of the refill variants, and the ratio to plain.
 Model: configs/models.py "demo". Full mode loads the demo RL checkpoint when one exists
 (`DEMO_WORKDIR`, default runs/demo, the demo's workdir; realistic EOS lengths) and uses the demo's
 real task prompts; quick mode (and a missing checkpoint) uses random init, where rows rarely
-end before max_new_tokens, so refill cannot gain there. Not covered: the mesh sampler, MTP
-speculative decoding (benchmarks/speculative.py).
+end before max_new_tokens, so refill cannot gain there. With ROLLOUT_BENCH_MESH set (a mesh
+spec, e.g. "data=2"), the episodes run on that mesh of this process's devices, the variables
+laid out by the model's shardings and the turn cache over the mesh:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 ROLLOUT_BENCH_MESH=data=2 \
+        python scripts/bench.py rollouts
+
+Not covered: the one-shot sampler on a mesh, MTP speculative decoding
+(benchmarks/speculative.py).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import jax
 import numpy as np
 
 WORKDIR = os.environ.get("DEMO_WORKDIR", os.path.join("runs", "demo"))
+MESH_ENV = "ROLLOUT_BENCH_MESH"  # the episodes' mesh (module docstring); unset: no mesh
 
 
 def _setup(quick: bool):
@@ -145,22 +153,28 @@ def _episodes(config, model, tok, variables, rounds: int) -> dict:
     """Agent rollouts with and without the turn cache, alternating per round (module doc)."""
     import dataclasses
 
+    from model import sharding as shd
     from rl.agent import AgentRolloutWorker
     from rl.loop import agent_env_config, load_task_splits
     from rl.sampler import SamplingConfig
     from sandbox import SandboxPool
 
     a = config.rl.agent
+    mesh = shd.make_mesh(os.environ[MESH_ENV]) if os.environ.get(MESH_ENV) else None
+    if mesh is not None:
+        variables = jax.device_put(variables, shd.variables_shardings(
+            shd.model_shardings(model, mesh), variables, mesh))
     config.tasks.update(dict(families="multistep", val_per_family=32))
     tasks = [t for t, _ in load_task_splits(config)["val"]]
     base = SamplingConfig(max_new_tokens=int(a.turn_tokens), eos_id=tok.eos_id)
     shapes = {"rl": (tasks[:8], 4, 1.0), "eval": (tasks[:32], 1, 0.0)}
-    out = {}
+    out = {"mesh": None if mesh is None else dict(mesh.shape)}
     with SandboxPool(workers=int(config.sandbox.workers)) as pool:
         for shape, (ts, G, temp) in shapes.items():
             workers = {name: AgentRolloutWorker(
                 model, tok, dataclasses.replace(base, temperature=temp), pool, group_size=G,
-                width=int(a.width), env_config=agent_env_config(a), cache_turns=cached)
+                width=int(a.width), env_config=agent_env_config(a), cache_turns=cached,
+                mesh=mesh)
                 for name, cached in (("full", False), ("cached", True))}
             times = {n: [] for n in workers}
             groups = {}
