@@ -32,9 +32,11 @@ decoding runs as above; the cache comes back for the next call (multi-turn episo
 rl/agent.py: a turn prefills its last sampled token and the observation, not the whole
 context; on a mesh the cache is laid out over it, `shd.cache_shardings`). On a mesh, sharing
 needs the distinct prompts to split over the same batch axes as the rows (otherwise every row
-is prefilled, logged once); refill runs on a one-process mesh only. `prefill_groups` is the shared prefill for other decoders. Not covered:
-either with speculative="mtp" (sharing falls back to prefilling every row, logged once; refill
-raises), refill across several processes (raises), sharing a common prefix of different prompts.
+is prefilled, logged once); refill too, and with several processes each passes its share of
+the rows and of the slots (the program refills over the global batch). `prefill_groups` is the
+shared prefill for other decoders. Not covered: either with speculative="mtp" (sharing falls
+back to prefilling every row, logged once; refill raises), sharing a common prefix of different
+prompts.
 
 Also here: `pack` (prompt + completion rows for the trainer). Trainer-side log-probs of packed rows:
 `rl.train_step.make_logp_fn`.
@@ -400,16 +402,14 @@ class Sampler:
             raise ValueError("row refill (slots > 0) is not implemented for speculative "
                              "decoding: use slots=0 with speculative='mtp'")
         if slots and slots < n_rows:
-            if self.mesh is not None and jax.process_count() > 1:
-                raise ValueError("row refill (slots > 0) on a mesh with several processes is "
-                                 "not implemented: use slots=0")
             if self.mesh is not None and not (self._same_layout(n_rows // group_size, n_rows)
                                               and self._same_layout(slots, n_rows)):
                 raise ValueError(
                     f"row refill on mesh {dict(self.mesh.shape)}: the {n_rows // group_size} "
                     f"distinct prompts, the {slots} slots and the {n_rows} rows must split over "
                     "the same batch axes: choose slots and prompts divisible by the data axes")
-            return ("refill", group_size, slots)
+            # the program's slots are the global batch's (every process's share)
+            return ("refill", group_size, self._global_rows(slots))
         if group_size == 1:
             return PLAIN
         if self.cfg.speculative == "mtp":

@@ -27,7 +27,7 @@ from rl.agent import AgentRolloutWorker, encode_episode
 from rl.algorithms import get_algorithm
 from rl.envs import EnvConfig, demo_turns
 from rl.pipeline import build_train_batch
-from rl.sampler import SamplingConfig
+from rl.sampler import Sampler, SamplingConfig
 from rl.train_step import make_logp_fn, make_rl_loss
 from sandbox import SandboxPool
 from sandbox.tasks.domains import multistep
@@ -258,7 +258,10 @@ def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path, two_proc
     over both processes' rows: process 0 two tasks x 2, process 1 one task x 2 and two padding
     rows, so its second half has nothing to generate while process 0's does and it joins those
     turns with rows that sit out. Greedy, with the turn cache and re-reading the context, each
-    process's episodes equal what one process without a mesh plays for the same tasks."""
+    process's episodes equal what one process without a mesh plays for the same tasks. Also
+    row refill (rl.sampler) over both processes' rows, 2 slots each, sampled at T=1 from the
+    weights halved (so rows end apart): each process's rows equal one process's refill of all
+    8 rows in 4 slots (with the slots not scaled to the global batch they do not)."""
     import pickle
 
     model, variables, tok, task = agent["model"], agent["variables"], agent["tok"], agent["task"]
@@ -266,22 +269,51 @@ def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path, two_proc
     shares = [tasks[:2], tasks[2:3]]  # process 1: one task x 2 + two padding rows
     greedy = SamplingConfig(max_new_tokens=TURN, temperature=0.0, eos_id=tok.eos_id)
     with open(tmp_path / "in.pkl", "wb") as f:
-        pickle.dump({"cfg": model.cfg, "variables": jax.device_get(variables), "shares": shares},
-                    f)
+        pickle.dump({"cfg": model.cfg, "variables": jax.device_get(variables), "shares": shares,
+                     "tasks": tasks}, f)
     procs = two_processes.start(__file__, tmp_path, devices=1)
     with SandboxPool(workers=2) as pool:  # meanwhile, one process without a mesh
         w = AgentRolloutWorker(model, tok, greedy, pool, group_size=2, width=WIDTH,
                                env_config=ENV)
         want = [w.generate(variables, share, jax.random.key(0), pad_to=2) for share in shares]
+    prompts, lens = _refill_prompts(tok, tasks)  # both processes' rows: 4 tasks x 2
+    refill = Sampler(model, _turn_sampling(tok)).generate(
+        _softened(variables), prompts, lens, jax.random.key(1), group_size=2, slots=4)
     two_processes.finish(procs)
     assert max(d["turns"] for d in want[0].details) >= 3 and (want[0].rewards == 1.0).any()
+    got_refill = {}
     for pid, ref in enumerate(want):
         with open(tmp_path / f"out{pid}.pkl", "rb") as f:
             got = pickle.load(f)
+        got_refill[pid] = got.pop("refill")
         for cached, g in got.items():
             for k in ("completions", "target_mask", "rewards"):
                 np.testing.assert_array_equal(g[k], getattr(ref, k), err_msg=f"{pid} {cached} {k}")
             assert g["turns"] == [d["turns"] for d in ref.details]
+        # row refill over both processes' rows (2 slots each) equals one process's (4 slots)
+        rows = slice(4 * pid, 4 * pid + 4)
+        for k in ("tokens", "mask"):
+            np.testing.assert_array_equal(got_refill[pid][k], np.asarray(getattr(refill, k))[rows])
+    assert len(set(np.asarray(refill.lengths).tolist())) > 1  # rows end apart: slots refill
+
+
+def _turn_sampling(tok):
+    """Model turns sampled at T=1 that stop at the tool call's end (rows end apart)."""
+    return SamplingConfig(max_new_tokens=TURN, temperature=1.0, eos_id=tok.eos_id,
+                          stop_sequences=(tuple(tok.encode("</tool_call>")),))
+
+
+def _softened(variables):
+    """The memorised model's weights halved: its sampled turns vary (and end apart)."""
+    return jax.tree.map(lambda x: x * 0.5, variables)
+
+
+def _refill_prompts(tok, tasks):
+    """[8, P] first-turn prompts: each task's twice (groups of 2), right-padded, and lengths."""
+    from rl.pipeline import encode_prompts
+
+    prompts, lens = encode_prompts(tok, [t.prompt for t in tasks], 128)
+    return np.repeat(prompts, 2, axis=0), np.repeat(lens, 2)
 
 
 def _lockstep_process(tmp):
@@ -313,6 +345,12 @@ def _lockstep_process(tmp):
             g = w.generate(variables, d["shares"][me], jax.random.key(0), pad_to=2)
             out[cached] = {"completions": g.completions, "target_mask": g.target_mask,
                            "rewards": g.rewards, "turns": [x["turns"] for x in g.details]}
+    prompts, lens = _refill_prompts(tok, d["tasks"])
+    mine = slice(4 * me, 4 * me + 4)
+    r = Sampler(model, _turn_sampling(tok), mesh=mesh).generate(
+        _softened(variables), prompts[mine], lens[mine], jax.random.key(1), group_size=2,
+        slots=2)
+    out["refill"] = {k: shd.host_rows(getattr(r, k)) for k in ("tokens", "mask")}
     with open(tmp / f"out{me}.pkl", "wb") as f:
         pickle.dump(out, f)
 
