@@ -135,7 +135,8 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rl.draft_tokens = 1
     # rollouts: share_prefix prefills each prompt once for its group (rl.sampler: same tokens,
     # ~2x faster generation on the demo shapes); rollout_slots R > 0 decodes the batch in R
-    # slots, a finished row's slot taking the next queued row (row refill; 0 = all at once)
+    # slots (per process), a finished row's slot taking the next queued row (row refill; 0 =
+    # all at once)
     # oversample k > 1: DAPO's dynamic sampling with refill (rl/pipeline.py:select_groups):
     # each update draws k batches' prompts, generates and scores all of them (k rollout calls of
     # the usual shape) and trains on one batch of groups, those whose rewards differ first;
