@@ -261,7 +261,8 @@ def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path, two_proc
     process's episodes equal what one process without a mesh plays for the same tasks. Also
     row refill (rl.sampler) over both processes' rows, 2 slots each, sampled at T=1 from the
     weights halved (so rows end apart): each process's rows equal one process's refill of all
-    8 rows in 4 slots (with the slots not scaled to the global batch they do not)."""
+    8 rows in 4 slots (with the slots not scaled to the global batch they do not). A batch
+    whose shares differ in kind across the processes is refused on both."""
     import pickle
 
     model, variables, tok, task = agent["model"], agent["variables"], agent["tok"], agent["task"]
@@ -345,6 +346,21 @@ def _lockstep_process(tmp):
             g = w.generate(variables, d["shares"][me], jax.random.key(0), pad_to=2)
             out[cached] = {"completions": g.completions, "target_mask": g.target_mask,
                            "rewards": g.rewards, "turns": [x["turns"] for x in g.details]}
+    # a batch whose shares differ in kind (process 0 one-shot, process 1 multi-turn) is refused
+    # on both, before any sampler program (which would wait for the other process forever)
+    from rl.agent import RoutingWorker
+    from rl.pipeline import RolloutWorker
+    from sandbox.tasks import Task
+
+    routing = RoutingWorker(RolloutWorker(model, tok, greedy, None, group_size=1,
+                                          max_prompt_len=128, mesh=mesh), w)
+    share = [Task(id="one-shot", family="python", prompt="1+1")] if me == 0 else d["tasks"][:1]
+    try:
+        routing.start(variables, share, jax.random.key(2))
+    except ValueError as e:
+        assert "different task kinds" in str(e), e
+    else:
+        raise AssertionError("a batch of mixed kinds across processes was accepted")
     prompts, lens = _refill_prompts(tok, d["tasks"])
     mine = slice(4 * me, 4 * me + 4)
     r = Sampler(model, _turn_sampling(tok), mesh=mesh).generate(
