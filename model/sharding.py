@@ -590,23 +590,32 @@ def cache_axes(path) -> tuple:
     return ("batch",)
 
 
+def _leaf_cache_axes(path, x) -> tuple:
+    """`cache_axes` of a cache leaf, padded with None to the leaf's rank."""
+    names = cache_axes(path)
+    return names + (None,) * (len(x.shape) - len(names))
+
+
 def constrain_cache(cache):
     """`constrain` every leaf of a decode cache (Model.init_cache / init_draft_cache) with its
     `cache_axes`: batch over the data axes, KDA state heads over tensor. No-op outside use_mesh."""
-    def one(path, x):
-        names = cache_axes(path)
-        return constrain(x, names + (None,) * (x.ndim - len(names)))
-    return jax.tree_util.tree_map_with_path(one, cache)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: constrain(x, _leaf_cache_axes(path, x)), cache)
 
 
 def cache_shardings(cache, mesh: Mesh, rules: Rules | None = None):
     """NamedShardings of a decode cache's leaves (arrays or ShapeDtypeStructs) on `mesh`: the
     layout `constrain_cache` gives them inside a mesh program (each leaf's `cache_axes`)."""
-    def one(path, x):
-        names = cache_axes(path)
-        names = names + (None,) * (len(x.shape) - len(names))
-        return NamedSharding(mesh, logical_to_spec(names, x.shape, mesh, rules))
-    return jax.tree_util.tree_map_with_path(one, cache)
+    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(
+        mesh, logical_to_spec(_leaf_cache_axes(path, x), x.shape, mesh, rules)), cache)
+
+
+def mesh_key(mesh: Mesh | None, rules: Rules | None = None):
+    """A hashable key of (mesh, resolved rules) for caches of programs built per mesh; None
+    without a mesh."""
+    if mesh is None:
+        return None
+    return mesh, tuple(sorted(_rules(rules).items()))
 
 
 # --------------------------------------------------------------------------- mesh programs

@@ -336,6 +336,7 @@ class RolloutWorker:
 
 
 _prepare_advantages_jit = jax.jit(prepare_advantages, static_argnums=(0,))
+_kl_penalty_jit = jax.jit(losses.kl_penalty, static_argnums=(2,))
 _MESH_ADVANTAGES: dict = {}  # (algo, mesh, rules) -> MeshJit of prepare_advantages
 
 
@@ -352,7 +353,7 @@ def batch_advantages(algo: AlgoConfig, rewards, mask, *, group_ids, values=None,
             or shd.global_rows(n, mesh, rules) == n):  # every process holds every row
         return jax.device_get(_prepare_advantages_jit(
             algo, rewards, mask, group_ids=group_ids, values=values, kl=kl, lengths=lengths))
-    key = (algo, mesh, tuple(sorted(shd._rules(rules).items())))
+    key = (algo, shd.mesh_key(mesh, rules))
     prog = _MESH_ADVANTAGES.get(key)
     if prog is None:
         def fn(rewards, mask, group_ids, values, kl, lengths):
@@ -370,7 +371,6 @@ def batch_advantages(algo: AlgoConfig, rewards, mask, *, group_ids, values=None,
     out = prog(*args)
     return PreparedAdvantages(*shd.host_rows((out.advantages, out.returns, out.keep)),
                               jax.device_get(out.metrics))
-_kl_penalty_jit = jax.jit(losses.kl_penalty, static_argnums=(2,))
 
 
 def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forward=None,

@@ -237,14 +237,8 @@ _NEW_CACHES: dict = {}  # (model config, rows, positions, mesh) -> jitted empty 
 PLAIN = ("plain",)
 
 
-def _mesh_key(mesh, rules):
-    if mesh is None:
-        return None
-    return mesh, tuple(sorted(shd._rules(rules).items()))
-
-
 def _program(model: Model, cfg: SamplingConfig, mesh=None, rules=None, mode: tuple = PLAIN):
-    key = (model.cfg, dataclasses.replace(cfg, temperature=1.0), _mesh_key(mesh, rules), mode)
+    key = (model.cfg, dataclasses.replace(cfg, temperature=1.0), shd.mesh_key(mesh, rules), mode)
     fn = _PROGRAMS.get(key)
     if fn is None:
         if mode[0] == "extend":  # (variables, cache, tokens, lengths, rng, temperature)
@@ -493,7 +487,7 @@ class Sampler:
         if self.mesh is None:
             return self.model.init_cache(batch, max_len)
         n = self._global_rows(batch)
-        key = (self.model.cfg, n, max_len, _mesh_key(self.mesh, self.rules))
+        key = (self.model.cfg, n, max_len, shd.mesh_key(self.mesh, self.rules))
         fn = _NEW_CACHES.get(key)
         if fn is None:
             def make(model=self.model):

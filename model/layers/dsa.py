@@ -171,12 +171,18 @@ def indexer_kl(q, kv, scores, key_mask, valid_q, scale) -> jax.Array:
     q [B,T,H,D], kv [B,S,D], scores [B,T,S] (indexer logits), key_mask [B,T,S] bool.
     p = head-averaged main attention restricted to key_mask, a stop-gradient target.
     """
+    kl = _query_kls(q, kv, scores, key_mask, scale)  # [B,T]
+    n = jnp.maximum(jnp.sum(valid_q), 1)
+    return jnp.sum(jnp.where(valid_q, kl, 0.0)) / n
+
+
+def _query_kls(q, kv, scores, key_mask, scale):
+    """Per query [B,T]: KL(p || softmax(scores)) over the keys in key_mask [B,T,S], p the
+    head-averaged main attention there (a stop-gradient target)."""
     p = jax.lax.stop_gradient(head_mean_attention(q, kv, key_mask, scale))  # [B,T,S]
     log_q = jax.nn.log_softmax(jnp.where(key_mask, scores, -jnp.inf), axis=-1)
     log_p = jnp.log(jnp.where(p > 0, p, 1.0))
-    kl = jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1)  # [B,T]
-    n = jnp.maximum(jnp.sum(valid_q), 1)
-    return jnp.sum(jnp.where(valid_q, kl, 0.0)) / n
+    return jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1)
 
 
 def indexer_kl_chunked(q, kv, q_idx, k_idx, w_idx, valid_q, scale, *, q_offset, chunk: int,
@@ -212,11 +218,8 @@ def indexer_kl_chunked(q, kv, q_idx, k_idx, w_idx, valid_q, scale, *, q_offset, 
         key_mask = causal_mask(C, S, q_offset + t0)  # [B,C,S]
         if ic is not None:
             key_mask = key_mask & selected_key_mask(ic, S)
-        p = jax.lax.stop_gradient(head_mean_attention(qc, kv, key_mask, scale))
         scores = dsa_ops.indexer_scores(qic, k_idx.astype(qic.dtype), wc, impl=impl)
-        log_q = jax.nn.log_softmax(jnp.where(key_mask, scores, -jnp.inf), axis=-1)
-        log_p = jnp.log(jnp.where(p > 0, p, 1.0))
-        kl = jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1)  # [B,C]
+        kl = _query_kls(qc, kv, scores, key_mask, scale)  # [B,C]
         return jnp.sum(jnp.where(vc, kl, 0.0))
 
     def body(total, xs):
