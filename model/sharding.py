@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -371,7 +372,9 @@ def init_sharded(model, rng: jax.Array, mesh: Mesh, rules: Rules | None = None):
     key = (model.cfg, mesh, None if rules is None else repr(sorted(dict(rules).items())))
     fn = _SHARDED_INITS.get(key)
     if fn is None:
-        fn = _SHARDED_INITS[key] = jax.jit(model.init, out_shardings=shardings)
+        # each parameter's own draws: batched ones would not be partitioned like them
+        fn = _SHARDED_INITS[key] = jax.jit(functools.partial(model.init, batch_draws=False),
+                                           out_shardings=shardings)
     return fn(rng)
 
 

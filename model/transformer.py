@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 from model import sharding as shd
 from model._xla_env import unroll_threefry_on_cpu
+from model.batched_draws import batch_random_draws
 from model.config import ModelConfig, span_name
 from model.layers import registry
 from model.layers.embeddings import Embedder
@@ -382,7 +383,7 @@ def moe_layer_locations(cfg: ModelConfig) -> list[tuple[str, str | None, int | N
             + (mtp if cfg.moe.num_experts > 0 else []))
 
 
-_INIT_PROGRAMS: dict = {}  # (ModelConfig, seq_len) -> jitted init
+_INIT_PROGRAMS: dict = {}  # (ModelConfig, seq_len, batch_draws) -> jitted init
 _ABSTRACT_INITS: dict = {}  # (ModelConfig, seq_len) -> abstract variables (read-only leaves)
 _RECALL_PROGRAMS: dict = {}  # ModelConfig -> jitted indexer-recall diagnostics
 
@@ -406,11 +407,14 @@ class Model:
         self.cfg = cfg
         self.net = Transformer(cfg)
 
-    def init(self, rng: jax.Array, *, seq_len: int = 8) -> dict[str, Any]:
+    def init(self, rng: jax.Array, *, seq_len: int = 8, batch_draws: bool = True
+             ) -> dict[str, Any]:
         """Fresh variables, from one compiled program per (config, seq_len): op-by-op
         initialisation costs about twice as much in a fresh process (13 s vs 6.5 s for the test
-        preset on 2 CPU cores) and cannot use the persistent compilation cache."""
-        key = (self.cfg, seq_len)
+        preset on 2 CPU cores) and cannot use the persistent compilation cache. batch_draws: the
+        parameters' random draws share a few threefry hashes (model/batched_draws.py: the same
+        values, about half the compile); False for an init partitioned across devices."""
+        key = (self.cfg, seq_len, batch_draws)
         fn = _INIT_PROGRAMS.get(key)
         if fn is None:
             net = self.net
@@ -419,7 +423,8 @@ class Model:
                 v = net.init({"params": rng}, jnp.zeros((1, seq_len), jnp.int32))
                 return nn.meta.unbox({k: x for k, x in v.items() if k != "diagnostics"})
 
-            fn = _INIT_PROGRAMS[key] = jax.jit(init_fn)
+            fn = _INIT_PROGRAMS[key] = jax.jit(batch_random_draws(init_fn) if batch_draws
+                                               else init_fn)
         return fn(rng)
 
     def abstract_init(self, *, seq_len: int = 8):

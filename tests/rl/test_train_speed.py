@@ -384,4 +384,4 @@ def test_init_sharded_on_one_device_reuses_the_model_init_program(small_lm):
     want = shd.model_shardings(model, mesh)
     for a, s in zip(jax.tree.leaves(v), jax.tree.leaves(want)):
         assert a.sharding.is_equivalent_to(s, a.ndim)
-    assert _INIT_PROGRAMS[(model.cfg, 8)]._cache_size() == 1  # one init compile for both
+    assert _INIT_PROGRAMS[(model.cfg, 8, True)]._cache_size() == 1  # one init compile for both
