@@ -241,29 +241,39 @@ class AgentRolloutWorker:
         """(seconds generated with commands in flight, context positions prefilled)."""
         half = len(rows) // 2
         halves = [rows[:half], rows[half:]]
+        # each row's draws: rng folded with its episode's index in the global batch and its
+        # tokens' positions (rl.sampler.categorical_rows), whichever turn call it is in
+        first = self._first_row(len(rows))
+        ids = [np.arange(first, first + half), np.arange(first + half, first + len(rows))]
         caches = [_HalfCache(), _HalfCache()]
         overlap, prefilled = 0.0, 0
         while self._agree(not all(r.done for r in rows)):
-            for h, hc in zip(halves, caches):
+            for h, hi, hc in zip(halves, ids, caches):
                 self._collect(h, wait=True)
                 if not self._agree(not all(r.done for r in h)):
                     continue
                 in_flight = any(r.pending is not None for r in rows)
                 t = time.perf_counter()
-                rng, sub = jax.random.split(rng)
-                prefilled += self._turn(variables, h, sub, hc)
+                prefilled += self._turn(variables, h, rng, hc, hi)
                 if in_flight:
                     overlap += time.perf_counter() - t
         return overlap, prefilled
 
-    def _turn(self, variables, rows: list[_Row], rng, hc: _HalfCache) -> int:
+    def _first_row(self, n: int) -> int:
+        """The global batch index of this process's first row (0 on one process)."""
+        if not self.lockstep:
+            return 0
+        g = self.sampler._global_rows(n)
+        return shd.host_batch_slice(g, mesh=self.sampler.mesh, rules=self.sampler.rules).start
+
+    def _turn(self, variables, rows: list[_Row], rng, hc: _HalfCache, row_ids) -> int:
         """One sampler call for the rows of a half whose episode waits for a model turn; returns
         the context positions it prefilled (rows x padded width)."""
         active = [i for i, r in enumerate(rows) if not r.done and r.pending is None]
         if not active and not self.lockstep:  # (in lockstep another process's rows need it)
             return 0
         turn = self._cached_turn if self.cache_turns else self._full_turn
-        toks, mask, lps, prefilled = turn(variables, rows, active, rng, hc)
+        toks, mask, lps, prefilled = turn(variables, rows, active, rng, hc, row_ids)
         for i in active:
             r = rows[i]
             m = mask[i]
@@ -285,7 +295,8 @@ class AgentRolloutWorker:
 
         return int(np.max(multihost_utils.process_allgather(np.array([value], np.int32))))
 
-    def _full_turn(self, variables, rows: list[_Row], active: list[int], rng, hc=None):
+    def _full_turn(self, variables, rows: list[_Row], active: list[int], rng, hc=None,
+                   row_ids=None):
         """The turn from scratch: every row's whole context, one [rows, context] program."""
         del hc
         W = self.context
@@ -296,12 +307,12 @@ class AgentRolloutWorker:
             ids = rows[i].ids
             prompts[i, :len(ids)] = ids
             lens[i] = len(ids)
-        out = self.sampler.generate(variables, prompts, lens, rng)
+        out = self.sampler.generate(variables, prompts, lens, rng, row_ids=row_ids)
         toks, mask, lps = shd.host_rows((out.tokens, out.mask, out.logprobs))
         return toks, mask, lps, prompts.size
 
     def _cached_turn(self, variables, rows: list[_Row], active: list[int], rng,
-                     hc: _HalfCache):
+                     hc: _HalfCache, row_ids=None):
         """The turn through the half's decode cache: each active row feeds the tokens its cache
         does not hold yet (its position is read back from the cache after every call). A cache
         that cannot take the padded new tokens for a row whose episode still runs (or none yet)
@@ -323,7 +334,8 @@ class AgentRolloutWorker:
             seg = rows[i].ids[hc.fed[i]:]
             tokens[i, :len(seg)] = seg
             lens[i] = len(seg)
-        out, hc.cache = self.sampler.extend(variables, hc.cache, tokens, lens, rng)
+        out, hc.cache = self.sampler.extend(variables, hc.cache, tokens, lens, rng,
+                                            row_ids=row_ids)
         toks, mask, lps, fed = shd.host_rows(
             (out.tokens, out.mask, out.logprobs, hc.cache["lengths"]))
         hc.fed = fed.astype(np.int64)

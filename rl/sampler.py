@@ -7,7 +7,10 @@
 The cache is created inside the compiled function and carried through a `lax.while_loop`, so XLA
 updates it in place (no copy per step); the loop stops when every row has finished (EOS, a stop
 sequence, or max_new_tokens). Rows of different prompt lengths run together: each row decodes
-from its own position. Reproducible: the same rng and inputs give the same tokens. `SamplingConfig(prefill_chunk=N)`
+from its own position. Reproducible: the same rng and inputs give the same tokens; each row's
+draws come from the call's rng folded with the row's id (`row_ids`, default its index in the
+global batch) and each token's position (`categorical_rows`), so a row's tokens do not depend on
+the rows beside it. `SamplingConfig(prefill_chunk=N)`
 prefills long prompts N tokens at a time through the cache (`Model.prefill`'s chunk; same output).
 
 Sampling transforms, in order: temperature (0 = greedy), top-k, top-p (nucleus). The returned
@@ -20,12 +23,13 @@ Prefix sharing (`generate(..., group_size=G)`): rows come in groups of G copies 
 (GRPO groups, several eval samples per task; checked on the host); each distinct prompt is
 prefilled once and its cache (every leaf of `Model.init_cache`: KDA state and conv window, DSA
 latent and indexer keys, lengths) repeated to its G rows, then decoding runs as above, with the
-same random draws. Row refill (`generate(..., slots=R)`, R < B): the distinct prompts are
+same random draws (the same tokens). Row refill (`generate(..., slots=R)`, R < B): the distinct prompts are
 prefilled once into a bank, every row's first token is drawn from its prompt's last logits, and
 R slots decode; when a slot's row ends, the next queued row takes the slot (its prompt's bank
 cache and first token) inside the same compiled while_loop. Outputs stay indexed like the input
-rows, with `finish_order` / `finish_step` giving the completion order. Greedy output of both
-equals the plain sampler's token for token (tests/rl/test_sampler_fast.py); measured by
+rows, with `finish_order` / `finish_step` giving the completion order. The output of both
+equals the plain sampler's token for token, greedy or sampled (tests/rl/test_sampler_fast.py;
+up to float differences in the logits between batch shapes); measured by
 `benchmarks/rollouts.py`. Continuing from a cache (`new_cache`, then `extend(variables, cache,
 tokens, lengths, rng)` per call): each row's new tokens are prefilled at its cache position and
 decoding runs as above; the cache comes back for the next call (multi-turn episodes,
@@ -200,15 +204,34 @@ def categorical_last(rng: jax.Array, logits: jax.Array) -> jax.Array:
     return argmax_last(jax.random.gumbel(rng, logits.shape, logits.dtype) + logits)
 
 
-def _sample(logits, rng, cfg: SamplingConfig, temperature):
+def row_keys(rng: jax.Array, row_ids: jax.Array) -> jax.Array:
+    """[B] keys, one per row: rng folded with each row's id (row_ids [B] int32; a negative id
+    means the row's index in the batch)."""
+    ids = jnp.where(row_ids < 0, jnp.arange(row_ids.shape[0], dtype=row_ids.dtype), row_ids)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, ids)
+
+
+def categorical_rows(keys: jax.Array, positions: jax.Array, logits: jax.Array) -> jax.Array:
+    """One categorical draw per row of logits [B,V] as int32: row b's Gumbel noise comes from
+    its key folded with the position of the token drawn (keys [B] from `row_keys`, positions
+    [B]), so a row's tokens depend on its id, the call's rng and its positions only, not on the
+    batch it is in (its slot under row refill, prefix sharing, the process layout)."""
+    def noise(key, pos):
+        return jax.random.gumbel(jax.random.fold_in(key, pos), logits.shape[-1:], logits.dtype)
+
+    return argmax_last(jax.vmap(noise)(keys, positions) + logits)
+
+
+def _sample(logits, keys, positions, cfg: SamplingConfig, temperature):
     """temperature: traced f32 scalar; 0 -> greedy (argmax, log-prob reported as 0). A
-    `lax.cond` on it: greedy steps skip the truncation, the random bits and the draw."""
+    `lax.cond` on it: greedy steps skip the truncation, the random bits and the draw. keys [B]
+    (`row_keys`), positions [B]: the position in its row of each token drawn."""
     def greedy():
         return argmax_last(logits), jnp.zeros(logits.shape[:-1], jnp.float32)
 
     def sampled():
         logp = process_logits(logits, cfg, jnp.maximum(temperature, 1e-6))
-        tok = categorical_last(rng, logp)
+        tok = categorical_rows(keys, positions, logp)
         return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
     return jax.lax.cond(temperature <= 0, greedy, sampled)
@@ -241,13 +264,18 @@ def _program(model: Model, cfg: SamplingConfig, mesh=None, rules=None, mode: tup
     key = (model.cfg, dataclasses.replace(cfg, temperature=1.0), shd.mesh_key(mesh, rules), mode)
     fn = _PROGRAMS.get(key)
     if fn is None:
-        if mode[0] == "extend":  # (variables, cache, tokens, lengths, rng, temperature)
+        if mode[0] == "extend":  # (variables, cache, tokens, lengths, rng, temperature, ids)
             impl = _per_layer(_extend_impl, model, key[1])
             fn = _PROGRAMS[key] = (jax.jit(impl, donate_argnums=(1,)) if mesh is None else
                                    _mesh_extend_program(impl, model, mesh, rules))
             return fn
         if cfg.speculative == "mtp":
-            from rl.speculative import generate_speculative_impl as impl
+            from rl.speculative import generate_speculative_impl
+
+            def impl(model, cfg, variables, prompts, lengths, rng, temperature, row_ids):
+                del row_ids  # its draws are per step of the batch (rl/speculative.py)
+                return generate_speculative_impl(model, cfg, variables, prompts, lengths, rng,
+                                                 temperature)
         elif mode[0] == "refill":
             impl = functools.partial(_refill_impl, group=mode[1], slots=mode[2])
         else:
@@ -285,13 +313,14 @@ def _mesh_program(impl, model: Model, mesh, rules, speculative: bool, group: int
     var_sh = shd.model_shardings(model, mesh, rules)
     rep = shd.replicated(mesh)
 
-    def run(variables, prompts, lengths, key_data, temperature, *, typed):
+    def run(variables, prompts, lengths, key_data, temperature, row_ids, *, typed):
         rng = jax.random.wrap_key_data(key_data) if typed else key_data
-        return impl(variables, prompts, lengths, rng, temperature)
+        return impl(variables, prompts, lengths, rng, temperature, row_ids)
 
     def ins(variables, prompts, *_):
         b = shd.batch_sharding(mesh, prompts.shape[0], rules)
-        return shd.variables_shardings(var_sh, variables, mesh), b, b, rep, rep
+        rows = shd.batch_sharding(mesh, prompts.shape[0] * group, rules)
+        return shd.variables_shardings(var_sh, variables, mesh), b, b, rep, rep, rows
 
     def outs(variables, prompts, *_):
         b = shd.batch_sharding(mesh, prompts.shape[0] * group, rules)
@@ -303,9 +332,9 @@ def _mesh_program(impl, model: Model, mesh, rules, speculative: bool, group: int
     progs = {t: shd.MeshJit(functools.partial(run, typed=t), mesh, rules, in_shardings=ins,
                             out_shardings=outs, name="sampler") for t in (True, False)}
 
-    def call(variables, prompts, lengths, rng, temperature):
+    def call(variables, prompts, lengths, rng, temperature, row_ids):
         typed, data, temp = _replicated_draw_args(rng, temperature, rep)
-        return progs[typed](variables, prompts, lengths, data, temp)
+        return progs[typed](variables, prompts, lengths, data, temp, row_ids)
 
     return call
 
@@ -329,14 +358,14 @@ def _mesh_extend_program(impl, model: Model, mesh, rules):
     var_sh = shd.model_shardings(model, mesh, rules)
     rep = shd.replicated(mesh)
 
-    def run(variables, cache, tokens, lengths, key_data, temperature, *, typed):
+    def run(variables, cache, tokens, lengths, key_data, temperature, row_ids, *, typed):
         rng = jax.random.wrap_key_data(key_data) if typed else key_data
-        return impl(variables, cache, tokens, lengths, rng, temperature)
+        return impl(variables, cache, tokens, lengths, rng, temperature, row_ids)
 
     def ins(variables, cache, tokens, *_):
         b = shd.batch_sharding(mesh, tokens.shape[0], rules)
         return (shd.variables_shardings(var_sh, variables, mesh),
-                shd.cache_shardings(cache, mesh, rules), b, b, rep, rep)
+                shd.cache_shardings(cache, mesh, rules), b, b, rep, rep, b)
 
     def outs(variables, cache, tokens, *_):
         b = shd.batch_sharding(mesh, tokens.shape[0], rules)
@@ -347,9 +376,9 @@ def _mesh_extend_program(impl, model: Model, mesh, rules):
                             out_shardings=outs, donate_argnums=(1,), name="sampler-extend")
              for t in (True, False)}
 
-    def call(variables, cache, tokens, lengths, rng, temperature):
+    def call(variables, cache, tokens, lengths, rng, temperature, row_ids):
         typed, data, temp = _replicated_draw_args(rng, temperature, rep)
-        return progs[typed](variables, cache, tokens, lengths, data, temp)
+        return progs[typed](variables, cache, tokens, lengths, data, temp, row_ids)
 
     return call
 
@@ -430,7 +459,7 @@ class Sampler:
                 == shd.batch_axes(self.mesh, gr, self.rules))
 
     def generate(self, variables, prompts, prompt_lengths, rng, *, group_size: int = 1,
-                 slots: int = 0) -> SampleOutput:
+                 slots: int = 0, row_ids=None) -> SampleOutput:
         """prompts [B,P] int32 right-padded, prompt_lengths [B] (>= 1). On a mesh: this
         process's rows of the global batch.
 
@@ -441,9 +470,12 @@ class Sampler:
         slots R (row refill; 0 or >= B = every row at once): R rows decode at a time; when one
         finishes, the next queued row starts in its slot from its prompt's prefilled cache
         (each distinct prompt prefilled once into a bank). Outputs are indexed like the input
-        rows, with finish_order / finish_step (completion order). Greedy output equals the
-        plain sampler's; sampled rows draw from the same distributions with other random
-        numbers past the first token."""
+        rows, with finish_order / finish_step (completion order).
+        row_ids [B] int (default: each row's index in the global batch): a sampled row's draws
+        come from rng folded with its id and the position of each token (`categorical_rows`),
+        so the same (rng, id, prompt) gives the same tokens with or without sharing and
+        refill, in any batch and on any process layout (up to float differences in the
+        logits between batch shapes). Rows with equal ids and prompts draw alike."""
         prompts = np.asarray(prompts, np.int32)
         lengths = np.asarray(prompt_lengths, np.int32)
         if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
@@ -459,6 +491,7 @@ class Sampler:
         for name, v in (("group_size", group_size), ("slots", slots)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (name == "group_size"):
                 raise ValueError(f"{name} must be an int >= {int(name == 'group_size')}, got {v!r}")
+        ids = _row_ids(row_ids, prompts.shape[0])
         if group_size > 1 or slots:
             prompts_u, lengths_u = distinct_prompts(prompts, lengths, group_size)
         mode = self._mode(prompts.shape[0], group_size, slots)
@@ -467,8 +500,8 @@ class Sampler:
             prompts, lengths = prompts_u, lengths_u
             fn = _program(self.model, self.cfg, self.mesh, self.rules, mode)
         if self.mesh is not None:
-            prompts, lengths = shd.to_global((prompts, lengths), self.mesh, self.rules)
-        return fn(variables, prompts, lengths, rng, np.float32(self.cfg.temperature))
+            prompts, lengths, ids = shd.to_global((prompts, lengths, ids), self.mesh, self.rules)
+        return fn(variables, prompts, lengths, rng, np.float32(self.cfg.temperature), ids)
 
     def _check_extend(self):
         if self.cfg.speculative != "none":
@@ -496,7 +529,7 @@ class Sampler:
             fn = _NEW_CACHES[key] = jax.jit(make, out_shardings=sh)
         return fn()
 
-    def extend(self, variables, cache, tokens, lengths, rng):
+    def extend(self, variables, cache, tokens, lengths, rng, row_ids=None):
         """Continue rows from a decode cache (multi-turn episodes: the next turn's context is the
         cached one plus a few new tokens). tokens [B,M] right-padded: each row's tokens that the
         cache does not hold yet (the last sampled token, an observation); lengths [B] how many
@@ -508,9 +541,11 @@ class Sampler:
         query attends them; a write that does not fit lands inside the row's history), and a
         generating row's position + its new tokens + max_new_tokens too. One compiled program
         per (B, M, cache size). Greedy output equals `generate` on the whole context up to
-        float reassociation (tests/rl/test_agent.py). On a mesh: tokens and lengths are this
-        process's rows, the cache and the outputs global (as `generate`); with several processes
-        every process calls with the same M and cache size (its rows may all sit out)."""
+        float reassociation (tests/rl/test_agent.py), and so does sampled output for the same
+        rng and row_ids (draws by row id and token position, as `generate`). On a mesh: tokens,
+        lengths and row_ids are this process's rows, the cache and the outputs global (as
+        `generate`); with several processes every process calls with the same M and cache size
+        (its rows may all sit out)."""
         self._check_extend()
         tokens = np.asarray(tokens, np.int32)
         lengths = np.asarray(lengths, np.int32)
@@ -521,10 +556,23 @@ class Sampler:
                              f"{lengths.shape}")
         if lengths.min() < 0 or lengths.max() > tokens.shape[1]:
             raise ValueError(f"lengths must be in [0, {tokens.shape[1]}], got {lengths}")
+        ids = _row_ids(row_ids, tokens.shape[0])
         fn = _program(self.model, self.cfg, self.mesh, self.rules, mode=("extend",))
         if self.mesh is not None:
-            tokens, lengths = shd.to_global((tokens, lengths), self.mesh, self.rules)
-        return fn(variables, cache, tokens, lengths, rng, np.float32(self.cfg.temperature))
+            tokens, lengths, ids = shd.to_global((tokens, lengths, ids), self.mesh, self.rules)
+        return fn(variables, cache, tokens, lengths, rng, np.float32(self.cfg.temperature), ids)
+
+
+def _row_ids(row_ids, n: int) -> np.ndarray:
+    """Host-side [n] int32 row ids (-1: the row's index in the global batch, set in the
+    program)."""
+    if row_ids is None:
+        return np.full((n,), -1, np.int32)
+    ids = np.asarray(row_ids)
+    if ids.shape != (n,) or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any():
+        raise ValueError(f"row_ids must be {n} non-negative ints (one per row), got "
+                         f"{ids.shape} {ids.dtype}")
+    return ids.astype(np.int32)
 
 
 def repeat_rows(tree, group: int):
@@ -555,36 +603,40 @@ def _last_logits(logits, lengths):
 
 
 def _generate_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths, rng,
-                   temperature, *, group: int = 1):
-    """prompts [U,P]: the distinct prompts (every row when group == 1); U * group rows out."""
+                   temperature, row_ids, *, group: int = 1):
+    """prompts [U,P]: the distinct prompts (every row when group == 1); U * group rows out
+    (row_ids [U * group]: `row_keys`)."""
     P = prompts.shape[1]
     cache, logits, _ = prefill_groups(model, cfg, variables, prompts, lengths,
                                       P + cfg.max_new_tokens, group)
     last = repeat_rows(_last_logits(logits, lengths), group)  # [B,V]
-    return _decode(model, cfg, variables, cache, last, rng, temperature)[0]
+    keys = row_keys(rng, row_ids)
+    return _decode(model, cfg, variables, cache, last, keys, temperature)[0]
 
 
 def _extend_impl(model: Model, cfg: SamplingConfig, variables, cache, tokens, lengths, rng,
-                 temperature):
+                 temperature, row_ids):
     """Continue rows from their cache: tokens [B,M] right-padded new tokens per row, lengths [B]
     how many (0: the row sits the call out: its cache is not advanced, nothing is generated).
     The new tokens are prefilled at each row's cache position, then decoding runs as in
     `_generate_impl`. Returns (SampleOutput, cache)."""
     logits, cache, _ = model.prefill(variables, tokens, lengths, cache, chunk=cfg.prefill_chunk)
     last = _last_logits(logits, jnp.maximum(lengths, 1))  # [B,V]
-    return _decode(model, cfg, variables, cache, last, rng, temperature, skip=lengths == 0)
+    keys = row_keys(rng, row_ids)
+    return _decode(model, cfg, variables, cache, last, keys, temperature, skip=lengths == 0)
 
 
-def _decode(model: Model, cfg: SamplingConfig, variables, cache, last, rng, temperature,
+def _decode(model: Model, cfg: SamplingConfig, variables, cache, last, keys, temperature,
             skip=None):
     """The decode loop from a prefilled cache and each row's last logits [B,V]: the first token
-    is drawn from `last`, then one decode step per token until every row is done. skip [B]
-    bool: rows that generate nothing (done from the start, cache untouched). Returns
-    (SampleOutput, cache)."""
+    is drawn from `last`, then one decode step per token until every row is done; row b's
+    draws come from keys[b] (`row_keys`) at the positions of its tokens (its cache length when
+    the loop starts, + 1 per token). skip [B] bool: rows that generate nothing (done from the
+    start, cache untouched). Returns (SampleOutput, cache)."""
     B = last.shape[0]
     G = cfg.max_new_tokens
-    rng, sub = jax.random.split(rng)
-    tok, lp = _sample(last, sub, cfg, temperature)
+    pos0 = cache["lengths"]  # [B] the position of each row's first new token
+    tok, lp = _sample(last, keys, pos0, cfg, temperature)
     buf = jnp.zeros((B, G), jnp.int32).at[:, 0].set(tok)
     lps = jnp.zeros((B, G), jnp.float32).at[:, 0].set(lp)
     done = (tok == cfg.eos_id) | _hits_stop(buf, 0, cfg)
@@ -593,24 +645,23 @@ def _decode(model: Model, cfg: SamplingConfig, variables, cache, last, rng, temp
         done, n_gen = done | skip, jnp.where(skip, 0, n_gen)
 
     def cond(carry):
-        t, _, _, _, _, done, _, _ = carry
+        t, _, _, _, _, done, _ = carry
         return (t < G) & ~jnp.all(done)
 
     def body(carry):
-        t, tok, buf, lps, cache, done, n_gen, rng = carry
+        t, tok, buf, lps, cache, done, n_gen = carry
         active = ~done
         logits, cache, _ = model.decode_step(variables, tok, cache, active)
-        rng, sub = jax.random.split(rng)
-        nxt, lp = _sample(logits, sub, cfg, temperature)
+        nxt, lp = _sample(logits, keys, pos0 + t, cfg, temperature)
         nxt = jnp.where(active, nxt, 0)
         buf = buf.at[:, t].set(nxt)
         lps = lps.at[:, t].set(jnp.where(active, lp, 0.0))
         n_gen = n_gen + active.astype(jnp.int32)
         done = done | (active & ((nxt == cfg.eos_id) | _hits_stop(buf, t, cfg)))
-        return t + 1, nxt, buf, lps, cache, done, n_gen, rng
+        return t + 1, nxt, buf, lps, cache, done, n_gen
 
-    carry = (jnp.int32(1), tok, buf, lps, cache, done, n_gen, rng)
-    _, _, buf, lps, cache, done, n_gen, _ = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), tok, buf, lps, cache, done, n_gen)
+    _, _, buf, lps, cache, done, n_gen = jax.lax.while_loop(cond, body, carry)
     mask = jnp.arange(G)[None] < n_gen[:, None]
     finished = done if skip is None else done & ~skip
     return SampleOutput(tokens=jnp.where(mask, buf, 0), logprobs=jnp.where(mask, lps, 0.0),
@@ -618,7 +669,7 @@ def _decode(model: Model, cfg: SamplingConfig, variables, cache, last, rng, temp
 
 
 def _refill_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths, rng,
-                 temperature, *, group: int, slots: int):
+                 temperature, row_ids, *, group: int, slots: int):
     """Row refill: N = U * group sequences (sequence i continues prompt i // group) through R =
     slots decode rows, all inside one while_loop of fixed shapes.
 
@@ -628,14 +679,16 @@ def _refill_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths,
     slots, writes their tokens at the sequence's row of the [N,G] outputs, and a slot whose
     sequence ended (EOS, stop sequence, max_new_tokens) records it (length, finished, order,
     step) and takes the next queued sequence: its prompt's bank cache and its first token. The
-    loop ends when every slot is idle."""
+    loop ends when every slot is idle. Each sequence draws from its own key (`row_keys`) at its
+    tokens' positions, so its tokens are those the plain sampler gives its row."""
     U, P = prompts.shape
     G = cfg.max_new_tokens
     N, R = U * group, slots
     bank, logits, _ = prefill_groups(model, cfg, variables, prompts, lengths, P + G)  # [U] rows
     last = repeat_rows(_last_logits(logits, lengths), group)  # [N,V]
-    rng, sub = jax.random.split(rng)
-    tok0, lp0 = _sample(last, sub, cfg, temperature)  # [N] each sequence's first token
+    keys = row_keys(rng, row_ids)  # [N]
+    start = jnp.repeat(lengths, group)  # [N] each sequence's first new position
+    tok0, lp0 = _sample(last, keys, start, cfg, temperature)  # [N] each sequence's first token
     buf = jnp.zeros((N, G), jnp.int32).at[:, 0].set(tok0)
     lps = jnp.zeros((N, G), jnp.float32).at[:, 0].set(lp0)
     hit0 = (tok0 == cfg.eos_id) | _hits_stop(buf, 0, cfg)  # [N] ended by its first token
@@ -649,7 +702,7 @@ def _refill_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths,
     cache = shd.constrain_cache(load(sid))
     carry = dict(step=jnp.int32(0), nxt=jnp.int32(R), count=jnp.int32(0), sid=sid,
                  tok=tok0[:R], n_gen=jnp.ones((R,), jnp.int32), sdone=done0[:R],
-                 shit=hit0[:R], cache=cache, buf=buf, lps=lps, rng=rng,
+                 shit=hit0[:R], cache=cache, buf=buf, lps=lps,
                  lengths=jnp.zeros((N,), jnp.int32), finished=jnp.zeros((N,), bool),
                  order=jnp.full((N,), -1, jnp.int32), fstep=jnp.full((N,), -1, jnp.int32))
 
@@ -661,8 +714,8 @@ def _refill_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths,
         live = c["sid"] >= 0
         active = live & ~c["sdone"]
         logits, cache, _ = model.decode_step(variables, c["tok"], c["cache"], active)
-        rng, sub = jax.random.split(c["rng"])
-        nt, lp = _sample(logits, sub, cfg, temperature)
+        seq = jnp.maximum(c["sid"], 0)
+        nt, lp = _sample(logits, keys[seq], start[seq] + c["n_gen"], cfg, temperature)
         row = jnp.where(active, c["sid"], N)  # N: out of range, the write is dropped
         buf = c["buf"].at[row, c["n_gen"]].set(nt, mode="drop")
         lps = c["lps"].at[row, c["n_gen"]].set(lp, mode="drop")
@@ -694,7 +747,7 @@ def _refill_impl(model: Model, cfg: SamplingConfig, variables, prompts, lengths,
             tok=jnp.where(refill, tok0[newc], jnp.where(active, nt, c["tok"])),
             n_gen=jnp.where(refill, 1, n_gen), sdone=jnp.where(refill, done0[newc], sdone),
             shit=jnp.where(refill, hit0[newc], shit), cache=shd.constrain_cache(cache),
-            buf=buf, lps=lps, rng=rng)
+            buf=buf, lps=lps)
         return c
 
     c = jax.lax.while_loop(cond, body, carry)

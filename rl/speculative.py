@@ -34,6 +34,7 @@ from rl.sampler import (
     SamplingConfig,
     _hits_stop,
     _sample,
+    row_keys,
     argmax_last,
     categorical_last,
     process_logits,
@@ -142,8 +143,10 @@ def generate_speculative_impl(model: Model, cfg: SamplingConfig, variables, prom
     logits, cache, hidden = model.prefill(variables, prompts, lengths, cache,
                                           chunk=cfg.prefill_chunk)
     last = at_row(logits, lengths - 1)  # [B,V]
-    rng, sub = jax.random.split(rng)
-    tok, lp = _sample(last, sub, cfg, temperature)
+    # the first token: the plain sampler's draw for each row (rl.sampler.row_keys)
+    tok, lp = _sample(last, row_keys(rng, jnp.full((B,), -1, jnp.int32)), lengths, cfg,
+                      temperature)
+    rng, _ = jax.random.split(rng)
     # draft prefill: MTP input at position t is [h_t; emb(x_{t+1})], x_L the token just sampled
     nxt = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1))).at[rows, lengths - 1].set(tok)  # [B,P]
     pvalid = jnp.arange(P)[None] < lengths[:, None]

@@ -261,8 +261,11 @@ def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path, two_proc
     process's episodes equal what one process without a mesh plays for the same tasks. Also
     row refill (rl.sampler) over both processes' rows, 2 slots each, sampled at T=1 from the
     weights halved (so rows end apart): each process's rows equal one process's refill of all
-    8 rows in 4 slots (with the slots not scaled to the global batch they do not). A batch
-    whose shares differ in kind across the processes is refused on both."""
+    8 rows in 4 slots (with the slots not scaled to the global batch they do not). Sampled
+    episodes (T=1, the halved weights, cached turns) too: each row draws by its episode's global
+    index and its tokens' positions, so the two processes' episodes equal one process's of all
+    rows, though each turn call there holds other rows. A batch whose shares differ in kind
+    across the processes is refused on both."""
     import pickle
 
     model, variables, tok, task = agent["model"], agent["variables"], agent["tok"], agent["task"]
@@ -277,6 +280,9 @@ def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path, two_proc
         w = AgentRolloutWorker(model, tok, greedy, pool, group_size=2, width=WIDTH,
                                env_config=ENV)
         want = [w.generate(variables, share, jax.random.key(0), pad_to=2) for share in shares]
+        w = AgentRolloutWorker(model, tok, _turn_sampling(tok), pool, group_size=2, width=WIDTH,
+                               env_config=ENV)
+        sampled = w.generate(_softened(variables), tasks[:3], jax.random.key(3), pad_to=4)
     prompts, lens = _refill_prompts(tok, tasks)  # both processes' rows: 4 tasks x 2
     refill = Sampler(model, _turn_sampling(tok)).generate(
         _softened(variables), prompts, lens, jax.random.key(1), group_size=2, slots=4)
@@ -287,6 +293,12 @@ def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path, two_proc
         with open(tmp_path / f"out{pid}.pkl", "rb") as f:
             got = pickle.load(f)
         got_refill[pid] = got.pop("refill")
+        got_sampled = got.pop("sampled")
+        rows = slice(4 * pid, 4 * pid + len(got_sampled["rewards"]))  # padding rows dropped
+        for k in ("completions", "target_mask", "rewards", "sampler_logp"):
+            a, b = _pad_cols(got_sampled[k], getattr(sampled, k)[rows])
+            np.testing.assert_allclose(a, b, atol=2e-4 if k == "sampler_logp" else 0,
+                                       err_msg=f"{pid} sampled {k}")
         for cached, g in got.items():
             for k in ("completions", "target_mask", "rewards"):
                 np.testing.assert_array_equal(g[k], getattr(ref, k), err_msg=f"{pid} {cached} {k}")
@@ -296,6 +308,19 @@ def test_two_processes_play_their_episodes_in_lockstep(agent, tmp_path, two_proc
         for k in ("tokens", "mask"):
             np.testing.assert_array_equal(got_refill[pid][k], np.asarray(getattr(refill, k))[rows])
     assert len(set(np.asarray(refill.lengths).tolist())) > 1  # rows end apart: slots refill
+    # the sampled copies of a task played apart
+    assert not np.array_equal(sampled.completions[0], sampled.completions[1])
+
+
+def _pad_cols(a, b):
+    """Two [n, ...] arrays zero-padded to the same width (a group's completions are as wide as
+    its longest row)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.ndim < 2:
+        return a, b
+    w = max(a.shape[1], b.shape[1])
+    pad = lambda x: np.pad(x, [(0, 0), (0, w - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    return pad(a), pad(b)
 
 
 def _turn_sampling(tok):
@@ -346,6 +371,11 @@ def _lockstep_process(tmp):
             g = w.generate(variables, d["shares"][me], jax.random.key(0), pad_to=2)
             out[cached] = {"completions": g.completions, "target_mask": g.target_mask,
                            "rewards": g.rewards, "turns": [x["turns"] for x in g.details]}
+        w = AgentRolloutWorker(model, tok, _turn_sampling(tok), pool, group_size=2, width=WIDTH,
+                               env_config=ENV, mesh=mesh)
+        g = w.generate(_softened(variables), d["shares"][me], jax.random.key(3), pad_to=2)
+        out["sampled"] = {"completions": g.completions, "target_mask": g.target_mask,
+                          "rewards": g.rewards, "sampler_logp": g.sampler_logp}
     # a batch whose shares differ in kind (process 0 one-shot, process 1 multi-turn) is refused
     # on both, before any sampler program (which would wait for the other process forever)
     from rl.agent import RoutingWorker

@@ -86,11 +86,20 @@ def test_sampled_sharing_and_refill_match_trainer_logprobs(setup):
     shared = sampler.generate(variables, prompts, lens, jax.random.key(7), group_size=GROUP)
     refill = sampler.generate(variables, prompts, lens, jax.random.key(7), group_size=GROUP,
                               slots=5)
-    # sharing draws from the same rng as the plain sampler: the same tokens
+    # each row draws by its id and its tokens' positions: sharing and refill (rows in other
+    # slots at other steps) give the plain sampler's tokens
     np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(plain.tokens))
-    # refill: the same first tokens (drawn up front), other draws later
-    np.testing.assert_array_equal(np.asarray(refill.tokens)[:, 0], np.asarray(plain.tokens)[:, 0])
-    assert not np.array_equal(np.asarray(refill.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(refill.tokens), np.asarray(plain.tokens))
+    # ... while the copies of one prompt draw apart (keys folded with distinct ids)
+    toks = np.asarray(plain.tokens).reshape(-1, GROUP, N_NEW)
+    assert all(len({r.tobytes() for r in g}) == GROUP for g in toks)
+    # rows in another batch (reversed, one group dropped) with their ids: the same tokens
+    keep = np.arange(len(prompts))[GROUP:][::-1]
+    moved = sampler.generate(variables, prompts[keep], lens[keep], jax.random.key(7),
+                             row_ids=keep)
+    np.testing.assert_array_equal(np.asarray(moved.tokens), np.asarray(plain.tokens)[keep])
+    with pytest.raises(ValueError, match="row_ids must be"):
+        sampler.generate(variables, prompts, lens, jax.random.key(7), row_ids=keep)
     logp_fn = make_logp_fn(model)
     for out in (shared, refill):
         tokens, mask, rollout = pack(prompts, lens, out.tokens, out.mask, extras=(out.logprobs,))
