@@ -34,10 +34,10 @@ from rl.sampler import (
     SamplingConfig,
     _hits_stop,
     _sample,
-    row_keys,
     argmax_last,
     categorical_last,
     process_logits,
+    row_keys,
 )
 
 
