@@ -136,7 +136,7 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # rollouts: share_prefix prefills each prompt once for its group (rl.sampler: same tokens,
     # ~2x faster generation on the demo shapes); rollout_slots R > 0 decodes the batch in R
     # slots (per process), a finished row's slot taking the next queued row (row refill; 0 =
-    # all at once)
+    # all at once; the same tokens too: each row draws by its id and positions)
     # oversample k > 1: DAPO's dynamic sampling with refill (rl/pipeline.py:select_groups):
     # each update draws k batches' prompts, generates and scores all of them (k rollout calls of
     # the usual shape) and trains on one batch of groups, those whose rewards differ first;

@@ -278,7 +278,8 @@ class RolloutWorker:
     share_prefix: prefill each task's prompt once for its group_size rows (Sampler.generate's
     group_size; the same rollouts up to float differences between prefill batch shapes).
     slots: row refill with this many decode rows (Sampler.generate's slots; 0 = every row at
-    once). The returned ScoredGroup is in task order either way."""
+    once; the same rollouts, as each row draws by its id and positions). The returned
+    ScoredGroup is in task order either way."""
 
     def __init__(self, model, tokenizer, sampling: SamplingConfig, verifier, *,
                  group_size: int, max_prompt_len: int, mesh=None, rules=None,
