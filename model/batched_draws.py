@@ -20,10 +20,11 @@ benchmark's set-up 10.3-11.3 -> 6.2-7.9 s, 3 alternating cold runs).
 What is batched: `random_bits` (32-bit, a single key, at most MAX_DRAW elements),
 `random_fold_in` and `random_split` on single threefry2x32 keys, with
 `jax_threefry_partitionable` (jax's default, which defines the counters as the flat index).
-Everything else (other key implementations, key arrays, 8/16/64-bit draws, draws inside loops or
-conditionals) runs as jax runs it. Not for sharded initialisation: a concatenation across
-parameters would not be partitioned like the per-parameter draws it replaces, so
-model.sharding.init_sharded uses the unbatched program on meshes of several devices.
+Everything else (other key implementations, key arrays, empty or 8/16/64-bit draws, draws inside
+loops or conditionals, and every function with side effects) runs as jax runs it. Not for
+sharded initialisation: a concatenation across parameters would not be partitioned like the
+per-parameter draws it replaces, so model.sharding.init_sharded uses the unbatched program on
+meshes of several devices.
 """
 
 from __future__ import annotations
@@ -101,10 +102,10 @@ def _batchable(node: _Node) -> bool:
     if key.shape != () or getattr(impl, "name", None) != "threefry2x32":
         return False
     if name == "random_bits":
-        return e.params["bit_width"] == 32 and int(np.prod(e.params["shape"])) <= MAX_DRAW
+        return e.params["bit_width"] == 32 and 0 < int(np.prod(e.params["shape"])) <= MAX_DRAW
     if name == "random_fold_in":
         return e.invars[1].aval.shape == () and e.invars[1].aval.dtype == np.uint32
-    return int(np.prod(e.params["shape"])) <= MAX_DRAW
+    return 0 < int(np.prod(e.params["shape"])) <= MAX_DRAW
 
 
 def _evaluate(closed, args) -> list:
@@ -119,6 +120,8 @@ def _evaluate(closed, args) -> list:
             live.append(n)
             needed.update(r[1] for r in n.ins if r[0] == "v")
     live.reverse()
+    if any(n.eqn.effects for n in live):  # levels would reorder effects: run it as traced
+        return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
     # level: how many hashes lie on the longest chain of hashes before the node
     level_of = {-1 - i: 0 for i in range(len(args))}
     batched = []

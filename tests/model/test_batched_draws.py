@@ -54,6 +54,23 @@ def test_jax_random_draws_batched_equal_jax():
     assert (n_plain, n_batched) == (13, 6)
 
 
+def test_empty_draws_and_side_effects_run_as_jax_runs_them(capfd):
+    def f(key):
+        a, b = jax.random.split(key)
+        return jax.random.normal(a, (0, 3)), jax.random.uniform(b, (5,))
+
+    def g(key):
+        x = jax.random.normal(key, (4,))
+        jax.debug.print("drawn {}", x.sum() * 0 + 4)
+        return x, jax.random.bits(jax.random.fold_in(key, 1), (3,))
+
+    key = jax.random.key(2)
+    for fn in (f, g):
+        _assert_equal(jax.jit(batch_random_draws(fn))(key), jax.jit(fn)(key))
+    assert capfd.readouterr().out.count("drawn 4") == 2
+    assert _hashes(batch_random_draws(g), key) == _hashes(g, key)  # not batched: the effect
+
+
 @pytest.mark.parametrize("name,over", [
     ("test", {}),
     ("tiny", {"num_layers": 4, "scan_layers": True}),  # stacked layers: draws under a vmap
