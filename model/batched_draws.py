@@ -136,11 +136,12 @@ def _evaluate(closed, args) -> list:
     def get(r):
         return r[1] if r[0] == "c" else vals[r[1]]
 
-    for level in range(max((n.level for n in live), default=0) + 1):
+    by_level: dict = {}  # level -> [(node, batched)], in the traced order
+    for n, b in zip(live, batched):
+        by_level.setdefault(n.level, []).append((n, b))
+    for level in sorted(by_level):
         draws = []
-        for n, b in zip(live, batched):
-            if n.level != level:
-                continue
+        for n, b in by_level[level]:
             if b:
                 draws.append(n)
                 continue
@@ -172,14 +173,14 @@ def _run_draws(draws: list[_Node], get, vals: dict) -> None:
             hi, lo = _counters(n.eqn.params["shape"])
         parts.append((n, key, k1, k2, hi, lo))
     chunk, size = [], 0
-    for p in parts + [None]:
-        if p is None or (chunk and size + p[4].size > MAX_BATCH):
-            if chunk:
-                _hash(chunk, vals)
+    for p in parts:
+        if chunk and size + p[4].size > MAX_BATCH:
+            _hash(chunk, vals)
             chunk, size = [], 0
-        if p is not None:
-            chunk.append(p)
-            size += p[4].size
+        chunk.append(p)
+        size += p[4].size
+    if chunk:
+        _hash(chunk, vals)
 
 
 def _hash(parts: list, vals: dict) -> None:
@@ -202,7 +203,6 @@ def _hash(parts: list, vals: dict) -> None:
             data = jnp.stack([o1.reshape(shape), o2.reshape(shape)], axis=len(shape))
             out = jax.random.wrap_key_data(data, impl=impl)
         vals[n.outs[0]] = out
-
 
 
 def _hash_unfused(k1, k2, hi, lo):

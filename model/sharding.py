@@ -356,7 +356,7 @@ def shard_params(variables, mesh: Mesh, rules: Rules | None = None, *, abstract=
     return jax.device_put(variables, shardings)
 
 
-_SHARDED_INITS: dict = {}  # (ModelConfig, mesh, rules) -> jitted init with out_shardings
+_SHARDED_INITS: dict = {}  # (ModelConfig, mesh_key) -> jitted init with out_shardings
 
 
 def init_sharded(model, rng: jax.Array, mesh: Mesh, rules: Rules | None = None):
@@ -369,7 +369,7 @@ def init_sharded(model, rng: jax.Array, mesh: Mesh, rules: Rules | None = None):
     shardings = model_shardings(model, mesh, rules)
     if mesh.size == 1:
         return jax.device_put(model.init(rng), shardings)
-    key = (model.cfg, mesh, None if rules is None else repr(sorted(dict(rules).items())))
+    key = (model.cfg, mesh_key(mesh, rules))
     fn = _SHARDED_INITS.get(key)
     if fn is None:
         # each parameter's own draws: batched ones would not be partitioned like them

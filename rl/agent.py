@@ -263,8 +263,9 @@ class AgentRolloutWorker:
         """The global batch index of this process's first row (0 on one process)."""
         if not self.lockstep:
             return 0
-        g = self.sampler._global_rows(n)
-        return shd.host_batch_slice(g, mesh=self.sampler.mesh, rules=self.sampler.rules).start
+        mesh, rules = self.sampler.mesh, self.sampler.rules
+        return shd.host_batch_slice(shd.global_rows(n, mesh, rules), mesh=mesh,
+                                    rules=rules).start
 
     def _turn(self, variables, rows: list[_Row], rng, hc: _HalfCache, row_ids) -> int:
         """One sampler call for the rows of a half whose episode waits for a model turn; returns
