@@ -56,7 +56,7 @@ import numpy as np
 from model import sharding as shd
 from model.tokenizer import ASSISTANT
 from rl.envs import EnvConfig, SessionEnv, StepResult
-from rl.pipeline import ScoredGroup
+from rl.pipeline import ScoredGroup, pad_row_ids
 from rl.sampler import Sampler, SamplingConfig
 
 TOOL_CALL_END = "</tool_call>"
@@ -188,25 +188,28 @@ class AgentRolloutWorker:
 
     # ------------------------------------------------------------------------------------
     def start(self, variables, tasks: list, rng, group_size: int | None = None,
-              pad_to: int | None = None, version: int = 0) -> _Done:
+              pad_to: int | None = None, version: int = 0, row_ids=None) -> _Done:
         """Runs every episode to its end (generation and sandbox commands overlapped across two
         halves of the rows) and returns the scored group (`.result()`); tasks are repeated
-        group_size times (GRPO groups), padded to pad_to tasks with dropped rows."""
-        g = self.generate(variables, tasks, rng, group_size, pad_to)
+        group_size times (GRPO groups), padded to pad_to tasks with dropped rows. row_ids: one
+        per episode (rl.pipeline.pad_row_ids); by default an episode draws by its index in the
+        global batch."""
+        g = self.generate(variables, tasks, rng, group_size, pad_to, row_ids)
         g.policy_version = version
         return _Done(g)
 
     def generate(self, variables, tasks: list, rng, group_size: int | None = None,
-                 pad_to: int | None = None) -> ScoredGroup:
+                 pad_to: int | None = None, row_ids=None) -> ScoredGroup:
         G = group_size or self.group_size
         rep = [t for t in tasks for _ in range(G)]
         n = len(rep)
         total = max(n, (pad_to or 0) * G)
         total += total % 2  # two halves of equal size: one compiled program per turn
         t0 = time.perf_counter()
+        ids = pad_row_ids(row_ids, n, total)  # checked before any session opens
         rows = self._open(rep) + [self._padding_row(rep[0]) for _ in range(total - n)]
         try:
-            overlap, prefilled = self._run(variables, rows, rng)
+            overlap, prefilled = self._run(variables, rows, rng, ids)
         finally:
             for r in rows:
                 if not r.done and r.env is not None:
@@ -237,14 +240,17 @@ class AgentRolloutWorker:
         ids = [self.tok.bos_id]
         return _Row(None, task, ids, [False], [0.0], 1, done=True)
 
-    def _run(self, variables, rows: list[_Row], rng) -> tuple[float, int]:
+    def _run(self, variables, rows: list[_Row], rng, row_ids=None) -> tuple[float, int]:
         """(seconds generated with commands in flight, context positions prefilled)."""
         half = len(rows) // 2
         halves = [rows[:half], rows[half:]]
-        # each row's draws: rng folded with its episode's index in the global batch and its
-        # tokens' positions (rl.sampler.categorical_rows), whichever turn call it is in
-        first = self._first_row(len(rows))
-        ids = [np.arange(first, first + half), np.arange(first + half, first + len(rows))]
+        # each row's draws: rng folded with its episode's id (row_ids, default its index in the
+        # global batch) and its tokens' positions (rl.sampler.categorical_rows), whichever turn
+        # call it is in
+        if row_ids is None:
+            first = self._first_row(len(rows))
+            row_ids = np.arange(first, first + len(rows))
+        ids = [row_ids[:half], row_ids[half:]]
         caches = [_HalfCache(), _HalfCache()]
         overlap, prefilled = 0.0, 0
         while self._agree(not all(r.done for r in rows)):
@@ -471,7 +477,7 @@ class RoutingWorker:
         return self.one_shot.row_blocks(n_rows)
 
     def start(self, variables, tasks: list, rng, group_size: int | None = None,
-              pad_to: int | None = None, version: int = 0):
+              pad_to: int | None = None, version: int = 0, row_ids=None):
         G = group_size or self.group_size
         agent_idx = [i for i, t in enumerate(tasks) if is_agent_task(t)]
         if agent_idx and self.agent is None:
@@ -487,14 +493,22 @@ class RoutingWorker:
                     f"multi-turn per process: {kinds}); on several processes every batch must "
                     "be of one kind on all of them (the RL loop's batches are; evaluation "
                     "splits its tasks by kind)")
+        if row_ids is not None:
+            row_ids = np.asarray(row_ids)
+            if row_ids.shape != (len(tasks) * G,):
+                raise ValueError(f"row_ids must be {len(tasks) * G} ids (one per task and "
+                                 f"sample, task-major), got shape {row_ids.shape}")
+
+        def ids(idx):
+            return None if row_ids is None else row_ids.reshape(-1, G)[idx].reshape(-1)
         r1, r2 = jax.random.split(rng)
         parts = []
         if one_idx:
             parts.append((one_idx, self.one_shot.start(
                 variables, [tasks[i] for i in one_idx], r1, group_size=G, pad_to=pad_to,
-                version=version)))
+                version=version, row_ids=ids(one_idx))))
         if agent_idx:
             parts.append((agent_idx, self.agent.start(
                 variables, [tasks[i] for i in agent_idx], r2, group_size=G, pad_to=pad_to,
-                version=version)))
+                version=version, row_ids=ids(agent_idx))))
         return _Merged(parts, len(tasks), G)

@@ -268,6 +268,23 @@ class PendingScores:
         return g
 
 
+def pad_row_ids(row_ids, n_rows: int, total: int):
+    """The sampler's row ids for a worker call: row_ids holds one non-negative id per real row
+    (tasks x group size, task-major; this process's rows), and the padding rows that keep the
+    batch shape (dropped before scoring) get the ids after the largest. None (the default):
+    each row draws by its index in the global batch (`rl.sampler.row_keys`). Ids that name the
+    work (e.g. a task's index in an evaluation set x samples + sample) make sampled results
+    independent of how the tasks are chunked into calls and spread over processes."""
+    if row_ids is None:
+        return None
+    ids = np.asarray(row_ids)
+    if ids.shape != (n_rows,) or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any():
+        raise ValueError(f"row_ids must be {n_rows} non-negative ints (one per task and sample, "
+                         f"task-major), got shape {ids.shape} dtype {ids.dtype}")
+    start = int(ids.max()) + 1 if n_rows else 0
+    return np.concatenate([ids, np.arange(start, start + total - n_rows)]).astype(np.int64)
+
+
 class RolloutWorker:
     """Generates completions for a list of tasks and submits them for scoring.
 
@@ -302,17 +319,20 @@ class RolloutWorker:
         return n, (jax.process_index() if n > 1 else 0)
 
     def generate(self, variables, tasks: list, rng, group_size: int | None = None,
-                 pad_to: int | None = None):
+                 pad_to: int | None = None, row_ids=None):
         """pad_to: generate for at least this many tasks (repeating the first; the extra rows
-        are dropped before scoring), so that every batch has one shape and one compile."""
+        are dropped before scoring), so that every batch has one shape and one compile.
+        row_ids: `pad_row_ids`'s contract (the sampled rows' draws by id, not by place)."""
         G = group_size or self.group_size
         rep = [t for t in tasks for _ in range(G)]
         extra = max(0, (pad_to or 0) - len(tasks)) * G
         prompts, lens = encode_prompts(self.tok, [t.prompt for t in rep + rep[:1] * extra],
                                        self.max_prompt_len)
+        ids = pad_row_ids(row_ids, len(rep), len(rep) + extra)
         t0 = time.perf_counter()
         out = self.sampler.generate(variables, prompts, lens, rng,
-                                    group_size=G if self.share_prefix else 1, slots=self.slots)
+                                    group_size=G if self.share_prefix else 1, slots=self.slots,
+                                    row_ids=ids)
         n = len(rep)
         comp, cmask, lp = (x[:n] for x in shd.host_rows((out.tokens, out.mask, out.logprobs)))
         prompts, lens = prompts[:n], lens[:n]
@@ -326,10 +346,11 @@ class RolloutWorker:
                            details=[], gen_s=gen_s)
 
     def start(self, variables, tasks: list, rng, group_size: int | None = None,
-              pad_to: int | None = None, version: int = 0) -> PendingScores:
+              pad_to: int | None = None, version: int = 0, row_ids=None) -> PendingScores:
         """Generate now; submit every completion to the sandbox and return without waiting.
-        version: the generating policy's update count (for the staleness metric)."""
-        g = self.generate(variables, tasks, rng, group_size, pad_to)
+        version: the generating policy's update count (for the staleness metric); row_ids:
+        as `generate`."""
+        g = self.generate(variables, tasks, rng, group_size, pad_to, row_ids)
         g.policy_version = version
         t = time.perf_counter()
         return PendingScores(g, [self.verifier.submit(task, text)
@@ -468,6 +489,9 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     episode_tokens_mean (per episode; episode success is pass@1). Sampling follows worker.sampler's config (temperature 0 -> greedy, n_samples 1).
     Chunks of batch_prompts tasks (the last one padded: one batch shape, one compile) are
     generated while the previous chunk is scored. "_seconds": the evaluation's wall time.
+    Sampled rows draw from rng by their task's index in `tasks` and their sample (row ids,
+    `pad_row_ids`), so the results do not depend on batch_prompts or the process layout (up
+    to float differences between batch shapes).
 
     On a mesh with several processes (worker.mesh): the tasks are split over the processes that
     hold distinct rows (one-shot and multi-turn tasks apart, each kind's task i to block i mod
@@ -509,9 +533,11 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
         for c in range(math.ceil(math.ceil(len(kind) / blocks) / batch_prompts)):
             idx = mine[c * batch_prompts:(c + 1) * batch_prompts]
             chunk = [tasks[t] for t in idx or kind[:1]]  # an empty share still joins the program
-            rng, sub = jax.random.split(rng)
-            pending = worker.start(variables, chunk, sub, group_size=n_samples,
-                                   pad_to=batch_prompts)
+            # one key for the whole evaluation, each row drawing by its task's index in
+            # `tasks` and its sample (an empty share: ids past every task's)
+            ids = [t * n_samples + j for t in (idx or [len(tasks)]) for j in range(n_samples)]
+            pending = worker.start(variables, chunk, rng, group_size=n_samples,
+                                   pad_to=batch_prompts, row_ids=ids)
             cur = (idx, pending)
             if prev is not None:
                 collect(*prev)

@@ -9,6 +9,7 @@ contribute exactly nothing to the loss, its gradient or the KL, the reward is th
 check's, and SFT rendering (encode_episode) equals what a rollout of the same turns produces.
 """
 
+import dataclasses
 import pathlib
 
 import jax
@@ -166,6 +167,42 @@ def test_routing_worker_merges_one_shot_and_agent_rows_in_task_order(agent):
     batch, _ = build_train_batch(g, get_algorithm("grpo", kl_placement="none", kl_coef=0.0),
                                  WIDTH)
     assert batch["tokens"].shape == (6, WIDTH) and batch["loss_mask"].sum() == g.target_mask.sum()
+
+
+def test_routing_worker_rows_draw_by_their_ids(agent):
+    """With row_ids (one per task and sample) a sampled row's completion depends on its id, not
+    on its place: the same tasks started in another order and grouping, with their ids, give
+    the same completions, one-shot (T=1) and multi-turn (T=2) alike; evaluation relies on
+    it (rl.pipeline.evaluate). Bad ids are refused before anything runs."""
+    from rl.agent import RoutingWorker
+    from rl.pipeline import RolloutWorker
+    from sandbox.tasks.sampling import make_split
+    from sandbox.verifiers import Verifier
+
+    model, variables, tok, task = agent["model"], agent["variables"], agent["tok"], agent["task"]
+    (arith, _), = make_split("arithmetic", "train", 1, seed=3, difficulty=1)
+    other = multistep.make_split("train", 3, seed=5, difficulty=1)[0]
+    with SandboxPool(workers=2) as pool:
+        one = RolloutWorker(model, tok, SamplingConfig(max_new_tokens=8, temperature=1.0,
+                                                       eos_id=tok.eos_id),
+                            Verifier(pool), group_size=2, max_prompt_len=96)
+        hot = dataclasses.replace(SAMPLING, temperature=2.0)  # the fitted model is peaked
+        both = RoutingWorker(one, AgentRolloutWorker(model, tok, hot, pool, group_size=2,
+                                                     width=WIDTH, env_config=ENV))
+        key = jax.random.key(11)
+        a = both.start(variables, [arith, task, other], key, row_ids=[0, 1, 2, 3, 4, 5]).result()
+        b = both.start(variables, [other, arith], key, pad_to=2, row_ids=[4, 5, 0, 1]).result()
+        c = both.start(variables, [other, arith], key, pad_to=2).result()  # ids by place
+        with pytest.raises(ValueError, match="row_ids must be 4 ids"):
+            both.start(variables, [other, arith], key, row_ids=[0, 1, 2])
+    def tokens(g, row):  # the row's completion (merged groups pad to different widths)
+        return g.completions[row][g.completion_mask[row]].tolist()
+
+    for row, i in ((0, 4), (1, 5), (2, 0), (3, 1)):
+        assert tokens(b, row) == tokens(a, i) and b.texts[row] == a.texts[i]
+    assert len({a.texts[i] for i in range(6)}) == 6  # sampled: the rows differ
+    # without the ids, `other`'s episodes draw by their place (rows 0, 1): other tokens
+    assert any(tokens(c, r) != tokens(a, r + 4) for r in (0, 1))
 
 
 @pytest.mark.slow

@@ -101,3 +101,33 @@ def test_evaluate_at_best_temperatures(digit_eval):
         assert {d: v["temperature"] for d, v in res[m].items() if isinstance(v, dict)} == best
         assert all(v["tasks"] == 2 for v in res[m].values() if isinstance(v, dict))
     assert set(best_temperatures(sweep, "pass@4").values()) == {2.0}  # greedy has no pass@4
+
+
+def test_sampled_evaluation_does_not_depend_on_its_chunking(digit_eval):
+    """evaluate draws every row from one key by its task's index and sample (row ids), so the
+    same evaluation in chunks of 8, 3 (the last one padded) or 1 task generates the same
+    completions for every task and sample, and reports the same numbers."""
+    variables, tasks, worker_at = digit_eval
+    worker = worker_at(2.0)
+    seen = {}  # batch_prompts -> {(task id, sample): text}
+    generate = worker.generate
+
+    def recording_generate(variables, chunk, rng, group_size=None, pad_to=None, row_ids=None):
+        g = generate(variables, chunk, rng, group_size, pad_to, row_ids)
+        for k, (t, text) in enumerate(zip(g.tasks, g.texts)):
+            seen[current].setdefault((t.id, k % 4), text)
+        return g
+
+    worker.generate = recording_generate
+    try:
+        results = {}
+        for current in (8, 3, 1):
+            seen[current] = {}
+            results[current] = evaluate(worker, variables, tasks, jax.random.key(5),
+                                        n_samples=4, ks=(1, 4), batch_prompts=current)
+    finally:
+        del worker.generate
+    assert len(seen[8]) == len(tasks) * 4 and len(set(seen[8].values())) > 8
+    assert seen[3] == seen[8] and seen[1] == seen[8]
+    drop = lambda r: {d: x for d, x in r.items() if d != "_seconds"}
+    assert drop(results[3]) == drop(results[8]) == drop(results[1])
