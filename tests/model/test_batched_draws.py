@@ -54,6 +54,17 @@ def test_jax_random_draws_batched_equal_jax():
     assert (n_plain, n_batched) == (13, 6)
 
 
+def test_draws_split_over_several_hash_calls_equal_jax(monkeypatch):
+    """With MAX_BATCH below a level's counters the level's draws run as several hash calls
+    (each part keyed by its own index within its call): still jax's bits."""
+    import model.batched_draws as bd
+
+    monkeypatch.setattr(bd, "MAX_BATCH", 600)
+    key = jax.random.key(12)
+    _assert_equal(jax.jit(batch_random_draws(_draws))(key), jax.jit(_draws)(key))
+    assert _hashes(batch_random_draws(_draws), key) > 6
+
+
 def test_empty_draws_and_side_effects_run_as_jax_runs_them(capfd):
     def f(key):
         a, b = jax.random.split(key)
