@@ -491,7 +491,8 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     generated while the previous chunk is scored. "_seconds": the evaluation's wall time.
     Sampled rows draw from rng by their task's index in `tasks` and their sample (row ids,
     `pad_row_ids`), so the results do not depend on batch_prompts or the process layout (up
-    to float differences between batch shapes).
+    to float differences between batch shapes; not with speculative decoding, whose draws are
+    per step of the batch: rl/speculative.py).
 
     On a mesh with several processes (worker.mesh): the tasks are split over the processes that
     hold distinct rows (one-shot and multi-turn tasks apart, each kind's task i to block i mod
