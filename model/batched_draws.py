@@ -211,7 +211,7 @@ def _batched_inputs(parts: list, sizes: list[int]):
     starts = np.cumsum([0] + sizes[:-1])
     # the part of each counter: +1 at every start after the first, summed along the counters;
     # from a zero XLA cannot fold (else it folds the sum into an [n] constant, slowly)
-    zero = ((k1s[0] ^ jnp.uint32(0x9E3779B9)) == k1s[0]).astype(jnp.int32)
+    zero = (~_always_true(k1s)).astype(jnp.int32)
     part = jnp.cumsum(jnp.full((n,), zero).at[starts[1:]].add(1))  # [n]
     index = lax.iota(jnp.uint32, n) - jnp.asarray(starts, jnp.uint32)[part]  # within its part
     folds = [p[5] is not None for p in parts]
@@ -222,12 +222,18 @@ def _batched_inputs(parts: list, sizes: list[int]):
     return k1s[part], k2s[part], jnp.zeros((n,), jnp.uint32), lo
 
 
+def _always_true(words: jax.Array) -> jax.Array:
+    """A bool scalar that is always True but that XLA cannot constant-fold (it depends on the
+    runtime key words: x ^ c != x for any c != 0)."""
+    return (words[0] ^ jnp.uint32(0x9E3779B9)) != words[0]
+
+
 def _hash_unfused(k1, k2, hi, lo):
     """threefry2x32 over the counters, computed inside a conditional whose predicate XLA cannot
     fold (it is always true): XLA duplicates a cheap elementwise producer into each of its
     consumers, so without the boundary it would fuse the hash into each draw's slice and emit
     one straight-line copy of it per draw again (optimization_barrier does not stop that on
     CPU, and XLA unrolls a loop over chunks)."""
-    pred = (k1[0] ^ jnp.uint32(0x9E3779B9)) != k1[0]
+    pred = _always_true(k1)
     zeros = lambda *_: (jnp.zeros_like(hi), jnp.zeros_like(hi))
     return lax.cond(pred, lambda *xs: tuple(threefry2x32_p.bind(*xs)), zeros, k1, k2, hi, lo)

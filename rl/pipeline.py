@@ -41,7 +41,7 @@ from model import sharding as shd
 from rl import losses
 from rl.algorithms import AlgoConfig, PreparedAdvantages, prepare_advantages
 from rl.metrics import clustered_interval, mean_interval, pass_at_k
-from rl.sampler import Sampler, SamplingConfig, pack
+from rl.sampler import Sampler, SamplingConfig, check_row_ids, pack
 
 
 # --------------------------------------------------------------------------- data
@@ -277,12 +277,9 @@ def pad_row_ids(row_ids, n_rows: int, total: int):
     independent of how the tasks are chunked into calls and spread over processes."""
     if row_ids is None:
         return None
-    ids = np.asarray(row_ids)
-    if ids.shape != (n_rows,) or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any():
-        raise ValueError(f"row_ids must be {n_rows} non-negative ints (one per task and sample, "
-                         f"task-major), got shape {ids.shape} dtype {ids.dtype}")
+    ids = check_row_ids(row_ids, n_rows)  # one per task and sample, task-major
     start = int(ids.max()) + 1 if n_rows else 0
-    return np.concatenate([ids, np.arange(start, start + total - n_rows)]).astype(np.int64)
+    return np.concatenate([ids, np.arange(start, start + total - n_rows, dtype=np.int32)])
 
 
 class RolloutWorker:

@@ -491,7 +491,7 @@ class Sampler:
         for name, v in (("group_size", group_size), ("slots", slots)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (name == "group_size"):
                 raise ValueError(f"{name} must be an int >= {int(name == 'group_size')}, got {v!r}")
-        ids = _row_ids(row_ids, prompts.shape[0])
+        ids = check_row_ids(row_ids, prompts.shape[0])
         if group_size > 1 or slots:
             prompts_u, lengths_u = distinct_prompts(prompts, lengths, group_size)
         mode = self._mode(prompts.shape[0], group_size, slots)
@@ -556,16 +556,16 @@ class Sampler:
                              f"{lengths.shape}")
         if lengths.min() < 0 or lengths.max() > tokens.shape[1]:
             raise ValueError(f"lengths must be in [0, {tokens.shape[1]}], got {lengths}")
-        ids = _row_ids(row_ids, tokens.shape[0])
+        ids = check_row_ids(row_ids, tokens.shape[0])
         fn = _program(self.model, self.cfg, self.mesh, self.rules, mode=("extend",))
         if self.mesh is not None:
             tokens, lengths, ids = shd.to_global((tokens, lengths, ids), self.mesh, self.rules)
         return fn(variables, cache, tokens, lengths, rng, np.float32(self.cfg.temperature), ids)
 
 
-def _row_ids(row_ids, n: int) -> np.ndarray:
-    """Host-side [n] int32 row ids (-1: the row's index in the global batch, set in the
-    program)."""
+def check_row_ids(row_ids, n: int) -> np.ndarray:
+    """Host-side [n] int32 row ids from `row_ids` (None: all -1, the row's index in the global
+    batch, set in the program); anything but n non-negative ints is a ValueError."""
     if row_ids is None:
         return np.full((n,), -1, np.int32)
     ids = np.asarray(row_ids)
