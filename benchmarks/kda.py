@@ -15,6 +15,14 @@ load average per round and the cores other processes kept busy per sample (`fore
 every 64 tokens (a plain scan keeps a [B,H,K,V] state per token: 8.6 GB at H=16, T=8192).
 Ratios printed: chunked_vjp / chunked and chunked / recurrent (speed-ups, > 1 is faster).
 
+Prefill mode (--prefill): the short cached calls of a sampler (prefill, an agent turn's
+extension; `KDAConfig.recurrent_max_len` picks between the two), from a random f32 state with
+the final state out, for the chunked form (`chunked_vjp`'s forward) and the token recurrence:
+per (B, H, K=V, T) of `PREFILL_SHAPES` the first call's seconds (trace + compile + run, the
+compilation cache off) and the median run time over alternating rounds.
+
+    python -m benchmarks.kda --prefill [--rounds 15]
+
 Peer mode (--peer, or KDA_BENCH_PEER=1 under scripts/bench.py): on the issue's shape only
 (BENCH[0]), ejkernel 0.0.80.3's chunked XLA op runs in its own process with its own python
 (benchmarks/peers/ejkernel_kda.py --serve; interpreter: $KDA_PEER_PYTHON, default
@@ -145,6 +153,57 @@ def _ratio(times: dict, name: str) -> float:
     return times[f"{mode}/{b}"] / times[f"{mode}/{a}"]
 
 
+# (B, H, K = V, T): the demo's prefill (K 48, prompts of 72 tokens, groups of 4 -> 8 distinct
+# prompts; 32 rows without prefix sharing), the matched benchmark's K 64, and K 128 (`small`)
+PREFILL_SHAPES = ((8, 2, 48, 72), (32, 2, 48, 72), (8, 2, 48, 128), (8, 4, 64, 32),
+                  (8, 4, 64, 128), (32, 4, 64, 32), (8, 4, 128, 64), (8, 4, 128, 128))
+
+
+def _unit(x):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def prefill(rounds: int = 15, shapes=PREFILL_SHAPES) -> dict:
+    """The --prefill table (module docstring): {"B,H,K,T": {impl: {"first_s", "run_ms"}}}."""
+    import time  # noqa: PLC0415
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    impls = {"chunked": lambda *a, **kw: chunked_vjp.kda_chunked_vjp(
+                 *a, **kw, chunk_size=reference.CPU_CHUNK),
+             "recurrent": reference.kda_recurrent}
+    out = {}
+    print(f"prefill (cached call, f32 state in and out): first call s / median run ms over "
+          f"{rounds} alternating rounds")
+    for B, H, K, T in shapes:
+        ks = jax.random.split(jax.random.key(0), 6)
+        q, k = (_unit(jax.random.normal(x, (B, T, H, K))) for x in ks[:2])
+        v = jax.random.normal(ks[2], (B, T, H, K))
+        g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, H, K)))
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+        s0 = 0.1 * jax.random.normal(ks[5], (B, H, K, K))
+        args = (q, k, v, g, beta, s0)
+        fns, row = {}, {}
+        for name, fn in impls.items():
+            fns[name] = jax.jit(lambda q, k, v, g, b, s, fn=fn: fn(
+                q, k, v, g, b, initial_state=s, output_final_state=True))
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[name](*args))
+            row[name] = {"first_s": time.perf_counter() - t0}
+        times = {n: [] for n in fns}
+        for r in range(rounds):
+            for name in list(fns)[r % 2:] + list(fns)[:r % 2]:
+                t0 = time.perf_counter()
+                jax.block_until_ready(fns[name](*args))
+                times[name].append(time.perf_counter() - t0)
+        for name in fns:
+            row[name]["run_ms"] = statistics.median(times[name]) * 1e3
+        c, r = row["chunked"], row["recurrent"]
+        print(f"  B={B:<3} H={H} K=V={K:<3} T={T:<4} chunked {c['first_s']:.2f} s / "
+              f"{c['run_ms']:.2f} ms   recurrent {r['first_s']:.2f} s / {r['run_ms']:.2f} ms")
+        out[f"{B},{H},{K},{T}"] = row
+    return out
+
+
 def run(quick: bool = False, peer: bool | None = None, rounds: int | None = None) -> dict:
     peer = os.environ.get(PEER_ENV) == "1" if peer is None else peer
     specs = (arg_specs.BENCH[0],) if peer else (arg_specs.BENCH_QUICK if quick else arg_specs.BENCH)
@@ -208,9 +267,14 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="BENCH_QUICK shapes, 3 rounds")
     p.add_argument("--peer", action="store_true", help="add ejkernel on the issue's shape")
     p.add_argument("--rounds", type=int, help="alternating rounds (default 5, quick 3)")
+    p.add_argument("--prefill", action="store_true",
+                   help="short cached calls: chunked form vs token recurrence")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
-    res = run(quick=args.quick, peer=args.peer, rounds=args.rounds)
+    if args.prefill:
+        res = prefill(rounds=args.rounds or 15)
+    else:
+        res = run(quick=args.quick, peer=args.peer, rounds=args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

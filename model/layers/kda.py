@@ -42,6 +42,13 @@ class KDAConfig:
     gate_lower_bound: float | None = None  # None: -exp(A_log)*softplus(.); else lb*sigmoid(.)
     chunk_size: int = 64
     impl: str = "auto"  # kernel dispatch (pallas_kernels/kda/ops.py:DISPATCH)
+    # A cached call (prefill, or an agent turn's extension) of at most this many tokens runs
+    # the token recurrence (a lax.scan of `kda_step`) instead of the chunked form when `impl`
+    # resolves to a pure-JAX one (not with the Pallas kernels). XLA:CPU compiles it in 0.2-0.3 s
+    # against 0.7-1.2 s per layer and program; its run time is 0.75-1.5x the chunked form's at
+    # K = V = 48-64 and T <= 128, about 2x at K = V = 128 (python -m benchmarks.kda --prefill).
+    # 0: always the chunked form. Training calls (no cache) always take `impl`.
+    recurrent_max_len: int = 128
 
     @property
     def k_dim(self) -> int:
@@ -63,6 +70,8 @@ class KDAConfig:
         require(self.conv_size >= 1, f"{p}.conv_size", "must be >= 1")
         require(self.chunk_size in (16, 32, 64, 128), f"{p}.chunk_size",
                 "must be 16, 32, 64 or 128")
+        require(self.recurrent_max_len >= 0, f"{p}.recurrent_max_len",
+                "must be >= 0 (0: cached calls always take the chunked form)")
         check_kernel(kda_ops.DISPATCH, self.impl, f"{p}.impl",
                      f"(K = {p}.head_dim = {self.k_dim}, V = {p}.v_head_dim or head_dim = "
                      f"{self.v_dim})", K=self.k_dim, V=self.v_dim, dtype=model.dtype)
@@ -201,7 +210,7 @@ class KDALayer(nn.Module):
         else:
             o, new_state = kda_ops.kda(q, k, v, g, beta, initial_state=state,
                                        output_final_state=cache is not None,
-                                       chunk_size=c.chunk_size, impl=c.impl)
+                                       chunk_size=c.chunk_size, impl=self._impl(T, cache))
         # o: [B,T,H,V]
 
         norm_w = self.param("o_norm", nn.with_logical_partitioning(
@@ -214,6 +223,16 @@ class KDALayer(nn.Module):
         new_cache = None if cache is None else {"conv": new_window.astype(cache["conv"].dtype),
                                                 "state": new_state}
         return out, new_cache, {}
+
+    def _impl(self, T: int, cache) -> str:
+        """`cfg.impl`, or "recurrent" for a short cached call (`KDAConfig.recurrent_max_len`)
+        when `impl` resolves to a pure-JAX form on this platform."""
+        c = self.cfg
+        if cache is None or T > c.recurrent_max_len:
+            return c.impl
+        if kda_ops.DISPATCH.resolve(c.impl, K=c.k_dim, V=c.v_dim, dtype=self.dtype) == "pallas":
+            return c.impl
+        return "recurrent"
 
     @staticmethod
     def select_step_cache(step_cache: KDACache, n: jax.Array) -> KDACache:

@@ -11,6 +11,8 @@ all-DSA, hybrid and dense layouts. Not covered: capacity-dispatch MoE (drops dif
 see Model.prefill), long prompts (scripts/longctx.py measures 16K-token memory and speed).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,6 +155,42 @@ def test_sampler_prefill_chunk_same_greedy_tokens():
             .generate(variables, prompts, lengths, jax.random.key(0)) for c in (0, 8)]
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
     np.testing.assert_array_equal(outs[0].mask, outs[1].mask)
+
+
+def test_short_prefill_recurrence_equals_chunked_form():
+    """KDAConfig.recurrent_max_len: a cached call of at most that many tokens runs the KDA token
+    recurrence (a scan over its T tokens), a longer one (or with 0) the chunked form; the two
+    prefill the same logits, hidden states, KDA states and next decode step."""
+    T_ = 40
+    tokens = jax.random.randint(jax.random.key(2), (B, T_), 3, 250)
+    lengths = jnp.array(LENGTHS, jnp.int32)
+    tokens = jnp.where(jnp.arange(T_)[None] < lengths[:, None], tokens, 0)
+    outs, programs = {}, {}
+    for limit in (0, T_ - 1, T_):  # chunked, chunked (one token over), recurrent
+        model = Model(_cfg(**{"kda.recurrent_max_len": limit}))
+        variables = model.init(jax.random.key(1))
+
+        def run(variables, tokens, lengths, model=model):
+            lg, cache, hid = model.prefill(variables, tokens, lengths, model.init_cache(B, S))
+            return lg, cache, hid, model.decode_step(variables, jnp.array([7, 9]), cache)[0]
+
+        programs[limit] = str(jax.make_jaxpr(run)(variables, tokens, lengths))
+        outs[limit] = jax.jit(run)(variables, tokens, lengths)
+    def scans_over_tokens(program):
+        return re.search(rf"length={T_}\b", program) is not None
+
+    assert scans_over_tokens(programs[T_])
+    assert not scans_over_tokens(programs[0]) and not scans_over_tokens(programs[T_ - 1])
+    (lg0, c0, h0, d0), (lg1, c1, h1, d1) = outs[0], outs[T_]
+    tol = dict(rtol=2e-5, atol=2e-5)
+    for b, n in enumerate(LENGTHS):
+        np.testing.assert_allclose(lg1[b, :n], lg0[b, :n], **tol)
+        np.testing.assert_allclose(h1[b, :n], h0[b, :n], **tol)
+    for a, c in zip(c0["layers"], c1["layers"]):
+        if "state" in a:
+            np.testing.assert_allclose(c["state"], a["state"], **tol)
+    np.testing.assert_allclose(d1, d0, **tol)
+    assert float(jnp.max(jnp.abs(c0["layers"][0]["state"]))) > 1e-2  # a state was written
 
 
 # ----------------------------------------------------------------------------- benchmark tasks
