@@ -164,10 +164,10 @@ def _unit(x):
 
 
 def prefill(rounds: int = 15, shapes=PREFILL_SHAPES) -> dict:
-    """The --prefill table (module docstring): {"B,H,K,T": {impl: {"first_s", "run_ms"}}}."""
+    """The --prefill table (module docstring): {"B,H,K,T": {impl: {"first_s", "run_ms"},
+    "max_abs_diff": the largest difference between the two forms' outputs and final states}}."""
     import time  # noqa: PLC0415
 
-    jax.config.update("jax_enable_compilation_cache", False)
     impls = {"chunked": lambda *a, **kw: chunked_vjp.kda_chunked_vjp(
                  *a, **kw, chunk_size=reference.CPU_CHUNK),
              "recurrent": reference.kda_recurrent}
@@ -182,13 +182,16 @@ def prefill(rounds: int = 15, shapes=PREFILL_SHAPES) -> dict:
         beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
         s0 = 0.1 * jax.random.normal(ks[5], (B, H, K, K))
         args = (q, k, v, g, beta, s0)
-        fns, row = {}, {}
+        fns, row, outs = {}, {}, {}
         for name, fn in impls.items():
             fns[name] = jax.jit(lambda q, k, v, g, b, s, fn=fn: fn(
                 q, k, v, g, b, initial_state=s, output_final_state=True))
             t0 = time.perf_counter()
-            jax.block_until_ready(fns[name](*args))
+            outs[name] = jax.block_until_ready(fns[name](*args))
             row[name] = {"first_s": time.perf_counter() - t0}
+        # the two forms compute the same outputs and final state (up to f32 rounding)
+        row["max_abs_diff"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+            outs["chunked"], outs["recurrent"]))
         times = {n: [] for n in fns}
         for r in range(rounds):
             for name in list(fns)[r % 2:] + list(fns)[:r % 2]:
@@ -199,7 +202,8 @@ def prefill(rounds: int = 15, shapes=PREFILL_SHAPES) -> dict:
             row[name]["run_ms"] = statistics.median(times[name]) * 1e3
         c, r = row["chunked"], row["recurrent"]
         print(f"  B={B:<3} H={H} K=V={K:<3} T={T:<4} chunked {c['first_s']:.2f} s / "
-              f"{c['run_ms']:.2f} ms   recurrent {r['first_s']:.2f} s / {r['run_ms']:.2f} ms")
+              f"{c['run_ms']:.2f} ms   recurrent {r['first_s']:.2f} s / {r['run_ms']:.2f} ms"
+              f"   max |diff| {row['max_abs_diff']:.1e}")
         out[f"{B},{H},{K},{T}"] = row
     return out
 
@@ -272,6 +276,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
     if args.prefill:
+        jax.config.update("jax_enable_compilation_cache", False)  # first calls compile
         res = prefill(rounds=args.rounds or 15)
     else:
         res = run(quick=args.quick, peer=args.peer, rounds=args.rounds)
