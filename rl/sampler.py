@@ -560,7 +560,23 @@ class Sampler:
         fn = _program(self.model, self.cfg, self.mesh, self.rules, mode=("extend",))
         if self.mesh is not None:
             tokens, lengths, ids = shd.to_global((tokens, lengths, ids), self.mesh, self.rules)
+        else:
+            cache = _commit_like(variables, cache)
         return fn(variables, cache, tokens, lengths, rng, np.float32(self.cfg.temperature), ids)
+
+
+def _commit_like(variables, cache):
+    """`cache` with its uncommitted leaves (a fresh `new_cache`: zeros on the default device)
+    placed on the device `variables` are committed to (unchanged when they are not). jit keys
+    its programs by their arguments' placement too: a fresh cache and the committed one an
+    earlier call returned would otherwise compile the same extend program twice (XLA:CPU 4-6 s
+    each at the demo's shapes)."""
+    leaf = jax.tree.leaves(variables)[0]
+    if not getattr(leaf, "committed", False) or len(leaf.devices()) != 1:
+        return cache
+    (device,) = leaf.devices()
+    return jax.tree.map(lambda x: x if getattr(x, "committed", True)
+                        else jax.device_put(x, device), cache)
 
 
 def check_row_ids(row_ids, n: int) -> np.ndarray:
