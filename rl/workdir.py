@@ -16,8 +16,9 @@ length (sft.steps, sft.dense_steps, rl.steps and optim.total_steps: lengthening 
 continues it under the new schedule). SFT depends on the task families it reads (sft.families,
 or tasks.families when that is empty), not on those RL uses, and ignores the RL section and RL's
 optimizer (config.optim) except rl.agent (it renders the demonstrations' episodes) and the
-optimizer's numerics fields (rl.loop.optim_numerics); RL depends on everything SFT does, since it
-starts from SFT's weights, unless both configs have rl.init_from="scratch".
+optimizer's numerics fields (rl.loop.optim_numerics), and the model fields only sampling reads
+(model.kda.recurrent_max_len: SFT never samples); RL depends on everything SFT does and on those,
+since it starts from SFT's weights and samples, unless both configs have rl.init_from="scratch".
 
 Each phase directory also records what its weights were trained on (data.json: a digest of
 SFT's demonstrations, `rl.loop.sft_train_examples`, or of RL's train tasks): the same config
@@ -50,10 +51,13 @@ _EVERY_PHASE = ("name", "workdir", "eval", "sandbox", "sharding", "tasks.val_per
 # stage -> (dotted prefixes that do not affect it, prefixes kept although under an ignored one)
 # (SFT reads the RL section's agent rendering and the RL optimizer's numerics fields alone)
 _SFT_KEEPS = ("rl.agent", "optim.mu_dtype", "optim.master_dtype")
+# model fields only cached calls (sampling) read: SFT never samples, RL's rollouts do
+_SAMPLING_ONLY = ("model.kda.recurrent_max_len",)
 PHASES = {
-    "sft": (_EVERY_PHASE + ("sft.steps", "sft.dense_steps", "sft.qat_steps", "sft.qat_lr", "rl",
-                            "optim"), _SFT_KEEPS),
-    "sft_qat": (_EVERY_PHASE + ("sft.qat_steps", "rl", "optim"), _SFT_KEEPS),  # after SFT's end
+    "sft": (_EVERY_PHASE + _SAMPLING_ONLY + ("sft.steps", "sft.dense_steps", "sft.qat_steps",
+                                             "sft.qat_lr", "rl", "optim"), _SFT_KEEPS),
+    "sft_qat": (_EVERY_PHASE + _SAMPLING_ONLY + ("sft.qat_steps", "rl", "optim"),
+                _SFT_KEEPS),  # after SFT's end
     "rl": (_EVERY_PHASE + ("rl.steps", "optim.total_steps"), ()),  # total_steps: RL's length
 }
 # fields added after runs were recorded: absent from an older config.json means this value

@@ -2,7 +2,7 @@
 (rl/workdir.py, rl/loop.py:start_phase).
 
 Covered: which config changes each stage depends on (a model field, an SFT hyper-parameter, the
-agent's rendering for SFT; the RL objective for RL only; log cadence, eval and a phase's own
+agent's rendering for SFT; the RL objective and the sampling-only KDA prefill form for RL only; log cadence, eval and a phase's own
 length for neither); a real SFT run refuses to resume under a changed config (naming the field
 and the ways out, its checkpoints untouched), resumes under a changed cadence and a longer
 schedule, and with resume=False moves the old run aside and trains a new one whose final weights
@@ -95,6 +95,15 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert changed(rl__oversample=2)["rl"] == ["rl.oversample"]
     assert phase_diff(old, changed_config(rl__oversample=2), "rl") == [
         ("rl.oversample", "<absent>", 2)]
+    # the KDA prefill form: only sampling reads it, so SFT resumes across it and RL does not (a
+    # record from before the field ran the chunked form, 0)
+    assert changed(model__kda__recurrent_max_len=0) == {
+        "sft": [], "sft_qat": [], "rl": ["model.kda.recurrent_max_len"]}
+    old = base.to_dict()
+    del old["model"]["kda"]["recurrent_max_len"]
+    assert phase_diff(old, base, "sft") == []
+    assert phase_diff(old, base, "rl") == [("model.kda.recurrent_max_len", "<absent>", 128)]
+    assert phase_diff(old, changed_config(model__kda__recurrent_max_len=0), "rl") == []
 
 
 def _steps(d):
