@@ -40,6 +40,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 if __name__ == "__main__":  # XLA flags before jax (scripts/bench.py does this itself)
     from model._xla_env import configure_xla_env
@@ -166,8 +167,6 @@ def _unit(x):
 def prefill(rounds: int = 15, shapes=PREFILL_SHAPES) -> dict:
     """The --prefill table (module docstring): {"B,H,K,T": {impl: {"first_s", "run_ms"},
     "max_abs_diff": the largest difference between the two forms' outputs and final states}}."""
-    import time  # noqa: PLC0415
-
     impls = {"chunked": lambda *a, **kw: chunked_vjp.kda_chunked_vjp(
                  *a, **kw, chunk_size=reference.CPU_CHUNK),
              "recurrent": reference.kda_recurrent}
@@ -270,7 +269,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="BENCH_QUICK shapes, 3 rounds")
     p.add_argument("--peer", action="store_true", help="add ejkernel on the issue's shape")
-    p.add_argument("--rounds", type=int, help="alternating rounds (default 5, quick 3)")
+    p.add_argument("--rounds", type=int, help="alternating rounds (default 5, quick 3, prefill 15)")
     p.add_argument("--prefill", action="store_true",
                    help="short cached calls: chunked form vs token recurrence")
     p.add_argument("--json", help="write the results to this file")
