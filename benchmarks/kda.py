@@ -16,8 +16,8 @@ every 64 tokens (a plain scan keeps a [B,H,K,V] state per token: 8.6 GB at H=16,
 Ratios printed: chunked_vjp / chunked and chunked / recurrent (speed-ups, > 1 is faster).
 
 Prefill mode (--prefill): the short cached calls of a sampler (prefill, an agent turn's
-extension; `KDAConfig.recurrent_max_len` picks between the two), from a random f32 state with
-the final state out, for the chunked form (`chunked_vjp`'s forward) and the token recurrence:
+extension; `KDAConfig.recurrent_max_len` picks between the two), on `arg_specs.make_args`
+inputs (gates of about -1 per token) from a random f32 state with the final state out, for the chunked form (`chunked_vjp`'s forward) and the token recurrence:
 per (B, H, K=V, T) of `PREFILL_SHAPES` the first call's seconds (trace + compile + run, the
 compilation cache off) and the median run time over alternating rounds.
 
@@ -160,10 +160,6 @@ PREFILL_SHAPES = ((8, 2, 48, 72), (32, 2, 48, 72), (8, 2, 48, 128), (8, 4, 64, 3
                   (8, 4, 64, 128), (32, 4, 64, 32), (8, 4, 128, 64), (8, 4, 128, 128))
 
 
-def _unit(x):
-    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-
-
 def prefill(rounds: int = 15, shapes=PREFILL_SHAPES) -> dict:
     """The --prefill table (module docstring): {"B,H,K,T": {impl: {"first_s", "run_ms"},
     "max_abs_diff": the largest difference between the two forms' outputs and final states}}."""
@@ -174,13 +170,8 @@ def prefill(rounds: int = 15, shapes=PREFILL_SHAPES) -> dict:
     print(f"prefill (cached call, f32 state in and out): first call s / median run ms over "
           f"{rounds} alternating rounds")
     for B, H, K, T in shapes:
-        ks = jax.random.split(jax.random.key(0), 6)
-        q, k = (_unit(jax.random.normal(x, (B, T, H, K))) for x in ks[:2])
-        v = jax.random.normal(ks[2], (B, T, H, K))
-        g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, H, K)))
-        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
-        s0 = 0.1 * jax.random.normal(ks[5], (B, H, K, K))
-        args = (q, k, v, g, beta, s0)
+        a = arg_specs.make_args(arg_specs.KDASpec("prefill", B=B, T=T, H=H, K=K, V=K, gate=1.0))
+        args = (a["q"], a["k"], a["v"], a["g"], a["beta"], a["initial_state"])
         fns, row, outs = {}, {}, {}
         for name, fn in impls.items():
             fns[name] = jax.jit(lambda q, k, v, g, b, s, fn=fn: fn(
