@@ -43,18 +43,24 @@ def define_dry_run():
         "mesh and batch splits for this host's devices), print what would run, and exit")
 
 
-def stop_on_bad_config(config, phases) -> None:
+def stop_on_bad_config(config, phases) -> str:
     """Before anything runs: rl.loop.validate_run_config (what --dry_run prints), and a config it
     rejects (ValueError: a field out of range, an unknown name, a batch that does not split)
     ends the script with the message on stderr and exit code 2, not a traceback. Call after
-    setup_jax (on several hosts the device count needs jax.distributed)."""
+    setup_jax (on several hosts the device count needs jax.distributed). Returns the report."""
     from rl.loop import validate_run_config
 
     try:
-        validate_run_config(config, phases=tuple(phases))
+        return validate_run_config(config, phases=tuple(phases))
     except ValueError as e:
         print(f"error: the config is rejected before anything ran: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def dry_run(config, phases) -> None:
+    """--dry_run: print validate_run_config's report, or end as stop_on_bad_config does (the
+    rejection on stderr, exit code 2)."""
+    print(stop_on_bad_config(config, phases))
 
 
 @contextlib.contextmanager

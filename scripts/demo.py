@@ -96,8 +96,7 @@ def _plot(path, rl_metrics, val_curve):
 
 def main(_):
     if _DRY.value:
-        from rl.loop import validate_run_config
-        print(validate_run_config(_CONFIG.value, phases=('sft', 'rl')))
+        _common.dry_run(_CONFIG.value, ('sft', 'rl'))
         return
     _common.setup_jax()
     _common.stop_on_bad_config(_CONFIG.value, ('sft', 'rl'))

@@ -110,12 +110,11 @@ def _temperatures() -> tuple:
 
 def main(_):
     if _DRY.value:
-        from rl.loop import validate_run_config
         for f in (_HE.value, _TASKS.value):
             if f and not os.path.exists(f):
                 raise SystemExit(f"no such file: {f}")
         _temperatures()
-        print(validate_run_config(_CONFIG.value, phases=('rl',)))
+        _common.dry_run(_CONFIG.value, ('rl',))
         return
     temps = _temperatures()
     _common.setup_jax()

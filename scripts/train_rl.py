@@ -33,8 +33,7 @@ _CHECK = flags.DEFINE_integer("check_devices", 0, "only validate the config (mes
 
 def main(_):
     if _DRY.value:
-        from rl.loop import validate_run_config
-        print(validate_run_config(_CONFIG.value, phases=('rl',)))
+        _common.dry_run(_CONFIG.value, ('rl',))
         return
     if _CHECK.value:
         from rl.loop import check_run_config
