@@ -142,6 +142,10 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # the usual shape) and trains on one batch of groups, those whose rewards differ first;
     # logs informative_frac (of drawn groups) and kept_informative_frac
     c.rl.oversample = 1
+    # template_power p < 1: RL prompts drawn per generator template, each domain's draws split
+    # over its templates in proportion to count ** p (1: every task equally likely; 0: every
+    # template equally likely; rl/pipeline.py:template_shares); the domains' shares unchanged
+    c.rl.template_power = 1.0
     c.rl.share_prefix = True
     c.rl.rollout_slots = 0
     # precompile: the update's programs (train step per row width, rollout-time forward,

@@ -582,6 +582,9 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     if oversample > 1:
         lines.append(f"  dynamic sampling: {oversample} batches' prompts drawn per update, one "
                      "batch of groups trained (informative groups first)")
+    if "rl" in phases and (power := rl_template_power(config.rl)) != 1.0:
+        lines.append(f"  RL prompts drawn per template: each domain's draws split over its "
+                     f"templates as count ** {power:g}")
     return "\n".join(lines)
 
 
@@ -1087,6 +1090,16 @@ def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
     return future
 
 
+def rl_template_power(r) -> float:
+    """rl.template_power (config.rl; absent in configs written before it: 1.0), checked."""
+    p = r.get("template_power", 1.0)
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"rl.template_power must be a number in [0, 1] (1: RL prompts drawn "
+                         f"uniformly over tasks; 0: each generator template of a domain equally "
+                         f"often), got {p!r}")
+    return float(p)
+
+
 def rl_oversample(r) -> int:
     """rl.oversample (config.rl), checked: an int >= 1."""
     k = r.get("oversample", 1)
@@ -1142,7 +1155,8 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     from rl.agent import is_agent_task
     oversample = rl_oversample(r)  # draw this many batches' prompts, train on one batch
     data = iter(task_dataset(train_tasks, seed=config.seed,
-                             batch_size=r.prompts_per_batch * oversample, group_by=is_agent_task))
+                             batch_size=r.prompts_per_batch * oversample, group_by=is_agent_task,
+                             template_power=rl_template_power(r)))
 
     # the policy's train state (with a critic: the value head) from the initial weights, or the
     # latest checkpoint; the frozen reference policy is the initial weights in their own buffers

@@ -45,8 +45,37 @@ from rl.sampler import Sampler, SamplingConfig, check_row_ids, pack
 
 
 # --------------------------------------------------------------------------- data
+def task_template(task) -> str | None:
+    """The generator template a task was drawn from (meta["template"]), None for tasks without
+    one (task files, hand-written tasks)."""
+    meta = getattr(task, "meta", None)
+    return meta.get("template") if isinstance(meta, dict) else None
+
+
+def template_shares(tasks: list, power: float) -> dict:
+    """{(domain, template): share of the draws} for rl.template_power: each domain keeps its
+    share of the tasks (its count / all), split over its templates in proportion to
+    count ** power. power 1: every task equally likely (the counts' own shares); 0: every
+    template of a domain equally likely, however few distinct tasks it has. Tasks without a
+    template form one group per domain."""
+    if not 0.0 <= power <= 1.0:
+        raise ValueError(f"rl.template_power must be in [0, 1] (1: tasks drawn uniformly; 0: each "
+                         f"template of a domain drawn equally often), got {power}")
+    counts: dict = {}
+    for t in tasks:
+        key = (task_domain(t), task_template(t))
+        counts[key] = counts.get(key, 0) + 1
+    dom: dict = {}
+    for (d, _), n in counts.items():
+        dom.setdefault(d, []).append(n)
+    total = len(tasks)
+    return {(d, tpl): (sum(dom[d]) / total) * n ** power / sum(m ** power for m in dom[d])
+            for (d, tpl), n in counts.items()}
+
+
 def task_dataset(tasks: list, *, seed: int, batch_size: int, shuffle: bool = True,
-                 repeat: bool = True, group_by=None) -> grain.IterDataset:
+                 repeat: bool = True, group_by=None,
+                 template_power: float = 1.0) -> grain.IterDataset:
     """grain stream of GLOBAL task batches (lists of batch_size tasks): every process iterates
     the same stream (tasks are small) and keeps its share (`host_prompt_slice`), so the global
     batch, the data order and a resumed position do not depend on the process count. Its
@@ -54,11 +83,31 @@ def task_dataset(tasks: list, *, seed: int, batch_size: int, shuffle: bool = Tru
 
     group_by(task) -> key (repeat only): every batch holds tasks of one key, the keys' batches
     interleaved in proportion to their task counts (grain.MapDataset.mix, deterministic), e.g.
-    rl.agent.is_agent_task, so one-shot batches train at their own row width, not an episode's."""
+    rl.agent.is_agent_task, so one-shot batches train at their own row width, not an episode's.
+
+    template_power < 1 (repeat only; rl.template_power, `template_shares`): within each key's
+    stream, tasks are drawn per (domain, template) from their own shuffled, repeated streams,
+    interleaved (grain.MapDataset.mix) at `template_shares` of that stream's tasks: a template
+    with few distinct tasks (e.g. 13 of the demo's 3000 code tasks) is drawn more often than
+    its count gives, the domains' shares stay as they are."""
     if not tasks:
         raise ValueError("task_dataset: the task list is empty")
+    if template_power != 1.0 and not repeat:
+        raise ValueError("task_dataset: template_power < 1 needs repeat=True (reweighted draws "
+                         "have no epoch)")
 
     def stream(ts):
+        if template_power != 1.0:
+            shares = template_shares(ts, template_power)
+            keys = sorted(shares, key=str)
+            parts = {k: [] for k in keys}
+            for t in ts:
+                parts[(task_domain(t), task_template(t))].append(t)
+            subs = [grain.MapDataset.source(parts[k]) for k in keys]
+            if shuffle:
+                subs = [d.shuffle(seed=seed) for d in subs]
+            ds = grain.MapDataset.mix([d.repeat() for d in subs], [shares[k] for k in keys])
+            return ds.batch(batch_size, drop_remainder=True, batch_fn=list)
         ds = grain.MapDataset.source(list(ts))
         if shuffle:
             ds = ds.shuffle(seed=seed)

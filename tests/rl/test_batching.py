@@ -15,7 +15,7 @@ from ml_collections import ConfigDict
 
 from configs import rl as rl_configs
 from model.tokenizer import TOOL_TAGS, ByteTokenizer, load_tokenizer
-from rl import loop
+from rl import loop, pipeline
 from rl.agent import encode_episode, is_agent_task
 from rl.envs import EnvConfig, demo_turns
 from rl.pipeline import task_dataset
@@ -160,3 +160,54 @@ def test_rl_task_batches_hold_one_kind_and_train_at_its_width():
     assert [[t.id for t in next(it)] for _ in range(5)] == want
     with pytest.raises(ValueError, match="repeat"):
         task_dataset(one, seed=0, batch_size=4, repeat=False, group_by=is_agent_task)
+
+
+def test_template_power_rebalances_rare_templates_and_keeps_domain_shares():
+    """rl.template_power: at 0 every code template is drawn equally often (the demo's `odd`
+    has 13 of 3000 train tasks), the domains keep their shares, batches keep one kind, and the
+    saved position resumes; 1 is today's uniform draw over tasks; out of range is refused."""
+    code = [t for t, _ in make_split("code", "train", 300, seed=0, difficulty=1)]
+    arith = [t for t, _ in make_split("arithmetic", "train", 150, seed=0, difficulty=1)]
+    eps = multistep.make_split("train", 8, seed=0, difficulty=1)
+    counts = {}
+    for t in code:
+        counts[t.meta["template"]] = counts.get(t.meta["template"], 0) + 1
+    assert max(counts.values()) >= 3 * min(counts.values())  # skewed, as in the demo split
+    shares = pipeline.template_shares(code + arith, 0.0)
+    code_shares = [v for (d, _), v in shares.items() if d == "code"]
+    assert np.allclose(code_shares, 300 / 450 / len(counts))  # equal per template
+    assert np.isclose(shares[("arithmetic", arith[0].meta.get("template"))], 150 / 450)
+    assert np.allclose(
+        sorted(v for (d, _), v in pipeline.template_shares(code, 1.0).items()),
+        sorted(n / 300 for n in counts.values()))  # power 1: the counts' own shares
+
+    it = iter(task_dataset(code + arith + eps, seed=0, batch_size=9, group_by=is_agent_task,
+                           template_power=0.0))
+    batches = [next(it) for _ in range(300)]
+    assert all(len({is_agent_task(t) for t in b}) == 1 for b in batches)
+    drawn = [t for b in batches if not is_agent_task(b[0]) for t in b]
+    by = {}
+    for t in drawn:
+        if t.meta.get("family_name") == "code":
+            by[t.meta["template"]] = by.get(t.meta["template"], 0) + 1
+    n_code = sum(by.values())
+    assert abs(n_code / len(drawn) - 300 / 450) < 0.03  # the domain's share is unchanged
+    assert set(by) == set(counts)
+    expect = n_code / len(counts)
+    assert all(abs(n - expect) < 0.25 * expect for n in by.values())  # rare ones drawn as often
+    rare = min(counts, key=counts.get)  # drawn about twice as often as a uniform draw gives
+    assert by[rare] > 1.5 * counts[rare] / 300 * n_code
+
+    it = iter(task_dataset(code + arith, seed=0, batch_size=9, template_power=0.0))
+    next(it)
+    state = it.get_state()
+    want = [[t.id for t in next(it)] for _ in range(4)]
+    it.set_state(state)
+    assert [[t.id for t in next(it)] for _ in range(4)] == want
+    with pytest.raises(ValueError, match="template_power"):
+        pipeline.template_shares(code, 1.5)
+    with pytest.raises(ValueError, match="template_power"):
+        loop.rl_template_power(ConfigDict(dict(template_power=-0.1)))
+    with pytest.raises(ValueError, match="repeat"):
+        task_dataset(code, seed=0, batch_size=4, repeat=False, template_power=0.5)
+    assert loop.rl_template_power(ConfigDict(dict())) == 1.0  # configs written before the field

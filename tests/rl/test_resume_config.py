@@ -104,6 +104,14 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert phase_diff(old, base, "sft") == []
     assert phase_diff(old, base, "rl") == [("model.kda.recurrent_max_len", "<absent>", 128)]
     assert phase_diff(old, changed_config(model__kda__recurrent_max_len=0), "rl") == []
+    # the RL prompt draw (rl.template_power): RL's data order, so RL only; absent reads as 1.0
+    assert changed(rl__template_power=0.0) == {"sft": [], "sft_qat": [],
+                                               "rl": ["rl.template_power"]}
+    old = base.to_dict()
+    del old["rl"]["template_power"]
+    assert phase_diff(old, base, "rl") == []
+    assert phase_diff(old, changed_config(rl__template_power=0.0), "rl") == [
+        ("rl.template_power", "<absent>", 0.0)]
 
 
 def _steps(d):
@@ -198,8 +206,9 @@ def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
 
 
 def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
-    """A field rl.loop.validate_run_config rejects (here rl.oversample=0): exit code 2, the
-    message on stderr, no traceback, nothing written to the workdir."""
+    """A field rl.loop.validate_run_config rejects (here rl.oversample=0; with --dry_run
+    rl.template_power=2): exit code 2, the message on stderr, no traceback, nothing written to
+    the workdir."""
     import os
     import subprocess
     import sys
@@ -211,6 +220,13 @@ def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rl.oversample must be an int >= 1" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "w").exists()
+    # --dry_run, the command meant to check a launch line, rejects it the same way
+    r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
+                        "--dry_run", "--config.rl.template_power=2"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rl.template_power must be a number in [0, 1]" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_a_run_trained_on_other_data_does_not_resume(tmp_path):
