@@ -146,6 +146,9 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # over its templates in proportion to count ** p (1: every task equally likely; 0: every
     # template equally likely; rl/pipeline.py:template_shares); the domains' shares unchanged
     c.rl.template_power = 1.0
+    # rl.seed: RL's prompt order and rollout draws (unset: config.seed); RL reruns from the
+    # same SFT weights under other draws (config.seed would start SFT over)
+    c.rl.seed = ml_collections.config_dict.placeholder(int)
     c.rl.share_prefix = True
     c.rl.rollout_slots = 0
     # precompile: the update's programs (train step per row width, rollout-time forward,

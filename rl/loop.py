@@ -582,6 +582,9 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     if oversample > 1:
         lines.append(f"  dynamic sampling: {oversample} batches' prompts drawn per update, one "
                      "batch of groups trained (informative groups first)")
+    if "rl" in phases and config.rl.get("seed") is not None:
+        lines.append(f"  RL seed {rl_seed(config)} (prompt order, rollout draws; SFT: seed "
+                     f"{config.seed})")
     if "rl" in phases and (power := rl_template_power(config.rl)) != 1.0:
         lines.append(f"  RL prompts drawn per template: each domain's draws split over its "
                      f"templates as count ** {power:g}")
@@ -853,7 +856,7 @@ def init_rl_state(config, model: Model, algo, init_vars: dict, *, mesh=None, rul
         critic = CriticConfig.from_config(config.rl.get("critic"))
         value_opt = make_optimizer(critic_optim_config(config.optim, critic))
         value_params = init_value_params(critic, model.cfg,
-                                         jax.random.fold_in(jax.random.key(config.seed), 2))
+                                         jax.random.fold_in(jax.random.key(rl_seed(config)), 2))
     if mesh is None:
         state = init_train_state(init_vars, opt, value_params=value_params,
                                  value_optimizer=value_opt)
@@ -1090,6 +1093,18 @@ def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
     return future
 
 
+def rl_seed(config) -> int:
+    """RL's own seed (rl.seed: the prompts' order, the rollouts' draws, a critic's init), or
+    config.seed when unset: RL rerun from the same SFT weights under other draws (SFT keeps
+    config.seed; evaluation keys do not depend on either)."""
+    s = config.rl.get("seed")
+    if s is None:
+        return config.seed
+    if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        raise ValueError(f"rl.seed must be an int >= 0 or unset (config.seed), got {s!r}")
+    return s
+
+
 def rl_template_power(r) -> float:
     """rl.template_power (config.rl; absent in configs written before it: 1.0), checked."""
     p = r.get("template_power", 1.0)
@@ -1154,7 +1169,8 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     # one-shot and multi-turn tasks in separate batches (each trains at its own row width)
     from rl.agent import is_agent_task
     oversample = rl_oversample(r)  # draw this many batches' prompts, train on one batch
-    data = iter(task_dataset(train_tasks, seed=config.seed,
+    seed = rl_seed(config)  # the prompts' order and the rollouts' draws
+    data = iter(task_dataset(train_tasks, seed=seed,
                              batch_size=r.prompts_per_batch * oversample, group_by=is_agent_task,
                              template_power=rl_template_power(r)))
 
@@ -1165,7 +1181,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     state, opt, critic, value_opt = init_rl_state(config, model, algo, init_vars, **on_mesh)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=r.keep_checkpoints)
-    rng = jax.random.key(config.seed + 1)
+    rng = jax.random.key(seed + 1)
     if resume:
         state, rng = _resume(ckpt, state, state_sh, rng, data, "RL")
 

@@ -63,7 +63,8 @@ PHASES = {
 # fields added after runs were recorded: absent from an older config.json means this value
 # (the behaviour those runs had), so such a run still resumes under the default
 ADDED_DEFAULTS = {"rl.oversample": 1, "model.dsa.indexer_kl_chunk": 0,
-                  "model.kda.recurrent_max_len": 0, "rl.template_power": 1.0}
+                  "model.kda.recurrent_max_len": 0, "rl.template_power": 1.0,
+                  "rl.seed": None}
 # a stage's directory under the workdir -> its entry in PHASES
 STAGE_DIRS = {"sft": "sft", os.path.join("sft", "indexer_warmup"): "sft",
               os.path.join("sft", "qat"): "sft_qat", "rl": "rl"}

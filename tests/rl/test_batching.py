@@ -211,3 +211,18 @@ def test_template_power_rebalances_rare_templates_and_keeps_domain_shares():
     with pytest.raises(ValueError, match="repeat"):
         task_dataset(code, seed=0, batch_size=4, repeat=False, template_power=0.5)
     assert loop.rl_template_power(ConfigDict(dict())) == 1.0  # configs written before the field
+
+
+def test_rl_seed_defaults_to_the_run_seed_and_orders_the_prompts():
+    """rl.seed: unset -> config.seed (runs before the field draw as they did); set -> RL's own
+    prompt order (another order of the same tasks), SFT's seed untouched; bad values refused."""
+    c = rl_configs.get_config("smoke")
+    assert c.rl.seed is None and loop.rl_seed(c) == c.seed
+    c.rl.seed = 7
+    assert loop.rl_seed(c) == 7 and c.seed != 7
+    tasks = [t for t, _ in make_split("code", "train", 40, seed=0, difficulty=1)]
+    order = lambda seed: [t.id for t in next(iter(task_dataset(tasks, seed=seed, batch_size=40)))]
+    assert order(loop.rl_seed(c)) != order(c.seed) and sorted(order(7)) == sorted(order(c.seed))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="rl.seed"):
+            loop.rl_seed(ConfigDict(dict(seed=0, rl=dict(seed=bad))))

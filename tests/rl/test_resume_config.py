@@ -112,6 +112,11 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert phase_diff(old, base, "rl") == []
     assert phase_diff(old, changed_config(rl__template_power=0.0), "rl") == [
         ("rl.template_power", "<absent>", 0.0)]
+    # RL's own seed: RL only (SFT's weights do not depend on it); absent reads as unset
+    assert changed(rl__seed=1) == {"sft": [], "sft_qat": [], "rl": ["rl.seed"]}
+    old = base.to_dict()
+    del old["rl"]["seed"]
+    assert phase_diff(old, base, "rl") == []
 
 
 def _steps(d):
