@@ -160,6 +160,26 @@ def test_decode_steps_match_full_forward():
     assert rel_rms(state, s_full) < 1e-5
 
 
+@pytest.mark.parametrize("gate", [0.05, 5.0, 1700.0])
+def test_decode_step_equals_the_reference_step(gate):
+    """ops.kda_step (both readouts from the incoming state, one update pass) == the oracle's
+    textbook step (decay, read, update, read again) to f32 rounding, down to -1700/token gates;
+    a step that dropped the decay from either readout or used the old state's q readout alone
+    would be off by O(1) here."""
+    B, H, K, V = 3, 2, 16, 8
+    ks = jax.random.split(jax.random.key(1), 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q, k = (unit(jax.random.normal(kk, (B, H, K))) for kk in ks[:2])
+    v = jax.random.normal(ks[2], (B, H, V))
+    g = -gate * jax.random.uniform(ks[3], (B, H, K), f32, 0.0, 2.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, H)))
+    state = jax.random.normal(ks[5], (B, H, K, V))
+    o, s = jax.jit(ops.kda_step)(q, k, v, g, beta, state)
+    o_ref, s_ref = jax.jit(reference.kda_step)(q, k, v, g, beta, state)
+    assert rel_rms(o, o_ref) < 1e-6 and rel_rms(s, s_ref) < 1e-6
+    assert jnp.max(jnp.abs(o - o_ref)) < 1e-5 and jnp.max(jnp.abs(s - s_ref)) < 1e-5
+
+
 def test_decode_step_output_in_v_dtype():
     """kda_step returns o in v's dtype (bf16 here) and the state in f32, as documented."""
     B, H, K, V = 2, 2, 8, 4
