@@ -17,7 +17,8 @@ Ratios printed: chunked_vjp / chunked and chunked / recurrent (speed-ups, > 1 is
 
 Prefill mode (--prefill): the short cached calls of a sampler (prefill, an agent turn's
 extension; `KDAConfig.recurrent_max_len` picks between the two), on `arg_specs.make_args`
-inputs (gates of about -1 per token) from a random f32 state with the final state out, for the chunked form (`chunked_vjp`'s forward) and the token recurrence:
+inputs (gates of about -1 per token) from a random f32 state with the final state out, for
+the chunked form (`chunked_vjp`'s forward) and the token recurrence:
 per (B, H, K=V, T) of `PREFILL_SHAPES` the first call's seconds (trace + compile + run, the
 compilation cache off) and the median run time over alternating rounds.
 

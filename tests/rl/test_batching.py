@@ -140,6 +140,15 @@ def test_sft_bucket_errors_name_the_field():
 
 
 # ------------------------------------------------------------------------ RL task batches
+def _assert_resumes(it, n: int) -> None:
+    """After one batch, the saved position gives the same next n batches when restored."""
+    next(it)
+    state = it.get_state()
+    want = [[t.id for t in next(it)] for _ in range(n)]
+    it.set_state(state)
+    assert [[t.id for t in next(it)] for _ in range(n)] == want
+
+
 def test_rl_task_batches_hold_one_kind_and_train_at_its_width():
     one = [t for t, _ in make_split("arithmetic", "train", 16, seed=0, difficulty=1)]
     eps = multistep.make_split("train", 8, seed=0, difficulty=1)
@@ -152,12 +161,7 @@ def test_rl_task_batches_hold_one_kind_and_train_at_its_width():
     widths = {loop.train_width(r, b) for b in batches}
     assert widths == {r.max_prompt_len + r.max_new_tokens, r.agent.width}
     # the saved position resumes the same batches
-    it = iter(task_dataset(one + eps, seed=0, batch_size=4, group_by=is_agent_task))
-    next(it)
-    state = it.get_state()
-    want = [[t.id for t in next(it)] for _ in range(5)]
-    it.set_state(state)
-    assert [[t.id for t in next(it)] for _ in range(5)] == want
+    _assert_resumes(iter(task_dataset(one + eps, seed=0, batch_size=4, group_by=is_agent_task)), 5)
     with pytest.raises(ValueError, match="repeat"):
         task_dataset(one, seed=0, batch_size=4, repeat=False, group_by=is_agent_task)
 
@@ -198,12 +202,7 @@ def test_template_power_rebalances_rare_templates_and_keeps_domain_shares():
     rare = min(counts, key=counts.get)  # drawn about twice as often as a uniform draw gives
     assert by[rare] > 1.5 * counts[rare] / 300 * n_code
 
-    it = iter(task_dataset(code + arith, seed=0, batch_size=9, template_power=0.0))
-    next(it)
-    state = it.get_state()
-    want = [[t.id for t in next(it)] for _ in range(4)]
-    it.set_state(state)
-    assert [[t.id for t in next(it)] for _ in range(4)] == want
+    _assert_resumes(iter(task_dataset(code + arith, seed=0, batch_size=9, template_power=0.0)), 4)
     with pytest.raises(ValueError, match="template_power"):
         pipeline.template_shares(code, 1.5)
     with pytest.raises(ValueError, match="template_power"):
