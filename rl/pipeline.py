@@ -532,7 +532,10 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     """pass@k (unbiased estimator, n_samples per task) per domain with 95% intervals for pass@1
     (`rl.metrics.clustered_interval`: Wilson, corrected for samples of one task being
     correlated); for multi-turn domains (rl.agent.RoutingWorker) also turns_mean and
-    episode_tokens_mean (per episode; episode success is pass@1). Sampling follows worker.sampler's config (temperature 0 -> greedy, n_samples 1).
+    episode_tokens_mean (per episode; episode success is pass@1); for generator tasks
+    (meta["template"]) "by_template": per template, pass@1 and the tasks any sample solved
+    (`template_breakdown`). Sampling follows worker.sampler's config (temperature 0 -> greedy,
+    n_samples 1).
     Chunks of batch_prompts tasks (the last one padded: one batch shape, one compile) are
     generated while the previous chunk is scored. "_seconds": the evaluation's wall time.
     Sampled rows draw from rng by their task's index in `tasks` and their sample (row ids,
@@ -597,8 +600,10 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
         failed = sum(g["failed"] for g in gathered)
     per_task = defaultdict(list)  # domain -> [(n, c)] in task order
     episodes = defaultdict(list)  # domain -> [(turns, tokens)] summed over a task's samples
+    per_template = defaultdict(lambda: defaultdict(list))  # domain -> template -> [correct]
     for t, c, ep in sorted(results, key=lambda x: x[0]):
         per_task[task_domain(tasks[t])].append((n_samples, c))
+        per_template[task_domain(tasks[t])][task_template(tasks[t])].append(c)
         if ep is not None:
             episodes[task_domain(tasks[t])].append(ep)
     out = {}
@@ -615,10 +620,22 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
         p1 = float(np.mean([c / n for n, c in nc]))
         lo, hi = clustered_interval(nc)
         d.update({"pass@1": p1, "pass@1_lo": lo, "pass@1_hi": hi})
+        if any(tpl is not None for tpl in per_template[dom]):
+            d["by_template"] = template_breakdown(per_template[dom], n_samples)
         out[dom] = d
     out["_sandbox_failed"] = failed
     out["_seconds"] = time.perf_counter() - t0
     return out
+
+
+def template_breakdown(correct: dict, n_samples: int) -> dict:
+    """{template: {"tasks", "pass@1", "solved"}} from {template: [correct samples per task]}:
+    pass@1 over the template's tasks and `solved`, its tasks with at least one correct sample
+    (of n_samples). Tasks without a template (None) are listed as "(none)"."""
+    return {("(none)" if tpl is None else tpl): {
+        "tasks": len(cs), "pass@1": float(np.mean(cs)) / n_samples,
+        "solved": int(sum(c > 0 for c in cs))}
+        for tpl, cs in sorted(correct.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))}
 
 
 def temperature_sweep(worker_at, variables, tasks: list, rng, *, temperatures, n_samples: int,

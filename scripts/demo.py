@@ -9,13 +9,14 @@ Writes to <workdir>: sft/ and rl/ (orbax checkpoints, TensorBoard events, metric
 demo_results.json (each checkpoint, SFT and SFT+RL, at its best temperature: val pass@1 and
 pass@k (k = --eval_samples) at each of eval.temperatures (0 = greedy), then per domain test
 pass@1 at the temperature with the best val pass@1 and test pass@k at the one with the best val
-pass@k, with 95% intervals; the DSA indexer's recall of the true top-k attention keys on
-held-out text at random init, after the indexer warm-up (configs with one), after SFT and
-after RL),
+pass@k, with 95% intervals, and per generator template pass@1 and the tasks any sample solved;
+the DSA indexer's recall of the true top-k attention keys on held-out text at random init,
+after the indexer warm-up (configs with one), after SFT and after RL),
 demo_plot.png (RL reward and held-out val pass@1 per domain against RL step). Prints the val
-sweep and the per-domain before/after tables. Re-running resumes finished phases from their
-checkpoints when they came from the same config (else it stops, naming the fields that differ:
-rl/workdir.py); --noresume starts over, moving the previous sft/ and rl/ aside.
+sweep, the per-domain before/after tables and the templates either checkpoint fails on some
+test task (pass@1 and tasks solved, before and after). Re-running resumes finished phases from
+their checkpoints when they came from the same config (else it stops, naming the fields that
+differ: rl/workdir.py); --noresume starts over, moving the previous sft/ and rl/ aside.
 """
 
 import json
@@ -45,6 +46,28 @@ def _table(before, after, metric):
         lines.append(f"{d:<12}{b['tasks']:>6}{b['temperature']:>5.2g}{100 * b[metric]:>7.1f}%"
                      f"{ci(b):>14}{a['temperature']:>6.2g}{100 * a[metric]:>7.1f}%{ci(a):>14}"
                      f"{100 * (a[metric] - b[metric]):>+8.1f}")
+    return "\n".join(lines)
+
+
+def _template_table(before, after, metric="pass@1"):
+    """Test pass@1 per generator template, SFT -> SFT+RL (each checkpoint at the domain's
+    temperature for `metric`), for the templates either checkpoint fails on some task: where
+    RL moved and where neither solves anything."""
+    lines = [f"held-out pass@1 by generator template (at each checkpoint's {metric} "
+             "temperature), templates below 100% in either",
+             f"{'domain':<12}{'template':<16}{'tasks':>6}{'SFT':>8}{'SFT+RL':>8}{'delta':>8}"
+             f"{'solved':>12}"]
+    for d, b in before[metric].items():
+        if not isinstance(b, dict):
+            continue
+        ta = after[metric][d].get("by_template", {})
+        for tpl, tb in b.get("by_template", {}).items():
+            a = ta.get(tpl)
+            if a is None or min(tb["pass@1"], a["pass@1"]) >= 1.0:
+                continue
+            lines.append(f"{d:<12}{tpl:<16}{tb['tasks']:>6}{100 * tb['pass@1']:>7.1f}%"
+                         f"{100 * a['pass@1']:>7.1f}%{100 * (a['pass@1'] - tb['pass@1']):>+8.1f}"
+                         f"{tb['solved']:>6} ->{a['solved']:>3}")
     return "\n".join(lines)
 
 
@@ -194,6 +217,8 @@ def main(_):
                       f"{a['temperature']:g}): turns {b['turns_mean']:.2f} -> "
                       f"{a['turns_mean']:.2f}, tokens {b['episode_tokens_mean']:.0f} -> "
                       f"{a['episode_tokens_mean']:.0f} per episode")
+    print()
+    print(_template_table(before, after))
     print("\nDSA indexer recall of the top-k attention keys (held-out text): " + ", ".join(
         f"{k} {v:.3f}" for k, v in recall.items()))
     print(f"\n[demo] {time.time() - t0:.0f} s total (SFT {t_sft:.0f} s, RL {t_rl:.0f} s). "

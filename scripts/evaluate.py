@@ -6,6 +6,8 @@
         --temperature=1.0
     python scripts/evaluate.py --config configs/rl.py:demo --temperatures=0,0.5,1 --n_samples=4 \
         --k=1,4                      # each domain's pass@k at its best val temperature (as the demo)
+    python scripts/evaluate.py --config configs/rl.py:demo --checkpoint=sft --by_template
+                                     # ... and per generator template: which ones fail
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=canonical
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=empty
     python scripts/evaluate.py --config configs/rl.py:demo --experts=mxfp4     # MXFP4 experts (PTQ)
@@ -25,8 +27,10 @@ pass@k for k > 1 at a sampled temperature).
 
 pass@k uses the unbiased estimator over n_samples per task; pass@1 comes with a 95% Wilson
 interval; multi-step (agent) domains also report turns used and tokens per episode (episode
-success is their pass@1). Output: a table, and --json FILE for the full result. --completions=canonical|empty
-checks the harness itself on a HumanEval-format file (no model involved): 100% and 0%.
+success is their pass@1). Output: a table (--by_template: also one row per domain and generator
+template, with the tasks any sample solved), and --json FILE for the full result.
+--completions=canonical|empty checks the harness itself on a HumanEval-format file (no model
+involved): 100% and 0%.
 """
 
 import json
@@ -52,6 +56,8 @@ _TEMPS = flags.DEFINE_string("temperatures", "", "comma-separated: sweep these o
 _JSON = flags.DEFINE_string("json", "", "write the result here")
 _EXPERTS = flags.DEFINE_enum("experts", "bf16", ["bf16", "mxfp4"],
                              "expert weights to sample with (mxfp4: packed, grouped MXFP4 matmul)")
+_BY_TPL = flags.DEFINE_bool("by_template", False, "also print each domain's pass@1 and solved "
+                            "tasks per generator template (the --json result always has them)")
 
 
 def print_table(res: dict, title: str = "") -> None:
@@ -72,19 +78,32 @@ def print_table(res: dict, title: str = "") -> None:
               + f"   [{100 * v['pass@1_lo']:.1f}, {100 * v['pass@1_hi']:.1f}]" + ep)
 
 
+def print_templates(res: dict) -> None:
+    """Per domain and generator template ("by_template" of rl.pipeline.evaluate): tasks,
+    pass@1 and the tasks at least one sample solved."""
+    print(f"{'domain':<14}{'template':<18}{'tasks':>6}{'pass@1':>9}{'solved':>8}")
+    for dom, v in res.items():
+        for tpl, t in (v.get("by_template", {}) if isinstance(v, dict) else {}).items():
+            print(f"{dom:<14}{tpl:<18}{t['tasks']:>6}{100 * t['pass@1']:>8.1f}%{t['solved']:>8}")
+
+
 def score_given(tasks, completions, verifier) -> dict:
     from rl.metrics import wilson_interval
-    from rl.pipeline import task_domain
+    from rl.pipeline import task_domain, task_template, template_breakdown
 
     results = verifier.verify_batch(tasks, completions)
-    per = {}
+    per, per_tpl = {}, {}
     for t, (score, _) in zip(tasks, results):
         per.setdefault(task_domain(t), []).append(score >= 1.0)
+        per_tpl.setdefault(task_domain(t), {}).setdefault(task_template(t), []).append(
+            int(score >= 1.0))
     out = {}
     for d, ok in per.items():
         p = sum(ok) / len(ok)
         lo, hi = wilson_interval(p, len(ok))
         out[d] = {"tasks": len(ok), "pass@1": p, "pass@1_lo": lo, "pass@1_hi": hi}
+        if any(tpl is not None for tpl in per_tpl[d]):
+            out[d]["by_template"] = template_breakdown(per_tpl[d], 1)
     return out
 
 
@@ -196,6 +215,8 @@ def main(_):
         for title, r in (tables or {f"pass@k ({len(tasks)} tasks, completions={_COMP.value})":
                                     res}).items():
             print_table(r, title)
+            if _BY_TPL.value:
+                print_templates(r)
         if _JSON.value:
             os.makedirs(os.path.dirname(os.path.abspath(_JSON.value)), exist_ok=True)
             with open(_JSON.value, "w") as f:

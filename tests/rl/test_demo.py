@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,6 +21,32 @@ def test_evaluate_script_on_humaneval(tmp_path, completions, expected):
     res = json.loads(out.read_text())
     assert res["python_tests"]["tasks"] == 164
     assert res["python_tests"]["pass@1"] == expected
+
+
+@pytest.mark.parametrize("completions,expected", [("canonical", 1.0), ("empty", 0.0)])
+def test_evaluate_script_by_template(tmp_path, completions, expected):
+    """--by_template on a task file of generated code tasks: one row per template, each
+    template's tasks summing to the file's; the canonical solutions pass every template, empty
+    completions none."""
+    from sandbox.tasks import save_tasks
+    from sandbox.tasks.domains import get_domain
+    from sandbox.tasks.domains.base import draw_split
+
+    tasks = [t for t, _ in draw_split(get_domain("code"), "test", 24, seed=0)]
+    save_tasks(tasks, tmp_path / "code.jsonl")
+    out = tmp_path / "res.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"),
+                        f"--task_file={tmp_path / 'code.jsonl'}", f"--completions={completions}",
+                        "--by_template", f"--json={out}"],
+                       check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    by = json.loads(out.read_text())["code"]["by_template"]
+    templates = sorted({t.meta["template"] for t in tasks})
+    assert sorted(by) == templates and len(templates) > 5
+    assert sum(v["tasks"] for v in by.values()) == 24
+    for tpl, v in by.items():
+        assert v["pass@1"] == expected and v["solved"] == expected * v["tasks"], tpl
+        assert re.search(rf"^code\s+{tpl}\s+{v['tasks']}\s+{100 * expected:.1f}%", r.stdout,
+                         re.M), r.stdout
 
 
 @pytest.mark.slow
@@ -62,6 +89,17 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
             ep = res[when][m]["multistep"]
             assert ep["turns_mean"] >= 1 and ep["episode_tokens_mean"] > 0
     assert "multistep episodes (test, pass@1's temperatures" in r.stdout
+    # per generator template: the templates' tasks add up to each domain's, and the table lists
+    # every template either checkpoint fails on some task (the smoke model fails most)
+    failing = set()
+    for when in ("before", "after"):
+        for d, v in res[when]["pass@1"].items():
+            if isinstance(v, dict):
+                assert sum(t["tasks"] for t in v["by_template"].values()) == v["tasks"], d
+                failing |= {(d, k) for k, t in v["by_template"].items() if t["pass@1"] < 1}
+    table = r.stdout.split("held-out pass@1 by generator template")[1].split("\n\n")[0]
+    rows = {tuple(line.split()[:2]) for line in table.splitlines()[2:]}
+    assert failing and rows == failing, (rows, failing)
     assert (work / "demo_plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for phase in ("sft", "sft/indexer_warmup", "rl"):
         lines = (work / phase / "metrics.jsonl").read_text().splitlines()

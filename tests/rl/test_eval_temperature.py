@@ -19,6 +19,7 @@ from rl.pipeline import (
     evaluate_at_best_temperatures,
     evaluate_at_temperatures,
     temperature_sweep,
+    template_breakdown,
 )
 from rl.sampler import SamplingConfig
 from sandbox import SandboxPool
@@ -131,3 +132,25 @@ def test_sampled_evaluation_does_not_depend_on_its_chunking(digit_eval):
     assert seen[3] == seen[8] and seen[1] == seen[8]
     drop = lambda r: {d: x for d, x in r.items() if d != "_seconds"}
     assert drop(results[3]) == drop(results[8]) == drop(results[1])
+
+
+def test_per_template_breakdown(digit_eval):
+    """evaluate splits each domain's tasks by generator template (meta["template"]): a template
+    whose check can never pass reads 0 of its tasks solved whatever the model writes, and the
+    templates' tasks and pass@1 add up to the domain's; tasks without a template are "(none)"."""
+    variables, tasks, worker_at = digit_eval
+    never = "import sys\nsys.exit(1)\n"
+    tpl = [dataclasses.replace(t, meta={**t.meta, "template": "digit"}) for t in tasks[:4]]
+    tpl += [dataclasses.replace(t, id=t.id + "n", check=never, meta={**t.meta, "template": "never"})
+            for t in tasks[:3]]
+    res = evaluate(worker_at(2.0), variables, tpl + tasks[4:], jax.random.key(4), n_samples=4,
+                   batch_prompts=8)
+    by = res["left"]["by_template"]
+    assert list(by) == ["digit", "never"]
+    assert by["never"] == {"tasks": 3, "pass@1": 0.0, "solved": 0}
+    assert by["digit"]["tasks"] == 4 and 0 <= by["digit"]["solved"] <= 4
+    assert by["digit"]["pass@1"] * 4 == pytest.approx(res["left"]["pass@1"] * 7)
+    assert "by_template" not in res["right"]  # no task of the domain has a template
+    assert template_breakdown({None: [0, 2], "a": [4]}, 4) == {
+        "a": {"tasks": 1, "pass@1": 1.0, "solved": 1},
+        "(none)": {"tasks": 2, "pass@1": 0.25, "solved": 1}}
