@@ -48,7 +48,7 @@ MTP self-speculative decoding (`SamplingConfig(speculative="mtp", draft_tokens=k
 rl/speculative.py): the first MTP module drafts k tokens, one trunk pass verifies k + 1; greedy
 output equals the plain sampler's token for token, sampled output has its distribution. On a
 2-core CPU with the demo model it is slower than plain decoding at every k (measured by
-`scripts/bench.py spec`; numbers in the README).
+`scripts/bench.py spec`; numbers in docs/speed.md).
 """
 
 from __future__ import annotations

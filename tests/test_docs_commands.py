@@ -1,8 +1,9 @@
-"""Every command shown in README.md and in the docstrings of configs/*.py and scripts/*.py runs as
-written: each is extracted (fenced shell blocks, `\\`-continued lines, inline `--config.` override
-fragments) and run with `--dry_run` (sft, train_rl, demo, evaluate: the config, its overrides,
-the algorithm, task families and mesh are validated without training; plan.py: the model config
-and mesh without planning), or as written where it already only validates (--check_devices).
+"""Every command shown in README.md, docs/results.md, docs/speed.md and in the docstrings of
+configs/*.py and scripts/*.py runs as written: each is extracted (fenced shell blocks,
+`\\`-continued lines, inline `--config.` override fragments) and run with `--dry_run` (sft,
+train_rl, demo, evaluate: the config, its overrides, the algorithm, task families and mesh are
+validated without training; plan.py: the model config and mesh without planning), or as written
+where it already only validates (--check_devices).
 The commands run in forked children of one process that imported jax once (about 0.2 s each).
 
 Not covered: docs/scaling.md's multi-host launch lines (they nest the command inside ssh/gcloud
@@ -28,7 +29,11 @@ DRY_RUN = {"scripts/sft.py", "scripts/train_rl.py", "scripts/demo.py", "scripts/
            "scripts/plan.py", "scripts/export.py", "scripts/longctx.py"}
 AS_WRITTEN: set[str] = set()
 # where an override fragment ("--config.x=1 ..." or "... --config.x=1") is applied
+# the markdown files whose commands run (docs/scaling.md: see "Not covered")
+MARKDOWN = ("README.md", "docs/results.md", "docs/speed.md")
 FRAGMENT_BASE = {"README.md": "python3 scripts/train_rl.py --config configs/rl.py:grpo_tiny",
+                 "docs/results.md": "python3 scripts/train_rl.py --config configs/rl.py:grpo_tiny",
+                 "docs/speed.md": "python3 scripts/train_rl.py --config configs/rl.py:grpo_tiny",
                  "configs/rl.py": "python3 scripts/train_rl.py --config configs/rl.py:grpo_tiny",
                  "configs/models.py": "python3 scripts/plan.py --config configs/models.py:tiny"}
 _START = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|\.venv/bin/python)\s+scripts/\S+\.py")
@@ -72,8 +77,9 @@ def _docstring(path: str) -> str:
 
 def all_commands() -> list[tuple[str, str]]:
     found = []
-    with open(os.path.join(ROOT, "README.md")) as f:
-        found += [("README.md", c) for c in extract_commands(f.read(), "README.md")]
+    for rel in MARKDOWN:
+        with open(os.path.join(ROOT, rel)) as f:
+            found += [(rel, c) for c in extract_commands(f.read(), rel)]
     for folder in ("configs", "scripts"):
         for name in sorted(os.listdir(os.path.join(ROOT, folder))):
             if name.endswith(".py"):

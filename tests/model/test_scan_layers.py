@@ -10,7 +10,7 @@ is unsplit, every other dim as in the per-layer layout); MXFP4 PTQ and a safeten
 round trip of a stacked model; the checkpoint-mismatch hint; the 2.8T preset's shapes.
 The scanned model is a 4-layer "KD" test model: one span of 2 copies of a 2-layer group (and,
 in one test, an 8-layer one with a span of dense layers and a span of MoE layers).
-Not covered here: compile time (benchmarks/train_step_compile.py, README "Speed").
+Not covered here: compile time (benchmarks/train_step_compile.py, docs/speed.md).
 """
 
 import dataclasses

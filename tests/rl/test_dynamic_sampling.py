@@ -5,7 +5,7 @@ Covered: which groups a selection keeps (rewards that differ first, drawn order,
 never count as informative, the batch's shape kept when too few are informative), that every
 kept row carries its own prompt, completion, log-probs, reward and task, and a real run_rl with
 rl.oversample=2 on sandbox-scored tasks (two rollout calls per update, the trained batch of the
-usual size, the fractions logged). Not covered: whether it raises held-out pass rates (README).
+usual size, the fractions logged). Not covered: whether it raises held-out pass rates (docs/results.md).
 """
 
 import json
