@@ -81,6 +81,9 @@ def print_table(res: dict, title: str = "") -> None:
 def print_templates(res: dict) -> None:
     """Per domain and generator template ("by_template" of rl.pipeline.evaluate): tasks,
     pass@1 and the tasks at least one sample solved."""
+    if not any(isinstance(v, dict) and "by_template" in v for v in res.values()):
+        print("(no task here names a generator template: meta['template'])")
+        return
     print(f"{'domain':<14}{'template':<18}{'tasks':>6}{'pass@1':>9}{'solved':>8}")
     for dom, v in res.items():
         for tpl, t in (v.get("by_template", {}) if isinstance(v, dict) else {}).items():
