@@ -13,7 +13,10 @@ A run directory is a config's workdir as the scripts write it:
   - training curves: rl/metrics.jsonl (reward, KL to the reference, entropy, completion length;
     val pass@1 per domain).
 The table lists, per domain and evaluation, each run's pass@1 (pass@k for a demo's pass@k
-evaluation) and interval; runs whose intervals do not overlap are marked. Nothing is re-evaluated here: this reads what the runs wrote.
+evaluation) and interval; runs whose intervals do not overlap are marked. A second table lists,
+per evaluation, the generator templates (results written with "by_template": rl.pipeline.evaluate)
+whose pass@1 is not the same in every run: each run's pass@1 and tasks solved by any sample.
+Nothing is re-evaluated here: this reads what the runs wrote.
 """
 
 from __future__ import annotations
@@ -67,9 +70,17 @@ def _cell(v: dict, metric: str) -> dict:
             "hi": v.get(metric + "_hi", math.nan), "tasks": v["tasks"]}
 
 
+def _templates(res: dict) -> dict:
+    """{(domain, template): {"tasks", "pass@1", "solved"}} of an evaluation result's
+    "by_template" entries (none in results written before them)."""
+    return {(d, t): v for d, r in res.items() if isinstance(r, dict)
+            for t, v in r.get("by_template", {}).items()}
+
+
 def load_run(path: str) -> dict:
-    """{"name", "path", "config" (flat), "heldout" {eval name: {domain: result}}, "curves"
-    {metric: [(step, value)]}}. Raises RunError naming what is missing."""
+    """{"name", "path", "config" (flat), "heldout" {eval name: {domain: result}}, "templates"
+    {eval name: {(domain, template): result}}, "curves" {metric: [(step, value)]}}. Raises
+    RunError naming what is missing."""
     if not os.path.isdir(path):
         raise RunError(f"{path}: not a directory (give run directories, i.e. config workdirs)")
     demo = os.path.join(path, "demo_results.json")
@@ -83,6 +94,7 @@ def load_run(path: str) -> dict:
         raise RunError(f"{path}: no config found (expected demo_results.json, rl/config.json or "
                        "sft/config.json, written by scripts/demo.py, train_rl.py, sft.py)")
     heldout = {}  # eval name -> {domain: {"value", "lo", "hi", "tasks"}}
+    templates = {}  # eval name -> {(domain, template): {"tasks", "pass@1", "solved"}}
     if res is not None:
         for phase, label in (("before", "SFT"), ("after", "SFT+RL")):
             for mode, r in res.get(phase, {}).items():
@@ -91,10 +103,13 @@ def load_run(path: str) -> dict:
                 metric = mode if mode.startswith("pass@") else "pass@1"  # older: greedy/sampled
                 heldout[f"{label} {mode}"] = {d: _cell(v, metric) for d, v in r.items()
                                               if isinstance(v, dict)}
+                templates[f"{label} {mode}"] = _templates(r)
     for p in sorted(glob.glob(os.path.join(path, "eval*.json"))):
         r = _read_json(p)
-        heldout[os.path.splitext(os.path.basename(p))[0]] = {
+        name = os.path.splitext(os.path.basename(p))[0]
+        heldout[name] = {
             d: _cell(v, "pass@1") for d, v in r.items() if isinstance(v, dict) and "pass@1" in v}
+        templates[name] = _templates(r)
     curves = {}
     mpath = os.path.join(path, "rl", "metrics.jsonl")
     if os.path.exists(mpath):
@@ -111,7 +126,8 @@ def load_run(path: str) -> dict:
         raise RunError(f"{path}: no held-out results (demo_results.json, eval*.json) and no "
                        "rl/metrics.jsonl: nothing to compare")
     return {"name": os.path.basename(os.path.normpath(path)), "path": path,
-            "config": flatten(config), "heldout": heldout, "curves": curves}
+            "config": flatten(config), "heldout": heldout,
+            "templates": {e: t for e, t in templates.items() if t}, "curves": curves}
 
 
 def config_diff(runs: list[dict], ignore=("workdir", "name")) -> dict:
@@ -145,7 +161,23 @@ def heldout_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def format_report(runs: list[dict], diff: dict, rows: list[dict]) -> str:
+def template_rows(runs: list[dict]) -> list[dict]:
+    """One row per (evaluation, domain, template) that some run's results split by template
+    and whose pass@1 is not the same in every run that has it: each run's (pass@1, solved,
+    tasks) or None."""
+    rows = []
+    evals = list(dict.fromkeys(e for r in runs for e in r["templates"]))
+    for e in evals:
+        keys = sorted(set().union(*(r["templates"].get(e, {}) for r in runs)))
+        for d, t in keys:
+            cells = [None if (v := r["templates"].get(e, {}).get((d, t))) is None else
+                     (v["pass@1"], v["solved"], v["tasks"]) for r in runs]
+            if len({c[0] for c in cells if c is not None}) > 1:
+                rows.append({"eval": e, "domain": d, "template": t, "cells": cells})
+    return rows
+
+
+def format_report(runs: list[dict], diff: dict, rows: list[dict], trows=()) -> str:
     names = [r["name"] for r in runs]
     w = max(12, *(len(n) for n in names)) + 2
     lines = ["runs: " + ", ".join(f"{r['name']} ({r['path']})" for r in runs), "",
@@ -160,6 +192,14 @@ def format_report(runs: list[dict], diff: dict, rows: list[dict]) -> str:
             for c in row["cells"])
         mark = "  * intervals disjoint" if row["disjoint"] else ""
         lines.append(f"{row['eval'] + ' / ' + row['domain']:<34}{cells}{mark}")
+    if trows:
+        lines += ["", "pass@1 (%) and tasks solved by any sample, per template, where the runs differ"]
+        lines.append(f"{'':<50}" + "".join(f"{n:>{w + 6}}" for n in names))
+        for row in trows:
+            cells = "".join(f"{'-':>{w + 6}}" if c is None else
+                            f"{100 * c[0]:>{w - 1}.1f}% {c[1]:>2}/{c[2]:<2}" for c in row["cells"])
+            label = f"{row['eval']} / {row['domain']} / {row['template']}"
+            lines.append(f"{label:<50}{cells}")
     finals = {}
     for r in runs:
         for k, pts in r["curves"].items():
@@ -239,14 +279,15 @@ def main(argv):
             r["name"] = r["path"]
     diff = config_diff(runs, ignore=tuple(FLAGS.ignore))
     rows = heldout_rows(runs)
-    print(format_report(runs, diff, rows))
+    trows = template_rows(runs)
+    print(format_report(runs, diff, rows, trows))
     if FLAGS.out:
         plot(runs, rows, FLAGS.out)
         print(f"\nplot: {FLAGS.out}")
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump({"runs": [r["path"] for r in runs], "config_diff": diff, "heldout": rows,
-                       "curves": {r["name"]: r["curves"] for r in runs}}, f, indent=1,
+                       "templates": trows, "curves": {r["name"]: r["curves"] for r in runs}}, f, indent=1,
                       default=str)
 
 

@@ -11,7 +11,14 @@ import sys
 import pytest
 
 from rl.metrics import MetricsWriter
-from scripts.compare import RunError, config_diff, heldout_rows, load_run
+from scripts.compare import (
+    RunError,
+    config_diff,
+    format_report,
+    heldout_rows,
+    load_run,
+    template_rows,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -85,3 +92,28 @@ def test_demo_results_layouts(tmp_path):
     assert new["heldout"]["SFT pass@4"]["code"] == {"value": 0.9, "lo": 0.85, "hi": 0.95,
                                                     "tasks": 200}
     assert old["heldout"]["SFT greedy"]["code"]["value"] == 0.8
+
+
+def test_template_rows(tmp_path):
+    """Per-template rows list only the templates whose pass@1 differs between the runs, with
+    each run's solved / tasks; a run whose results carry no by_template shows '-'."""
+    def by(linear, odd):
+        return {"linear": {"tasks": 7, "pass@1": linear / 7, "solved": linear},
+                "odd": {"tasks": 3, "pass@1": odd / 3, "solved": odd},
+                "add": {"tasks": 5, "pass@1": 1.0, "solved": 5}}
+
+    for name, linear, odd in (("a", 0, 2), ("b", 3, 2)):
+        _run(tmp_path / name, 0.01, 0.5, [0.1])
+        (tmp_path / name / "eval_tpl.json").write_text(json.dumps(
+            {"code": {**_dom(0.5, 0.4, 0.6, 15), "by_template": by(linear, odd)}}))
+    _run(tmp_path / "old", 0.01, 0.5, [0.1])  # written before by_template
+    (tmp_path / "old" / "eval_tpl.json").write_text(json.dumps({"code": _dom(0.5, 0.4, 0.6, 15)}))
+    runs = [load_run(str(tmp_path / n)) for n in ("a", "b", "old")]
+    rows = template_rows(runs)
+    assert [(r["eval"], r["domain"], r["template"]) for r in rows] == [
+        ("eval_tpl", "code", "linear")]
+    assert rows[0]["cells"] == [(0.0, 0, 7), (3 / 7, 3, 7), None]
+    report = format_report(runs, {}, heldout_rows(runs), rows)
+    line = next(x for x in report.splitlines() if x.startswith("eval_tpl / code / linear"))
+    assert line.split()[-5:] == ["0.0%", "0/7", "42.9%", "3/7", "-"]
+    assert template_rows(runs[:1]) == []  # one run: nothing differs
