@@ -67,7 +67,7 @@ def _template_table(before, after, metric="pass@1"):
                 continue
             lines.append(f"{d:<12}{tpl:<16}{tb['tasks']:>6}{100 * tb['pass@1']:>7.1f}%"
                          f"{100 * a['pass@1']:>7.1f}%{100 * (a['pass@1'] - tb['pass@1']):>+8.1f}"
-                         f"{tb['solved']:>6} ->{a['solved']:>3}")
+                         f"{tb['solved']:>7} -> {a['solved']}")
     return "\n".join(lines)
 
 
