@@ -193,7 +193,8 @@ def format_report(runs: list[dict], diff: dict, rows: list[dict], trows=()) -> s
         mark = "  * intervals disjoint" if row["disjoint"] else ""
         lines.append(f"{row['eval'] + ' / ' + row['domain']:<34}{cells}{mark}")
     if trows:
-        lines += ["", "pass@1 (%) and tasks solved by any sample, per template, where the runs differ"]
+        lines += ["", "pass@1 (%) and tasks solved by any sample, per template, where the runs "
+                  "differ"]
         lines.append(f"{'':<50}" + "".join(f"{n:>{w + 6}}" for n in names))
         for row in trows:
             cells = "".join(f"{'-':>{w + 6}}" if c is None else
@@ -287,8 +288,8 @@ def main(argv):
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump({"runs": [r["path"] for r in runs], "config_diff": diff, "heldout": rows,
-                       "templates": trows, "curves": {r["name"]: r["curves"] for r in runs}}, f, indent=1,
-                      default=str)
+                       "templates": trows, "curves": {r["name"]: r["curves"] for r in runs}},
+                      f, indent=1, default=str)
 
 
 if __name__ == "__main__":
