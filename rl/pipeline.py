@@ -528,14 +528,16 @@ def task_domain(task) -> str:
 
 
 def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: int = 1,
-             ks=(1,), batch_prompts: int = 64) -> dict:
+             ks=(1,), batch_prompts: int = 64, keep_samples: bool = False) -> dict:
     """pass@k (unbiased estimator, n_samples per task) per domain with 95% intervals for pass@1
     (`rl.metrics.clustered_interval`: Wilson, corrected for samples of one task being
     correlated); for multi-turn domains (rl.agent.RoutingWorker) also turns_mean and
     episode_tokens_mean (per episode; episode success is pass@1); for generator tasks
     (meta["template"]) "by_template": per template, pass@1 and the tasks any sample solved
-    (`template_breakdown`). Sampling follows worker.sampler's config (temperature 0 -> greedy,
-    n_samples 1).
+    (`template_breakdown`). keep_samples: also "_samples", one record per task and sample in
+    task order (`sample_record`: the completion's text, an episode's whole transcript, its
+    reward and the scalar fields of its scoring details). Sampling follows worker.sampler's
+    config (temperature 0 -> greedy, n_samples 1).
     Chunks of batch_prompts tasks (the last one padded: one batch shape, one compile) are
     generated while the previous chunk is scored. "_seconds": the evaluation's wall time.
     Sampled rows draw from rng by their task's index in `tasks` and their sample (row ids,
@@ -563,7 +565,9 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
         kinds = [[i for i, t in enumerate(tasks) if is_agent_task(t) == a] for a in (False, True)]
     else:
         kinds = [list(range(len(tasks)))]
-    results = []  # (task index in `tasks`, correct samples, [turns, tokens] summed or None)
+    # (task index in `tasks`, correct samples, [turns, tokens] summed or None, the samples'
+    # records when keep_samples else None)
+    results = []
     failed = 0
 
     def collect(idx, pending):
@@ -575,7 +579,10 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
             det = g.details[j * n_samples:(j + 1) * n_samples]
             ep = ([sum(d["turns"] for d in det), sum(d["episode_tokens"] for d in det)]
                   if det and all("turns" in d for d in det) else None)  # multi-turn episodes
-            results.append((t, int((r >= 1.0).sum()), ep))
+            smp = ([sample_record(tasks[t], k, float(r[k]), g.texts[j * n_samples + k],
+                                  det[k] if k < len(det) else {}) for k in range(n_samples)]
+                   if keep_samples else None)
+            results.append((t, int((r >= 1.0).sum()), ep, smp))
 
     prev = None
     for kind in (k for k in kinds if k):
@@ -601,7 +608,7 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     per_task = defaultdict(list)  # domain -> [(n, c)] in task order
     episodes = defaultdict(list)  # domain -> [(turns, tokens)] summed over a task's samples
     per_template = defaultdict(lambda: defaultdict(list))  # domain -> template -> [correct]
-    for t, c, ep in sorted(results, key=lambda x: x[0]):
+    for t, c, ep, _ in sorted(results, key=lambda x: x[0]):
         per_task[task_domain(tasks[t])].append((n_samples, c))
         per_template[task_domain(tasks[t])][task_template(tasks[t])].append(c)
         if ep is not None:
@@ -625,7 +632,20 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
         out[dom] = d
     out["_sandbox_failed"] = failed
     out["_seconds"] = time.perf_counter() - t0
+    if keep_samples:
+        out["_samples"] = [r for *_, smp in sorted(results, key=lambda x: x[0]) for r in smp]
     return out
+
+
+def sample_record(task, sample: int, reward: float, text: str, detail: dict) -> dict:
+    """One evaluated sample as a JSON-able record: the task's id, domain, template and prompt,
+    the sample's index, reward and text, and the scalar fields of its scoring details (an
+    episode's turns, end and status; a verifier's own fields)."""
+    return {"task_id": task.id, "domain": task_domain(task), "template": task_template(task),
+            "prompt": task.prompt, "sample": sample, "reward": reward, "text": text,
+            **{k: v for k, v in (detail or {}).items()
+               if isinstance(v, (bool, int, float, str))
+               and k not in ("task_id", "prompt", "text")}}
 
 
 def template_breakdown(correct: dict, n_samples: int) -> dict:

@@ -6,8 +6,8 @@
         --temperature=1.0
     python scripts/evaluate.py --config configs/rl.py:demo --temperatures=0,0.5,1 --n_samples=4 \
         --k=1,4                      # each domain's pass@k at its best val temperature (as the demo)
-    python scripts/evaluate.py --config configs/rl.py:demo --checkpoint=sft --by_template
-                                     # ... and per generator template: which ones fail
+    python scripts/evaluate.py --config configs/rl.py:demo --checkpoint=sft --by_template \
+        --samples_out=runs/demo/eval_sft_samples.jsonl   # which templates fail, and every text
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=canonical
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=empty
     python scripts/evaluate.py --config configs/rl.py:demo --experts=mxfp4     # MXFP4 experts (PTQ)
@@ -28,7 +28,9 @@ pass@k for k > 1 at a sampled temperature).
 pass@k uses the unbiased estimator over n_samples per task; pass@1 comes with a 95% Wilson
 interval; multi-step (agent) domains also report turns used and tokens per episode (episode
 success is their pass@1). Output: a table (--by_template: also one row per domain and generator
-template, with the tasks any sample solved), and --json FILE for the full result.
+template, with the tasks any sample solved), --json FILE for the full result, and
+--samples_out FILE.jsonl for every sample (its text, or an episode's whole transcript, reward
+and scoring details; one evaluation: not with --temperatures).
 --completions=canonical|empty checks the harness itself on a HumanEval-format file (no model
 involved): 100% and 0%.
 """
@@ -56,6 +58,9 @@ _TEMPS = flags.DEFINE_string("temperatures", "", "comma-separated: sweep these o
 _JSON = flags.DEFINE_string("json", "", "write the result here")
 _EXPERTS = flags.DEFINE_enum("experts", "bf16", ["bf16", "mxfp4"],
                              "expert weights to sample with (mxfp4: packed, grouped MXFP4 matmul)")
+_SAMPLES_OUT = flags.DEFINE_string("samples_out", "", "write every sample here (JSONL: task id, "
+                                   "domain, template, prompt, sample, reward, text, scoring "
+                                   "details)")
 _BY_TPL = flags.DEFINE_bool("by_template", False, "also print each domain's pass@1 and solved "
                             "tasks per generator template (the --json result always has them)")
 
@@ -92,7 +97,7 @@ def print_templates(res: dict) -> None:
 
 def score_given(tasks, completions, verifier) -> dict:
     from rl.metrics import wilson_interval
-    from rl.pipeline import task_domain, task_template, template_breakdown
+    from rl.pipeline import sample_record, task_domain, task_template, template_breakdown
 
     results = verifier.verify_batch(tasks, completions)
     per, per_tpl = {}, {}
@@ -107,7 +112,19 @@ def score_given(tasks, completions, verifier) -> dict:
         out[d] = {"tasks": len(ok), "pass@1": p, "pass@1_lo": lo, "pass@1_hi": hi}
         if any(tpl is not None for tpl in per_tpl[d]):
             out[d]["by_template"] = template_breakdown(per_tpl[d], 1)
+    out["_samples"] = [sample_record(t, 0, float(score), c, detail)
+                       for t, c, (score, detail) in zip(tasks, completions, results)]
     return out
+
+
+def write_samples(res: dict, path: str) -> None:
+    """Move res["_samples"] (one record per task and sample) to a JSONL file at path."""
+    samples = res.pop("_samples")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for r in samples:
+            f.write(json.dumps(r) + "\n")
+    print(f"{len(samples)} samples written to {path}")
 
 
 def _temperatures() -> tuple:
@@ -125,6 +142,9 @@ def _temperatures() -> tuple:
     if _SPLIT.value != "test":
         raise SystemExit("--temperatures chooses on the val split, so it reports the test "
                          "split: drop --split=val")
+    if _SAMPLES_OUT.value:
+        raise SystemExit("--samples_out writes the samples of one evaluation; --temperatures "
+                         "runs several: evaluate at one --temperature=T instead")
     if min(temps) < 0:
         raise SystemExit(f"--temperatures={_TEMPS.value}: temperatures must be >= 0")
     return temps
@@ -214,7 +234,12 @@ def main(_):
                 # shapes; multi-turn rows are sandbox sessions, capped by the pool)
                 res = evaluate(worker, variables, tasks, jax.random.key(0), n_samples=_N.value,
                                ks=ks,
-                               batch_prompts=max(1, config.eval.batch_prompts // _N.value))
+                               batch_prompts=max(1, config.eval.batch_prompts // _N.value),
+                               keep_samples=bool(_SAMPLES_OUT.value))
+        if _SAMPLES_OUT.value:
+            write_samples(res, _SAMPLES_OUT.value)
+        else:
+            res.pop("_samples", None)
         for title, r in (tables or {f"pass@k ({len(tasks)} tasks, completions={_COMP.value})":
                                     res}).items():
             print_table(r, title)

@@ -27,19 +27,26 @@ def test_evaluate_script_on_humaneval(tmp_path, completions, expected):
 def test_evaluate_script_by_template(tmp_path, completions, expected):
     """--by_template on a task file of generated code tasks: one row per template, each
     template's tasks summing to the file's; the canonical solutions pass every template, empty
-    completions none."""
+    completions none; --samples_out writes each task's completion and reward."""
     from sandbox.tasks import save_tasks
     from sandbox.tasks.domains import get_domain
     from sandbox.tasks.domains.base import draw_split
 
     tasks = [t for t, _ in draw_split(get_domain("code"), "test", 24, seed=0)]
     save_tasks(tasks, tmp_path / "code.jsonl")
-    out = tmp_path / "res.json"
+    out, samples = tmp_path / "res.json", tmp_path / "samples.jsonl"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"),
                         f"--task_file={tmp_path / 'code.jsonl'}", f"--completions={completions}",
-                        "--by_template", f"--json={out}"],
+                        "--by_template", f"--json={out}", f"--samples_out={samples}"],
                        check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    by = json.loads(out.read_text())["code"]["by_template"]
+    res = json.loads(out.read_text())
+    assert "_samples" not in res  # the samples go to their own file
+    recs = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [(x["task_id"], x["template"], x["prompt"]) for x in recs] == [
+        (t.id, t.meta["template"], t.prompt) for t in tasks]
+    want = [t.canonical_solution if completions == "canonical" else "" for t in tasks]
+    assert [x["text"] for x in recs] == want and {x["reward"] for x in recs} == {expected}
+    by = res["code"]["by_template"]
     templates = sorted({t.meta["template"] for t in tasks})
     assert sorted(by) == templates and len(templates) > 5
     assert sum(v["tasks"] for v in by.values()) == 24

@@ -154,3 +154,23 @@ def test_per_template_breakdown(digit_eval):
     assert template_breakdown({None: [0, 2], "a": [4]}, 4) == {
         "a": {"tasks": 1, "pass@1": 1.0, "solved": 1},
         "(none)": {"tasks": 2, "pass@1": 0.25, "solved": 1}}
+
+
+def test_kept_samples_are_the_scored_texts(digit_eval):
+    """keep_samples: one record per task and sample in task order, whose reward is what the
+    sandbox check gives its text (a digit in the answer passes); the aggregate is unchanged."""
+    import re
+
+    variables, tasks, worker_at = digit_eval
+    res = evaluate(worker_at(2.0), variables, tasks, jax.random.key(6), n_samples=3,
+                   batch_prompts=8, keep_samples=True)
+    plain = evaluate(worker_at(2.0), variables, tasks, jax.random.key(6), n_samples=3,
+                     batch_prompts=8)
+    recs = res.pop("_samples")
+    assert [(r["task_id"], r["sample"]) for r in recs] == [(t.id, k) for t in tasks
+                                                          for k in range(3)]
+    assert {r["domain"] for r in recs} == {"left", "right"}
+    assert all((r["reward"] >= 1) == bool(re.search("[0-9]", r["text"])) for r in recs)
+    assert 0 < sum(r["reward"] >= 1 for r in recs) < len(recs)  # both outcomes occur
+    drop = lambda r: {d: x for d, x in r.items() if d != "_seconds"}
+    assert drop(res) == drop(plain)
