@@ -689,11 +689,13 @@ def best_temperatures(sweep: dict, metric: str = "pass@1") -> dict:
 
 
 def evaluate_at_temperatures(worker_at, variables, tasks: list, rng, *, temperature_of: dict,
-                             n_samples: int, ks=(1,), batch_prompts: int) -> dict:
+                             n_samples: int, ks=(1,), batch_prompts: int,
+                             keep_samples: bool = False) -> dict:
     """`evaluate` with each domain's tasks sampled at its own temperature (temperature_of, e.g.
     `best_temperatures` of a validation sweep): n_samples per task, one when greedy (T = 0:
     every sample is the same completion, so pass@k = pass@1 for every k). Each domain's result
-    also holds its "temperature" and "samples"."""
+    also holds its "temperature" and "samples"; keep_samples: "_samples" as in `evaluate`, each
+    record with its "temperature"."""
     by_domain = defaultdict(list)
     for t in tasks:
         by_domain[task_domain(t)].append(t)
@@ -701,13 +703,14 @@ def evaluate_at_temperatures(worker_at, variables, tasks: list, rng, *, temperat
     if missing:
         raise ValueError(f"no temperature for domain(s) {missing}: temperature_of has "
                          f"{sorted(temperature_of)}")
-    out, failed = {}, 0
+    out, failed, samples = {}, 0, []
     for dom, ts in sorted(by_domain.items()):
         temp = float(temperature_of[dom])
         n = 1 if temp == 0 else n_samples
         rng, sub = jax.random.split(rng)
         res = evaluate(worker_at(temp), variables, ts, sub, n_samples=n, ks=ks,
-                       batch_prompts=max(1, batch_prompts // n))
+                       batch_prompts=max(1, batch_prompts // n), keep_samples=keep_samples)
+        samples += [{**r, "temperature": temp} for r in res.pop("_samples", [])]
         d = res[dom]
         if n == 1:  # greedy: all k samples would be this one
             for k in ks:
@@ -716,16 +719,20 @@ def evaluate_at_temperatures(worker_at, variables, tasks: list, rng, *, temperat
         out[dom] = {**d, "temperature": temp, "samples": n, "seconds": res["_seconds"]}
         failed += res["_sandbox_failed"]
     out["_sandbox_failed"] = failed
+    if keep_samples:
+        out["_samples"] = samples
     return out
 
 
 def evaluate_at_best_temperatures(worker_at, variables, val: list, test: list, rng, *,
                                   temperatures, n_samples: int, ks=(1,),
-                                  batch_prompts: int) -> dict:
+                                  batch_prompts: int, keep_samples: bool = False) -> dict:
     """A checkpoint at its best temperatures: `temperature_sweep` on `val`, then for each k of
     ks `test` at each domain's temperature with the best val pass@k (`best_temperatures`;
     pass@k for k > 1 at a sampled one). {"val_sweep": sweep, "pass@k": per-domain result for
-    each k}; one test evaluation serves every k whose temperatures are the same."""
+    each k}; one test evaluation serves every k whose temperatures are the same. keep_samples:
+    the test evaluations' records (`evaluate_at_temperatures`) under "_samples", each with the
+    metrics ("pass@k") whose evaluation drew it."""
     ks = tuple(dict.fromkeys(ks))
     rng, sub = jax.random.split(rng)
     sweep = temperature_sweep(worker_at, variables, val, sub, temperatures=temperatures,
@@ -738,7 +745,10 @@ def evaluate_at_best_temperatures(worker_at, variables, val: list, test: list, r
             rng, sub = jax.random.split(rng)
             res = evaluate_at_temperatures(worker_at, variables, test, sub,
                                            temperature_of=temps, n_samples=n_samples, ks=ks,
-                                           batch_prompts=batch_prompts)
+                                           batch_prompts=batch_prompts, keep_samples=keep_samples)
             done.append((temps, res))
         out[f"pass@{k}"] = res
+    if keep_samples:  # each test evaluation's records once, named by the metrics it serves
+        out["_samples"] = [{**r, "metrics": [f"pass@{k}" for k in ks if out[f"pass@{k}"] is res]}
+                           for _, res in done for r in res.pop("_samples")]
     return out

@@ -11,7 +11,9 @@ pass@k (k = --eval_samples) at each of eval.temperatures (0 = greedy), then per 
 pass@1 at the temperature with the best val pass@1 and test pass@k at the one with the best val
 pass@k, with 95% intervals, and per generator template pass@1 and the tasks any sample solved;
 the DSA indexer's recall of the true top-k attention keys on held-out text at random init,
-after the indexer warm-up (configs with one), after SFT and after RL),
+after the indexer warm-up (configs with one), after SFT and after RL), samples_sft.jsonl and
+samples_rl.jsonl (every test sample of those evaluations: prompt, text or an episode's whole
+transcript, reward, scoring details, temperature; `rl.pipeline.sample_record`),
 demo_plot.png (RL reward and held-out val pass@1 per domain against RL step). Prints the val
 sweep, the per-domain before/after tables and the templates either checkpoint fails on some
 test task (pass@1 and tasks solved, before and after). Re-running resumes finished phases from
@@ -170,7 +172,7 @@ def main(_):
         evaluate = functools.partial(
             evaluate_at_best_temperatures, worker_at, val=val, test=test, rng=jax.random.key(1),
             temperatures=config.eval.temperatures, n_samples=n, ks=(1, n),
-            batch_prompts=config.eval.batch_prompts)
+            batch_prompts=config.eval.batch_prompts, keep_samples=True)
         before = evaluate(load_sft_variables(config, model))
         t_eval0 = time.time()
         val_curve = []
@@ -201,6 +203,9 @@ def main(_):
               "indexer_recall": recall,
               "seconds": {"sft": t_sft, "rl": t_rl, "total": time.time() - t0},
               "config": config.to_dict()}
+    for name, res in (("sft", before), ("rl", after)):  # every test sample, apart
+        with open(os.path.join(config.workdir, f"samples_{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in res.pop("_samples"))
     with open(os.path.join(config.workdir, "demo_results.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     metrics = [m for m in before if m != "val_sweep"]

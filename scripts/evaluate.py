@@ -30,7 +30,8 @@ interval; multi-step (agent) domains also report turns used and tokens per episo
 success is their pass@1). Output: a table (--by_template: also one row per domain and generator
 template, with the tasks any sample solved), --json FILE for the full result, and
 --samples_out FILE.jsonl for every sample (its text, or an episode's whole transcript, reward
-and scoring details; one evaluation: not with --temperatures).
+and scoring details; with --temperatures the test split's samples, each with its temperature
+and the metrics whose evaluation drew it).
 --completions=canonical|empty checks the harness itself on a HumanEval-format file (no model
 involved): 100% and 0%.
 """
@@ -142,9 +143,6 @@ def _temperatures() -> tuple:
     if _SPLIT.value != "test":
         raise SystemExit("--temperatures chooses on the val split, so it reports the test "
                          "split: drop --split=val")
-    if _SAMPLES_OUT.value:
-        raise SystemExit("--samples_out writes the samples of one evaluation; --temperatures "
-                         "runs several: evaluate at one --temperature=T instead")
     if min(temps) < 0:
         raise SystemExit(f"--temperatures={_TEMPS.value}: temperatures must be >= 0")
     return temps
@@ -221,7 +219,8 @@ def main(_):
                                                    pool, tasks=val + tasks)
                 best = evaluate_at_best_temperatures(
                     worker_at, variables, val, tasks, jax.random.key(0), temperatures=temps,
-                    n_samples=_N.value, ks=ks, batch_prompts=config.eval.batch_prompts)
+                    n_samples=_N.value, ks=ks, batch_prompts=config.eval.batch_prompts,
+                    keep_samples=bool(_SAMPLES_OUT.value))
                 for t, r in best["val_sweep"].items():
                     print_table(r, f"val split, temperature {t:g}")
                 tables = {f"test split: pass@{k} at the temperature with the best val "

@@ -104,6 +104,17 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
             if isinstance(v, dict):
                 assert sum(t["tasks"] for t in v["by_template"].values()) == v["tasks"], d
                 failing |= {(d, k) for k, t in v["by_template"].items() if t["pass@1"] < 1}
+    # every test sample of both evaluations, apart from demo_results.json: per domain and
+    # metric, the share of correct samples is that evaluation's pass@1
+    assert all("_samples" not in res[when] for when in ("before", "after"))
+    for when, name in (("before", "sft"), ("after", "rl")):
+        recs = [json.loads(x) for x in (work / f"samples_{name}.jsonl").read_text().splitlines()]
+        for m in ("pass@1", "pass@2"):
+            for d, v in res[when][m].items():
+                if isinstance(v, dict):
+                    mine = [x for x in recs if m in x["metrics"] and x["domain"] == d]
+                    assert len(mine) == v["tasks"] * v["samples"], (name, m, d)
+                    assert sum(x["reward"] >= 1 for x in mine) / len(mine) == v["pass@1"]
     table = r.stdout.split("held-out pass@1 by generator template")[1].split("\n\n")[0]
     rows = {tuple(line.split()[:2]) for line in table.splitlines()[2:]}
     assert failing and rows == failing, (rows, failing)

@@ -102,6 +102,25 @@ def test_evaluate_at_best_temperatures(digit_eval):
         assert {d: v["temperature"] for d, v in res[m].items() if isinstance(v, dict)} == best
         assert all(v["tasks"] == 2 for v in res[m].values() if isinstance(v, dict))
     assert set(best_temperatures(sweep, "pass@4").values()) == {2.0}  # greedy has no pass@4
+    # kept samples: the test evaluations' records, each evaluation once, each record at its
+    # domain's temperature for the metrics it serves; the results are the same without them
+    kept = evaluate_at_best_temperatures(worker_at, variables, val, test, jax.random.key(3),
+                                         temperatures=(0.0, 2.0), n_samples=4, ks=(1, 4),
+                                         batch_prompts=8, keep_samples=True)
+    recs = kept.pop("_samples")
+    assert {r["task_id"] for r in recs} == {t.id for t in test}
+    for r in recs:
+        for m in r["metrics"]:
+            assert r["temperature"] == kept[m][r["domain"]]["temperature"]
+    for m in ("pass@1", "pass@4"):
+        for d in ("left", "right"):
+            mine = [r for r in recs if m in r["metrics"] and r["domain"] == d]
+            assert len(mine) == 2 * kept[m][d]["samples"]
+            assert sum(r["reward"] >= 1 for r in mine) / len(mine) == kept[m][d]["pass@1"]
+    drop = lambda r: {d: {k: x for k, x in v.items() if k != "seconds"} if isinstance(v, dict)
+                      else v for d, v in r.items()}
+    assert {m: drop(kept[m]) for m in ("pass@1", "pass@4")} == {
+        m: drop(res[m]) for m in ("pass@1", "pass@4")}
 
 
 def test_sampled_evaluation_does_not_depend_on_its_chunking(digit_eval):
