@@ -227,7 +227,8 @@ def main(_):
     print("\nDSA indexer recall of the top-k attention keys (held-out text): " + ", ".join(
         f"{k} {v:.3f}" for k, v in recall.items()))
     print(f"\n[demo] {time.time() - t0:.0f} s total (SFT {t_sft:.0f} s, RL {t_rl:.0f} s). "
-          f"Artifacts: {config.workdir}/demo_results.json, {plot}, TensorBoard: "
+          f"Artifacts: {config.workdir}/demo_results.json, "
+          f"{config.workdir}/samples_{{sft,rl}}.jsonl, {plot}, TensorBoard: "
           f"{config.workdir}/{{sft,rl}}, final checkpoint: {config.workdir}/rl/checkpoints")
 
 
