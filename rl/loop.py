@@ -410,8 +410,8 @@ def supervised_step(model, opt, variables, *, objective, mesh, rules, shapes=(),
     of `variables` (shapes only): a later phase's programs compile while an earlier phase
     trains, and two shapes side by side. On 2 CPU cores that saves little (XLA's compile of one
     program already keeps about 1.7 cores busy: docs/speed.md); where the steps run on an
-    accelerator the compiles take otherwise idle host cores. No compiles ahead in a multi-process job
-    (MeshJit compiles at the first call, behind a barrier)."""
+    accelerator the compiles take otherwise idle host cores. No compiles ahead in a
+    multi-process job (MeshJit compiles at the first call, behind a barrier)."""
     state_sh = train_state_shardings(model, opt, mesh, rules)
     fn = make_sft_step(model, opt, objective=objective, mesh=mesh, rules=rules,
                        state_shardings=state_sh)

@@ -580,7 +580,7 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
             ep = ([sum(d["turns"] for d in det), sum(d["episode_tokens"] for d in det)]
                   if det and all("turns" in d for d in det) else None)  # multi-turn episodes
             smp = ([sample_record(tasks[t], k, float(r[k]), g.texts[j * n_samples + k],
-                                  det[k] if k < len(det) else {}) for k in range(n_samples)]
+                                  det[k] if k < len(det) else None) for k in range(n_samples)]
                    if keep_samples else None)
             results.append((t, int((r >= 1.0).sum()), ep, smp))
 
@@ -608,7 +608,8 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     per_task = defaultdict(list)  # domain -> [(n, c)] in task order
     episodes = defaultdict(list)  # domain -> [(turns, tokens)] summed over a task's samples
     per_template = defaultdict(lambda: defaultdict(list))  # domain -> template -> [correct]
-    for t, c, ep, _ in sorted(results, key=lambda x: x[0]):
+    results.sort(key=lambda x: x[0])  # task order
+    for t, c, ep, _ in results:
         per_task[task_domain(tasks[t])].append((n_samples, c))
         per_template[task_domain(tasks[t])][task_template(tasks[t])].append(c)
         if ep is not None:
@@ -633,11 +634,11 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     out["_sandbox_failed"] = failed
     out["_seconds"] = time.perf_counter() - t0
     if keep_samples:
-        out["_samples"] = [r for *_, smp in sorted(results, key=lambda x: x[0]) for r in smp]
+        out["_samples"] = [r for *_, smp in results for r in smp]
     return out
 
 
-def sample_record(task, sample: int, reward: float, text: str, detail: dict) -> dict:
+def sample_record(task, sample: int, reward: float, text: str, detail: dict | None) -> dict:
     """One evaluated sample as a JSON-able record: the task's id, domain, template and prompt,
     the sample's index, reward and text, and the scalar fields of its scoring details (an
     episode's turns, end and status; a verifier's own fields)."""

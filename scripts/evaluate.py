@@ -96,7 +96,7 @@ def print_templates(res: dict) -> None:
             print(f"{dom:<14}{tpl:<18}{t['tasks']:>6}{100 * t['pass@1']:>8.1f}%{t['solved']:>8}")
 
 
-def score_given(tasks, completions, verifier) -> dict:
+def score_given(tasks, completions, verifier, keep_samples: bool = False) -> dict:
     from rl.metrics import wilson_interval
     from rl.pipeline import sample_record, task_domain, task_template, template_breakdown
 
@@ -113,8 +113,9 @@ def score_given(tasks, completions, verifier) -> dict:
         out[d] = {"tasks": len(ok), "pass@1": p, "pass@1_lo": lo, "pass@1_hi": hi}
         if any(tpl is not None for tpl in per_tpl[d]):
             out[d]["by_template"] = template_breakdown(per_tpl[d], 1)
-    out["_samples"] = [sample_record(t, 0, float(score), c, detail)
-                       for t, c, (score, detail) in zip(tasks, completions, results)]
+    if keep_samples:
+        out["_samples"] = [sample_record(t, 0, float(score), c, detail)
+                           for t, c, (score, detail) in zip(tasks, completions, results)]
     return out
 
 
@@ -185,7 +186,7 @@ def main(_):
             tasks = [t for t, _ in load_task_splits(config)[_SPLIT.value]]
         if _COMP.value != "model":
             comps = [t.canonical_solution if _COMP.value == "canonical" else "" for t in tasks]
-            res = score_given(tasks, comps, verifier)
+            res = score_given(tasks, comps, verifier, keep_samples=bool(_SAMPLES_OUT.value))
         else:
             from model import interchange, quant
 
@@ -237,8 +238,6 @@ def main(_):
                                keep_samples=bool(_SAMPLES_OUT.value))
         if _SAMPLES_OUT.value:
             write_samples(res, _SAMPLES_OUT.value)
-        else:
-            res.pop("_samples", None)
         for title, r in (tables or {f"pass@k ({len(tasks)} tasks, completions={_COMP.value})":
                                     res}).items():
             print_table(r, title)
