@@ -193,8 +193,10 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # ceil(fleet_slots / process count) so that all processes together keep every fleet slot
     # busy (fleet_slots = the fleet's total workers; 0 = unknown -> 16). docs/scaling.md.
     # Time and memory limits are per task (Task.timeout_s / memory_mb, set by each task domain).
+    # reuse_verdicts: a completion identical to one of the last N scored for the same task takes
+    # its verdict without a sandbox run (sandbox/verifiers.py, "Reused verdicts"); 0 runs all
     c.sandbox = ml_collections.ConfigDict(dict(
-        workers=2, remote="", client_concurrency=0, fleet_slots=0))
+        workers=2, remote="", client_concurrency=0, fleet_slots=0, reuse_verdicts=8192))
     # MXFP4 (model/quant.py): the module groups that stay high precision wherever experts are
     # MXFP4 (rollouts, scripts/evaluate.py --experts=mxfp4, scripts/export.py); only "experts"
     # has an MXFP4 path, so it is the one group that may be left out (the default)

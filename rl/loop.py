@@ -187,7 +187,18 @@ def _open_pool(config):
                        max_concurrency=client_concurrency(config))
     else:
         pool = connect("local", workers=s.workers)
-    return pool, Verifier(executor=pool)
+    return pool, Verifier(executor=pool, reuse=reuse_verdicts(s))
+
+
+def reuse_verdicts(s) -> int:
+    """sandbox.reuse_verdicts (config.sandbox; absent in configs written before it: 0), checked,
+    as the Verifier's `reuse`."""
+    n = s.get("reuse_verdicts", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"sandbox.reuse_verdicts must be an int >= 0 (the last N scored "
+                         f"(task, completion) pairs whose verdicts identical completions take; "
+                         f"0 = run every completion), got {n!r}")
+    return n
 
 
 def client_concurrency(config) -> int:
@@ -562,6 +573,7 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
                        else jax.device_count())
     algo = algo_from_config(config.rl.algo)
     oversample = rl_oversample(config.rl) if "rl" in phases else 1
+    reuse_verdicts(config.sandbox)
     fams, sft_fams = task_families(config), sft_families(config)
     lines = [check_run_config(config, num_devices, phase=p) for p in phases]
     if "sft" in phases and (dense := sft_dense_steps(config, model_config(config))):
@@ -1128,10 +1140,12 @@ def rl_oversample(r) -> int:
 def _timing_metrics(group, train_s: float, iteration_s: float) -> dict:
     """The iteration's time split (generate / score-wait / score / train / whole) and the
     fraction of scoring time hidden behind generation."""
+    reused = sum(bool(d.get("reused")) for d in group.details if isinstance(d, dict))
     return {"time/generate_s": group.gen_s, "time/score_wait_s": group.score_wait_s,
             "time/score_s": group.score_s, "time/train_s": train_s,
             "time/iteration_s": iteration_s,
-            "score_hidden_frac": 1.0 - group.score_wait_s / max(group.score_s, 1e-9)}
+            "score_hidden_frac": 1.0 - group.score_wait_s / max(group.score_s, 1e-9),
+            "score_reused_frac": reused / max(len(group.details), 1)}
 
 
 def _evaluate(e, worker, tasks, writer, on_eval, variables, step: int):
@@ -1193,7 +1207,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         pool, verifier = _open_pool(config)
     else:
         from sandbox.verifiers import Verifier
-        verifier = Verifier(executor=pool)
+        verifier = Verifier(executor=pool, reuse=reuse_verdicts(config.sandbox))
     sampling = rollout_sampling(r, tok.eos_id)
     worker = make_rollout_worker(r, sample_model, tok, sampling, verifier, pool,
                                  group_size=r.group_size, tasks=train_tasks, **on_mesh)

@@ -31,15 +31,32 @@ fields in sandbox/tasks/schema.py; `check_task` refuses an unknown method or mis
 
 details always has: family, score, status ("pass", "fail", or the sandbox status that prevented a
 verdict such as "timeout"/"sandbox_error"), cases (list of per-case dicts with passed and
-time_s where applicable) and wall_s (sum of sandbox run times). The executor can be a local
+time_s where applicable) and wall_s (sum of sandbox run times).
+
+Reused verdicts (`Verifier(reuse=N)`; RL and evaluation set N from `sandbox.reuse_verdicts`): a
+completion identical to one already submitted for the same task (every field of the task and
+the completion's exact text) gets that submission's score and a copy of its details with
+"reused": True and wall_s 0.0, without a sandbox run, when that verdict was reached: status
+"pass" or "fail" with no run of it stopped by a timeout, the memory limit or a sandbox error
+(`reusable`). Otherwise (a timeout under load, a crashed worker) the copy is scored by its own
+runs. Every scoring method here is a function of the task and the text, so the score is the
+one a run would give: sampled groups repeat completions often (the demo's test samples: 1000
+code completions of the RL checkpoint held 240 distinct texts). A program whose verdict is
+random (it reads the clock or a random source) gets its first run's verdict for every copy,
+the same in expectation. The last N (task, text) pairs are kept; 0 turns it off. The executor can be a local
 SandboxPool or a remote client (sandbox.client.SandboxClient); anything with `submit(code, **kw)`
 and `submit_sequence(steps)` returning futures works.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
+import hashlib
+import json
 import re
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
@@ -132,11 +149,14 @@ class Pending:
     def __init__(self, finish: Callable[[], tuple[float, dict]] | Future) -> None:
         self._finish = finish.result if isinstance(finish, Future) else finish
         self._value: tuple[float, dict] | None = None
+        self._lock = threading.Lock()  # a kept verdict may be awaited from several threads
 
     def result(self) -> tuple[float, dict]:
-        if self._value is None:
-            self._value = self._finish()
-        return self._value
+        with self._lock:
+            if self._value is None:
+                self._value = self._finish()
+                self._finish = None  # its runs' outputs can go (a kept verdict holds only this)
+            return self._value
 
 
 def _done(score: float, details: dict) -> Pending:
@@ -354,12 +374,44 @@ register_scoring("terminal", _start_terminal, _check_terminal)
 # --------------------------------------------------------------------------------------------
 # entry points
 
-class Verifier:
-    """Scores completions through an executor (local pool or remote client) and math workers."""
+_STOPPED = ("timeout", "memory", "sandbox_error")  # run statuses that leave no verdict to reuse
 
-    def __init__(self, executor: Executor | None = None, math=None) -> None:
+
+def reusable(details: dict) -> bool:
+    """True when a scoring's details hold a verdict another submission of the same task and text
+    may take (module docstring, "Reused verdicts"): status pass or fail, and no run of it was
+    stopped by a timeout, the memory limit or a sandbox error (python_tests' solution and check
+    runs, stdio's cases, terminal's steps)."""
+    runs = [details.get("sandbox_status"), details.get("check_status")]
+    runs += [c.get("status") for c in details.get("cases") or () if isinstance(c, dict)]
+    runs += [s.get("status") for s in (details.get("steps") or {}).values() if isinstance(s, dict)]
+    return details.get("status") in ("pass", "fail") and not any(r in _STOPPED for r in runs)
+
+
+def task_digest(task: Task) -> str:
+    """sha256 over every field of the task (its meta too: e.g. prompt_is_text changes the
+    program), the key under which its verdicts are reused."""
+    blob = json.dumps(task.to_dict(), sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class Verifier:
+    """Scores completions through an executor (local pool or remote client) and math workers.
+
+    reuse: keep the last `reuse` (task, completion) submissions and give an identical later one
+    the earlier verdict without a sandbox run (module docstring, "Reused verdicts"); 0 (the
+    default) runs every submission. `reused` counts the verdicts given that way."""
+
+    def __init__(self, executor: Executor | None = None, math=None, reuse: int = 0) -> None:
+        if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 0:
+            raise ValueError(f"reuse must be an int >= 0 (submissions whose verdicts are kept; "
+                             f"0 = score every submission), got {reuse!r}")
         self._executor = executor
         self._math = math
+        self._reuse = reuse
+        self._kept: collections.OrderedDict[tuple[str, str], Pending] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.reused = 0
 
     @property
     def executor(self) -> Executor:
@@ -388,6 +440,32 @@ class Verifier:
         if not isinstance(completion, str):
             raise TypeError(f"completion must be a str, got {type(completion).__name__}")
         completion = _valid_text(completion)
+        if not self._reuse:
+            return self._start(task, completion)
+        key = (task_digest(task), completion)
+        with self._lock:
+            first = self._kept.get(key)
+            if first is not None:
+                self._kept.move_to_end(key)
+        if first is None:
+            pending = self._start(task, completion)
+            with self._lock:
+                self._kept.setdefault(key, pending)
+                while len(self._kept) > self._reuse:
+                    self._kept.popitem(last=False)
+            return pending
+
+        def finish():
+            score, details = first.result()
+            if not reusable(details):  # no verdict to share: this copy is scored on its own
+                return self._start(task, completion).result()
+            with self._lock:
+                self.reused += 1
+            return score, {**copy.deepcopy(details), "reused": True, "wall_s": 0.0}
+
+        return Pending(finish)
+
+    def _start(self, task: Task, completion: str) -> Pending:
         try:
             return _METHODS[task.family].start(task, completion, self)
         except Exception as e:  # noqa: BLE001 - surfaced by result(), never a silent 0

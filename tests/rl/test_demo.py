@@ -129,8 +129,9 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
     assert all("sft_indexer_warmup/indexer_kl" in m for m in warm)
     rl = [json.loads(x) for x in (work / "rl/metrics.jsonl").open() if '"rl/loss"' in x]
     for key in ("rl/staleness", "rl/tis_weight_mean", "rl/logp_gap/sampler_trainer_mean",
-                "rl/indexer_kl", "rl/mtp_ce"):
+                "rl/indexer_kl", "rl/mtp_ce", "rl/score_reused_frac"):
         assert all(key in m for m in rl), key
+    assert all(0.0 <= m["rl/score_reused_frac"] <= 1.0 for m in rl)
     assert [m["rl/staleness"] for m in rl] == [0] + [1] * (len(rl) - 1)  # one-batch lookahead
     assert set(res["indexer_recall"]) == {"random init", "after warm-up", "after SFT",
                                           "after RL"}

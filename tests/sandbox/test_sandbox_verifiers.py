@@ -176,3 +176,48 @@ def test_batch_mixes_families_in_order(verifier, humaneval):
     scores = [s for s, _ in verifier.verify_batch(tasks, ["    return None\n", "4", "print('ho')", "true"])]
     assert scores == [0.0, 0.0, 0.0, 0.0]
     assert verifier.verify({"id": "d", "family": "math", "answer": "2"}, "2")[0] == 1.0
+
+
+def test_identical_completions_reuse_the_verdict_only_when_one_was_reached(pool, humaneval):
+    """Verifier(reuse=N): a completion identical to one already scored for the same task takes its
+    verdict without a sandbox run (pass and fail alike), the first keeps its own details; a
+    timeout, another task with the same id, or an evicted entry are scored by their own runs."""
+    v = Verifier(pool, reuse=2)
+    t = next(t for t in humaneval if t.entry_point == "strlen")
+    right, wrong = "    return len(string)\n", "    return len(string) + 1\n"
+    res = v.verify_batch([t] * 5, [right, wrong, right, wrong, right])
+    assert [s for s, _ in res] == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert [bool(d.get("reused")) for _, d in res] == [False, False, True, True, True]
+    assert v.reused == 3 and res[0][1]["wall_s"] > 0 and res[2][1]["wall_s"] == 0.0
+    for first, copy_ in ((0, 2), (1, 3)):  # the same verdict, cases and statuses as the run's
+        keep = {k: x for k, x in res[copy_][1].items() if k not in ("reused", "wall_s")}
+        assert keep == {k: x for k, x in res[first][1].items() if k != "wall_s"}
+    # every field of the task is in the key: the same id with another test is scored anew, and
+    # the text that passed above fails there
+    other = dataclasses.replace(t, test=t.test.replace("candidate('')", "candidate('x')"))
+    assert other.test != t.test
+    score, d = v.verify(other, right)
+    assert score == 0.0 and not d.get("reused")
+    # reuse=2 keeps the two pairs used last (t's right, then other's): t's wrong runs again
+    assert not v.verify(t, wrong)[1].get("reused") and v.verify(other, right)[1]["reused"]
+    # no verdict to share: every copy of a timed-out completion runs
+    slow = dataclasses.replace(t, timeout_s=1)
+    res = v.verify_batch([slow] * 2, ["    while True:\n        pass\n"] * 2)
+    assert [d["status"] for _, d in res] == ["timeout", "timeout"]
+    assert not any(d.get("reused") for _, d in res)
+    # off by default, and a bad size is refused
+    plain = Verifier(pool)
+    assert not any(d.get("reused") for _, d in plain.verify_batch([t] * 2, [right] * 2))
+    with pytest.raises(ValueError, match="reuse must be an int >= 0"):
+        Verifier(pool, reuse=-1)
+
+
+def test_reuse_decision_reads_every_run_of_a_scoring():
+    from sandbox.verifiers import reusable
+
+    assert reusable({"status": "pass"}) and reusable({"status": "fail", "check_status": "error"})
+    assert not reusable({"status": "timeout"}) and not reusable({"status": "sandbox_error"})
+    assert not reusable({"status": "fail", "check_status": "timeout"})  # the check was cut off
+    assert not reusable({"status": "fail", "cases": [{"status": "ok"}, {"status": "memory"}]})
+    assert not reusable({"status": "fail", "steps": {"commands": {"status": "timeout"},
+                                                     "check": {"status": "error"}}})
