@@ -31,7 +31,9 @@ fields in sandbox/tasks/schema.py; `check_task` refuses an unknown method or mis
 
 details always has: family, score, status ("pass", "fail", or the sandbox status that prevented a
 verdict such as "timeout"/"sandbox_error"), cases (list of per-case dicts with passed and
-time_s where applicable) and wall_s (sum of sandbox run times).
+time_s where applicable) and wall_s (sum of sandbox run times). The executor can be a local
+SandboxPool or a remote client (sandbox.client.SandboxClient); anything with `submit(code, **kw)`
+and `submit_sequence(steps)` returning futures works.
 
 Reused verdicts (`Verifier(reuse=N)`; RL and evaluation set N from `sandbox.reuse_verdicts`): a
 completion identical to one already submitted for the same task (every field of the task and
@@ -43,9 +45,7 @@ runs. Every scoring method here is a function of the task and the text, so the s
 one a run would give: sampled groups repeat completions often (the demo's test samples: 1000
 code completions of the RL checkpoint held 240 distinct texts). A program whose verdict is
 random (it reads the clock or a random source) gets its first run's verdict for every copy,
-the same in expectation. The last N (task, text) pairs are kept; 0 turns it off. The executor can be a local
-SandboxPool or a remote client (sandbox.client.SandboxClient); anything with `submit(code, **kw)`
-and `submit_sequence(steps)` returning futures works.
+the same in expectation. The last N (task, text) pairs used are kept; 0 turns it off.
 """
 
 from __future__ import annotations

@@ -205,6 +205,11 @@ def test_identical_completions_reuse_the_verdict_only_when_one_was_reached(pool,
     res = v.verify_batch([slow] * 2, ["    while True:\n        pass\n"] * 2)
     assert [d["status"] for _, d in res] == ["timeout", "timeout"]
     assert not any(d.get("reused") for _, d in res)
+    # a program whose verdict is a coin flip cannot flip it again by being sampled again: every
+    # copy takes the first run's verdict
+    coin = "    import os\n    return len(string) if os.urandom(1)[0] < 128 else -1\n"
+    res = v.verify_batch([t] * 6, [coin] * 6)
+    assert len({s for s, _ in res}) == 1 and sum(bool(d.get("reused")) for _, d in res) == 5
     # off by default, and a bad size is refused
     plain = Verifier(pool)
     assert not any(d.get("reused") for _, d in plain.verify_batch([t] * 2, [right] * 2))
