@@ -212,7 +212,7 @@ def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
 
 def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
     """A field rl.loop.validate_run_config rejects (here rl.oversample=0; with --dry_run
-    rl.template_power=2): exit code 2, the message on stderr, no traceback, nothing written to
+    rl.template_power=2, and sandbox.reuse_verdicts=-1 for evaluate.py): exit code 2, the message on stderr, no traceback, nothing written to
     the workdir."""
     import os
     import subprocess
@@ -232,6 +232,11 @@ def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rl.template_power must be a number in [0, 1]" in r.stderr
     assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "scripts/evaluate.py", "--config", "configs/rl.py:smoke",
+                        "--dry_run", "--config.sandbox.reuse_verdicts=-1"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "sandbox.reuse_verdicts must be an int >= 0" in r.stderr
 
 
 def test_a_run_trained_on_other_data_does_not_resume(tmp_path):
