@@ -1138,8 +1138,9 @@ def rl_oversample(r) -> int:
 
 
 def _timing_metrics(group, train_s: float, iteration_s: float) -> dict:
-    """The iteration's time split (generate / score-wait / score / train / whole) and the
-    fraction of scoring time hidden behind generation."""
+    """The iteration's time split (generate / score-wait / score / train / whole), the
+    fraction of scoring time hidden behind generation and the fraction of rows whose verdict
+    was reused (sandbox.reuse_verdicts: an identical completion of the same task scored before)."""
     reused = sum(bool(d.get("reused")) for d in group.details if isinstance(d, dict))
     return {"time/generate_s": group.gen_s, "time/score_wait_s": group.score_wait_s,
             "time/score_s": group.score_s, "time/train_s": train_s,

@@ -36,16 +36,16 @@ SandboxPool or a remote client (sandbox.client.SandboxClient); anything with `su
 and `submit_sequence(steps)` returning futures works.
 
 Reused verdicts (`Verifier(reuse=N)`; RL and evaluation set N from `sandbox.reuse_verdicts`): a
-completion identical to one already submitted for the same task (every field of the task and
-the completion's exact text) gets that submission's score and a copy of its details with
-"reused": True and wall_s 0.0, without a sandbox run, when that verdict was reached: status
-"pass" or "fail" with no run of it stopped by a timeout, the memory limit or a sandbox error
-(`reusable`). Otherwise (a timeout under load, a crashed worker) the copy is scored by its own
-runs. Every scoring method here is a function of the task and the text, so the score is the
-one a run would give: sampled groups repeat completions often (the demo's test samples: 1000
-code completions of the RL checkpoint held 240 distinct texts). A program whose verdict is
-random (it reads the clock or a random source) gets its first run's verdict for every copy,
-the same in expectation. The last N (task, text) pairs used are kept; 0 turns it off.
+completion identical to one already submitted for the same task (every field of the task and the
+completion's exact text) gets that submission's score and a copy of its details with "reused": True
+and wall_s 0.0, without a sandbox run, when that verdict was reached: status "pass" or "fail" with
+no run of it stopped by a timeout, the memory limit or a sandbox error (`reusable`). Otherwise (a
+timeout under load, a crashed worker) the copy is scored by its own runs, and its result is kept in
+the first's place. Every scoring method here is a function of the task and the text, so the score
+is the one a run would give: sampled groups repeat completions often (the demo's test samples: 1000
+code completions of the RL checkpoint held 240 distinct texts). A program whose verdict is random
+(it reads the clock or a random source) gets its first run's verdict for every copy, the same in
+expectation. The last N (task, text) pairs used are kept; 0 turns it off.
 """
 
 from __future__ import annotations
@@ -456,9 +456,17 @@ class Verifier:
             return pending
 
         def finish():
-            score, details = first.result()
-            if not reusable(details):  # no verdict to share: this copy is scored on its own
-                return self._start(task, completion).result()
+            try:
+                score, details = first.result()
+            except Exception:  # noqa: BLE001 - the first's own result() still raises it
+                details = None
+            if details is None or not reusable(details):
+                # no verdict to share: this copy is scored on its own and kept in its place
+                own = self._start(task, completion)
+                with self._lock:
+                    if self._kept.get(key) is first:
+                        self._kept[key] = own
+                return own.result()
             with self._lock:
                 self.reused += 1
             return score, {**copy.deepcopy(details), "reused": True, "wall_s": 0.0}

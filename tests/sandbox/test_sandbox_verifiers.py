@@ -217,6 +217,40 @@ def test_identical_completions_reuse_the_verdict_only_when_one_was_reached(pool,
         Verifier(pool, reuse=-1)
 
 
+def test_a_copy_of_a_scoring_the_sandbox_failed_runs_and_takes_its_place(pool, humaneval):
+    """The first submission's executor call fails (a crashed worker): its copy is scored by its
+    own runs, and a later copy takes that verdict."""
+    from concurrent.futures import Future
+
+    class CrashOnce:  # the pool, but its first run fails as a broken worker's would
+        def __init__(self):
+            self.calls = 0
+
+        def submit(self, *a, **kw):
+            self.calls += 1
+            if self.calls == 1:
+                f = Future()
+                f.set_exception(RuntimeError("worker crashed"))
+                return f
+            return pool.submit(*a, **kw)
+
+        def submit_sequence(self, *a, **kw):
+            return pool.submit_sequence(*a, **kw)
+
+    v = Verifier(CrashOnce(), reuse=8)
+    t = next(t for t in humaneval if t.entry_point == "strlen")
+    first, copy_ = v.submit(t, "    return len(string)\n"), v.submit(t, "    return len(string)\n")
+    try:
+        status = first.result()[1]["status"]
+    except RuntimeError:
+        status = "raised"
+    assert status in ("sandbox_error", "raised")
+    score, d = copy_.result()
+    assert score == 1.0 and not d.get("reused")
+    score, d = v.verify(t, "    return len(string)\n")
+    assert score == 1.0 and d["reused"] and v.reused == 1
+
+
 def test_reuse_decision_reads_every_run_of_a_scoring():
     from sandbox.verifiers import reusable
 
