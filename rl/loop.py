@@ -190,15 +190,22 @@ def _open_pool(config):
     return pool, Verifier(executor=pool, reuse=reuse_verdicts(s))
 
 
+def int_field(node, path: str, default: int, minimum: int, meaning: str) -> int:
+    """The int config field `path` ("section.name") of `node` (its section; `default` where a
+    config written before the field lacks it), refused unless an int >= minimum; `meaning`
+    explains the values in the error."""
+    v = node.get(path.rsplit(".", 1)[-1], default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{path} must be an int >= {minimum} ({meaning}), got {v!r}")
+    return v
+
+
 def reuse_verdicts(s) -> int:
     """sandbox.reuse_verdicts (config.sandbox; absent in configs written before it: 0), checked,
     as the Verifier's `reuse`."""
-    n = s.get("reuse_verdicts", 0)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"sandbox.reuse_verdicts must be an int >= 0 (the last N scored "
-                         f"(task, completion) pairs whose verdicts identical completions take; "
-                         f"0 = run every completion), got {n!r}")
-    return n
+    return int_field(s, "sandbox.reuse_verdicts", 0, 0,
+                     "the last N scored (task, completion) pairs whose verdicts identical "
+                     "completions take; 0 = run every completion")
 
 
 def client_concurrency(config) -> int:
@@ -1129,12 +1136,8 @@ def rl_template_power(r) -> float:
 
 def rl_oversample(r) -> int:
     """rl.oversample (config.rl), checked: an int >= 1."""
-    k = r.get("oversample", 1)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"rl.oversample must be an int >= 1 (1 = train on every drawn group; k: "
-                         f"draw k batches' prompts, keep one batch, informative groups first), "
-                         f"got {k!r}")
-    return k
+    return int_field(r, "rl.oversample", 1, 1, "1 = train on every drawn group; k: draw k "
+                     "batches' prompts, keep one batch, informative groups first")
 
 
 def _timing_metrics(group, train_s: float, iteration_s: float) -> dict:
