@@ -164,9 +164,7 @@ PREFILL_SHAPES = ((8, 2, 48, 72), (32, 2, 48, 72), (8, 2, 48, 128), (8, 4, 64, 3
 def prefill(rounds: int = 15, shapes=PREFILL_SHAPES) -> dict:
     """The --prefill table (module docstring): {"B,H,K,T": {impl: {"first_s", "run_ms"},
     "max_abs_diff": the largest difference between the two forms' outputs and final states}}."""
-    impls = {"chunked": lambda *a, **kw: chunked_vjp.kda_chunked_vjp(
-                 *a, **kw, chunk_size=reference.CPU_CHUNK),
-             "recurrent": reference.kda_recurrent}
+    impls = {"chunked": chunked_vjp.kda_chunked_vjp, "recurrent": reference.kda_recurrent}
     out = {}
     print(f"prefill (cached call, f32 state in and out): first call s / median run ms over "
           f"{rounds} alternating rounds")

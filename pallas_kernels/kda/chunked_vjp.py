@@ -1,7 +1,7 @@
 """The chunked KDA with a hand-written backward (`jax.custom_vjp`), for training on XLA.
 
     kda_chunked_vjp(q, k, v, g, beta, *, scale=None, initial_state=None,
-                    output_final_state=False, chunk_size=16, sub_chunk=2, chunks_per_step=None)
+                    output_final_state=False, chunk_size=None, sub_chunk=2, chunks_per_step=None)
 
 Same contract, layouts and forward numbers as `reference.kda_chunked`: not differentiated, the
 call IS `reference.kda_chunked`; under differentiation the forward is the same grouped scan over
@@ -312,7 +312,7 @@ def kda_chunked_vjp(
     scale=None,
     initial_state=None,
     output_final_state=False,
-    chunk_size=reference.CPU_CHUNK,
+    chunk_size=None,
     sub_chunk=reference.CPU_SUB_CHUNK,
     chunks_per_step=None,
 ):
@@ -321,6 +321,7 @@ def kda_chunked_vjp(
     (o [B,T,H,V] in v's dtype, final state [B,H,K,V] f32 or None)."""
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale
+    chunk_size = reference.cpu_chunk(T, K) if chunk_size is None else chunk_size
     C, c, G, T_pad = scan_plan(T, B * H, chunk_size, sub_chunk, chunks_per_step)
     xs = tuple(pad_time(x.astype(f32), T_pad) for x in (q, k, v, g, beta))
     h0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)

@@ -35,8 +35,8 @@ platform compiles that family. `impl="pallas", kernel="gpu", interpret=False` fo
 Triton kernels (on a CPU host: lowering only, e.g. under jax.export for "cuda").
 All implementations accept any T (not only multiples of chunk_size) and are differentiable
 w.r.t. q, k, v, g, beta and initial_state. `chunk_size` is the Pallas kernels' chunk; the pure-JAX
-chunked paths use min(chunk_size, reference.CPU_CHUNK) (16: measured fastest on XLA:CPU). The
-result does not depend on the chunk size beyond rounding.
+chunked paths use min(chunk_size, reference.cpu_chunk(T, K)) (16, or 32 for K >= 96 over T >= 256:
+measured fastest on XLA:CPU). The result does not depend on the chunk size beyond rounding.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def kda(
         return chunked(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state,
-            chunk_size=min(chunk_size, reference.CPU_CHUNK),
+            chunk_size=min(chunk_size, reference.cpu_chunk(q.shape[1], q.shape[-1])),
         )
     from pallas_kernels.kda import pallas_kda  # noqa: PLC0415 (keeps CPU imports light)
 

@@ -242,6 +242,32 @@ def test_chunked_vjp_large_chunk_matches_oracle():
     _assert_close(got, _evaluate("recurrent", spec), 1e-4, spec.name + " chunk 64 vs recurrent")
 
 
+def test_default_chunk_by_width_and_length():
+    """The chunked forms' default chunk on CPU (`reference.cpu_chunk`): 32 for keys of at least
+    96 channels over at least 256 tokens, else 16; ops.kda (the model's path) and the two
+    chunked forms take it when no smaller chunk is asked for, and the result at chunk 32 is the
+    oracle's."""
+    assert reference.cpu_chunk(255, 128) == reference.cpu_chunk(2048, 64) == 16
+    assert reference.cpu_chunk(256, 96) == reference.cpu_chunk(2048, 128) == 32
+    for T, want in ((256, 32), (255, 16)):
+        spec = arg_specs.KDASpec(f"wide_t{T}", B=1, T=T, H=1, K=96, V=32, initial_state=True)
+        a = make_args(spec)
+        args = (a["q"], a["k"], a["v"], a["g"], a["beta"])
+        kw = dict(initial_state=a["initial_state"], output_final_state=True)
+        fixed = chunked_vjp.kda_chunked_vjp(*args, **kw, chunk_size=want)
+        other = chunked_vjp.kda_chunked_vjp(*args, **kw, chunk_size=48 - want)
+        for got in (chunked_vjp.kda_chunked_vjp(*args, **kw),
+                    ops.kda(*args, **kw, impl="chunked_vjp"),
+                    reference.kda_chunked(*args, **kw)):
+            for x, y in zip(got, fixed):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=spec.name)
+        assert any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(fixed, other))
+        if T == 256:
+            oracle = reference.kda_recurrent(*args, **kw)
+            for x, y in zip(fixed, oracle):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
+
+
 def test_chunked_vjp_numerical_gradients():
     """Reverse-mode gradients of the custom VJP against central finite differences
     (jax.test_util.check_grads, f32 tolerances) on a tiny shape, with initial state, T = 11
@@ -272,7 +298,7 @@ def test_chunked_vjp_keeps_only_step_states_for_the_backward():
     a = make_args(spec)
     args = (a["q"], a["k"], a["v"], a["g"], a["beta"])
     B, H, K, V = spec.B, spec.H, spec.K, spec.V
-    C, _, G, T_pad = reference.scan_plan(spec.T, B * H, reference.CPU_CHUNK,
+    C, _, G, T_pad = reference.scan_plan(spec.T, B * H, reference.cpu_chunk(spec.T, K),
                                          reference.CPU_SUB_CHUNK, 2)
     assert (spec.T, C, G, T_pad) == (130, 16, 2, 160)  # 9 chunks of 16 -> 5 steps of 2 chunks
     steps = T_pad // (G * C)
