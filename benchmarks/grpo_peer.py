@@ -102,12 +102,28 @@ def peer_python(peer: str = "tunix", venvs: str | None = None) -> str:
     return py
 
 
-def _child_env(peer: bool, cache_dir: str | None = None) -> dict:
+PEER_MALLOCS = ("system", "jemalloc")
+
+
+def _child_env(peer: bool, cache_dir: str | None = None, peer_malloc: str = "system") -> dict:
     """The environment of a side's process: none of this interpreter's paths; the peer on XLA's
-    default flags (without the project's YNN switch); no persistent compilation cache, or with
-    `cache_dir` jax's persistent cache there for every compile (jax reads these variables)."""
+    default flags (without the project's YNN switch) and, with peer_malloc="jemalloc", on the
+    allocator the project's side runs on (model/_xla_env.py:use_jemalloc; default: the peer as
+    installed, glibc's malloc); no persistent compilation cache, or with `cache_dir` jax's
+    persistent cache there for every compile (jax reads these variables)."""
+    from model import _xla_env
+
+    if peer_malloc not in PEER_MALLOCS:
+        raise ValueError(f"peer_malloc must be one of {PEER_MALLOCS}, got {peer_malloc!r}")
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    if peer and peer_malloc == "jemalloc":
+        library = _xla_env.find_jemalloc()
+        if library is None:
+            raise PeerMissing("--peer-malloc jemalloc: libjemalloc.so.2 not found (bash "
+                              "scripts/setup.sh installs it)")
+        env["LD_PRELOAD"] = ":".join(filter(None, (library, env.get("LD_PRELOAD", ""))))
+        env["MALLOC_CONF"] = _xla_env.JEMALLOC_CONF
     if cache_dir is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -136,13 +152,14 @@ def side_command(side: str, steps: int, reps: int, out: str, overrides=(), venvs
 
 
 def run_side(side: str, steps: int, reps: int, overrides=(), venvs=None,
-             cache_dir: str | None = None) -> dict:
+             cache_dir: str | None = None, peer_malloc: str = "system") -> dict:
     """One side in a fresh process (with jax's persistent compilation cache in `cache_dir`, or
-    none); its JSON record."""
+    none; the peer on `peer_malloc`); its JSON record."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record.json")
         cmd = side_command(side, steps, reps, out, overrides, venvs)
-        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(side == "tunix", cache_dir),
+        env = _child_env(side == "tunix", cache_dir, peer_malloc)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env,
                               text=True, capture_output=True, timeout=SIDE_TIMEOUT_S)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"{side} run failed (exit {proc.returncode}): {' '.join(cmd)}\n"
@@ -276,6 +293,11 @@ def report(result: dict) -> str:
     if result.get("warm_cache"):
         lines.append("warm persistent compilation cache on both sides (each filled by one untimed "
                      "run first): issue 19's first-iteration target is on cold runs")
+    records = result.get("records", {})
+    allocators = {s: records[s][0].get("allocator", "?") if records.get(s) else "?"
+                  for s in variants}
+    lines.append(f"allocators: tunix {result.get('peer_malloc', 'system')}, "
+                 + ", ".join(f"{s} {a}" for s, a in allocators.items()))
     lines.append(f"load average before {result['load_before']}, after {result['load_after']}; "
                  "targets (issue 19, on the ratio of medians): iteration and first iteration "
                  "<= 1x tunix, decode b32 >= 2x; '!!' = not met; paired = median of the "
@@ -285,12 +307,15 @@ def report(result: dict) -> str:
 
 def run(quick: bool = False, rounds: int | None = None, steps: int | None = None,
         reps: int | None = None, variants=("hybrid",), overrides=(), venvs=None,
-        sampler_rounds: int | None = None, warm_cache: bool = False) -> dict:
+        sampler_rounds: int | None = None, warm_cache: bool = False,
+        peer_malloc: str = "system") -> dict:
     """N rounds of tunix and each project variant in fresh processes; medians and ratios. The
     sampler-alone part (decode tokens/s) runs in the first `sampler_rounds` rounds (default:
     all). warm_cache: each side gets its own persistent compilation cache, filled by one
     untimed run of the same work before the rounds (a re-run of a config, as the project's
-    scripts do by default); the issue's first-iteration target is on the cold runs."""
+    scripts do by default); the issue's first-iteration target is on the cold runs.
+    peer_malloc: the peer's allocator ("system": as installed; "jemalloc": the one the project's
+    side runs on, `_child_env`)."""
     rounds = (1 if quick else 3) if rounds is None else rounds
     steps = (2 if quick else 3) if steps is None else steps
     reps = (2 if quick else 3) if reps is None else reps
@@ -299,12 +324,13 @@ def run(quick: bool = False, rounds: int | None = None, steps: int | None = None
         raise ValueError(f"rounds, steps and reps must be >= 1 and sampler_rounds in 1..rounds, "
                          f"got {rounds}, {steps}, {reps}, {sampler_rounds}")
     peer_python("tunix", venvs)  # fail before anything runs
+    _child_env(True, None, peer_malloc)  # a bad or missing allocator fails here too
     sides = ["tunix", *variants]
     for v in variants:
         side_command(v, 1, 1, "-")  # an unknown variant fails here
     result = {"rounds": rounds, "steps": steps, "reps": reps, "sampler_rounds": sampler_rounds,
               "sides": sides, "overrides": list(overrides), "spec": MATCHED,
-              "warm_cache": warm_cache,
+              "warm_cache": warm_cache, "peer_malloc": peer_malloc,
               "load_before": loadavg(), "per_round": {s: [] for s in sides},
               "records": {s: [] for s in sides}}
     with contextlib.ExitStack() as stack:  # the warm caches go when the rounds end or fail
@@ -312,12 +338,12 @@ def run(quick: bool = False, rounds: int | None = None, steps: int | None = None
                 if warm_cache else None)
         cache_of = (lambda side: os.path.join(root, side)) if root else (lambda side: None)
         for side in sides if root else ():  # untimed: fills the side's cache
-            run_side(side, steps, reps, overrides, venvs, cache_of(side))
+            run_side(side, steps, reps, overrides, venvs, cache_of(side), peer_malloc)
             print(f"  {side}: compilation cache filled", flush=True)
         for r in range(rounds):
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 rec = run_side(side, steps, reps if r < sampler_rounds else 0, overrides, venvs,
-                               cache_of(side))
+                               cache_of(side), peer_malloc)
                 summary = summarize(rec)
                 summary.update(load_before=rec["load_before"][0],
                                load_after=rec["load_after"][0])
@@ -353,6 +379,9 @@ def main(argv=None) -> int:
     p.add_argument("--warm-cache", action="store_true",
                    help="each side with its own persistent compilation cache, filled by one "
                         "untimed run first (what a re-run of a config sees)")
+    p.add_argument("--peer-malloc", choices=PEER_MALLOCS, default="system",
+                   help="the peer's allocator: as installed (system), or jemalloc, which the "
+                        "project's side runs on (model/_xla_env.py)")
     p.add_argument("--json", help="write the result (with every process's record) here")
     args = p.parse_args(argv)
     for name in ("rounds", "steps", "reps", "sampler_rounds"):
@@ -361,7 +390,7 @@ def main(argv=None) -> int:
     try:
         result = run(args.quick, args.rounds, args.steps, args.reps, tuple(args.variants),
                      tuple(args.set), sampler_rounds=args.sampler_rounds,
-                     warm_cache=args.warm_cache)
+                     warm_cache=args.warm_cache, peer_malloc=args.peer_malloc)
     except PeerMissing as e:
         print(f"grpo_peer: {e}", file=sys.stderr)
         return 2

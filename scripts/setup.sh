@@ -7,7 +7,8 @@
 #                                    # environment you manage yourself, e.g. an activated conda/venv)
 #
 # What it does:
-#   - Debian packages: bubblewrap (sandbox isolation); python3 (the interpreter used inside the
+#   - Debian packages: bubblewrap (sandbox isolation); libjemalloc2 (the allocator the scripts
+#     run on, model/_xla_env.py); python3 (the interpreter used inside the
 #     sandbox must be readable by an unprivileged uid, so it is Debian's /usr/bin/python3);
 #     python3-venv when the venv module cannot create environments (Debian splits it out).
 #   - user namespaces enabled where a sysctl disables them (bubblewrap runs unprivileged).
@@ -23,7 +24,7 @@ mode=venv
 for arg in "$@"; do
   case "$arg" in
     --system) mode=system ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (use --system, or nothing for .venv)" >&2; exit 2 ;;
   esac
 done
@@ -40,6 +41,9 @@ apt_install() {
 
 need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
+# jemalloc: the scripts run on it (model/_xla_env.py:use_jemalloc; glibc re-faults XLA:CPU's
+# large temporary buffers on every step)
+compgen -G "/usr/lib/*-linux-gnu/libjemalloc.so.2" >/dev/null || need_apt+=(libjemalloc2)
 [ -x /usr/bin/python3 ] || need_apt+=(python3)
 if [ ${#need_apt[@]} -gt 0 ]; then apt_install "${need_apt[@]}"; fi
 

@@ -10,9 +10,9 @@ import pathlib
 
 # jax 0.10.2's XLA:CPU "YNN" fusions segfault on some broadcast-multiply-sum gradients (seen in the
 # KDA and DSA backward); disabling that fusion type avoids it (model/_xla_env.py, same for scripts).
-from model._xla_env import configure_xla_env  # noqa: E402
+from model._xla_env import configure_xla_env, use_jemalloc  # noqa: E402
 
-configure_xla_env(fast_compile=True)
+configure_xla_env(fast_compile=True, allocator=False)  # the allocator: pytest_configure
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -23,6 +23,21 @@ jax.config.update("jax_compilation_cache_dir", str(CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+    """The suite's processes on jemalloc, as the scripts (model/_xla_env.py:use_jemalloc): the
+    pytest process re-executes itself once with the library preloaded, before pytest-xdist
+    starts its workers (they inherit the preload), with pytest's output capture suspended so the
+    new process writes to the real stdout/stderr. KIMI_MALLOC=system runs on glibc's malloc."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)
+    try:
+        use_jemalloc(test_suite=True)  # returns unless it re-executes
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
 
 
 def pytest_xdist_auto_num_workers(config):
