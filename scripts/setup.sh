@@ -41,10 +41,17 @@ apt_install() {
 
 need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
-# jemalloc: the scripts run on it (model/_xla_env.py:use_jemalloc; glibc re-faults XLA:CPU's
-# large temporary buffers on every step)
-compgen -G "/usr/lib/*-linux-gnu/libjemalloc.so.2" >/dev/null || need_apt+=(libjemalloc2)
 [ -x /usr/bin/python3 ] || need_apt+=(python3)
+# jemalloc: the scripts run on it (model/_xla_env.py:use_jemalloc; glibc re-faults XLA:CPU's
+# large temporary buffers on every step). Optional: without it they run on glibc's malloc.
+if ! compgen -G "/usr/lib/*-linux-gnu/libjemalloc.so.2" >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    need_apt+=(libjemalloc2)
+  else
+    echo "setup.sh: libjemalloc2 is not installed; the scripts will use glibc's malloc (slower" \
+         "steps, model/_xla_env.py): sudo apt-get install -y libjemalloc2" >&2
+  fi
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then apt_install "${need_apt[@]}"; fi
 
 # The sandbox runs bubblewrap unprivileged (as a per-slot uid): it needs user namespaces.
