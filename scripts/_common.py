@@ -17,6 +17,31 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 configure_xla_env()  # before jax is imported
 
 
+ENV_PACKAGES = ("jax", "jaxlib", "flax", "optax", "grain", "orbax-checkpoint", "numpy",
+                "ml-collections", "sympy")
+
+
+def environment() -> dict:
+    """What a run's numbers depend on outside the repository (recorded with results): Python,
+    the installed versions of ENV_PACKAGES (None: not installed), the allocator
+    (model/_xla_env.py) and XLA_FLAGS."""
+    import importlib.metadata as md
+    import platform
+
+    from model._xla_env import jemalloc_loaded
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(),
+            "packages": {name: version(name) for name in ENV_PACKAGES},
+            "allocator": "jemalloc" if jemalloc_loaded() else "system",
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
 def setup_jax() -> None:
     import jax
 

@@ -14,7 +14,9 @@ the DSA indexer's recall of the true top-k attention keys on held-out text at ra
 after the indexer warm-up (configs with one), after SFT and after RL), samples_sft.jsonl and
 samples_rl.jsonl (every test sample of those evaluations: prompt, text or an episode's whole
 transcript, reward, scoring details, temperature; `rl.pipeline.sample_record`),
-demo_plot.png (RL reward and held-out val pass@1 per domain against RL step). Prints the val
+demo_plot.png (RL reward and held-out val pass@1 per domain against RL step); demo_results.json
+also records the environment (Python, package versions, allocator, XLA_FLAGS:
+`_common.environment`). Prints the val
 sweep, the per-domain before/after tables and the templates either checkpoint fails on some
 test task (pass@1 and tasks solved, before and after). Re-running resumes finished phases from
 their checkpoints when they came from the same config (else it stops, naming the fields that
@@ -202,7 +204,7 @@ def main(_):
     result = {"before": before, "after": after, "val_curve": val_curve,
               "indexer_recall": recall,
               "seconds": {"sft": t_sft, "rl": t_rl, "total": time.time() - t0},
-              "config": config.to_dict()}
+              "config": config.to_dict(), "environment": _common.environment()}
     for name, res in (("sft", before), ("rl", after)):  # every test sample, apart
         with open(os.path.join(config.workdir, f"samples_{name}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in res.pop("_samples"))

@@ -80,6 +80,8 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
         assert f"held-out {m}, each checkpoint at the temperature with the best val {m}" in r.stdout
     assert "val pass@1 by sampling temperature" in r.stdout
     res = json.loads((work / "demo_results.json").read_text())
+    env = res["environment"]  # what the numbers depend on outside the repository
+    assert env["packages"]["jax"] == jax.__version__ and env["allocator"] in ("jemalloc", "system")
     temps = [float(t) for t in rl_configs.get_config("smoke").eval.temperatures]
     for when in ("before", "after"):
         sweep = res[when]["val_sweep"]
