@@ -84,9 +84,9 @@ def jemalloc_reexec_plan(environ, argv, orig_argv, modules, interactive: bool, l
                          library: str | None, test_suite: bool = False):
     """What `use_jemalloc` does, as a pure function: ("clean", None) to drop the preload from
     this (already re-executed) process's environment, ("keep", None) to keep it there (the test
-    suite), ("skip", reason), or ("exec", new environment). argv/orig_argv: sys.argv / sys.orig_argv; modules: sys.modules; test_suite:
-    called from the test suite's conftest (pytest is then expected, and the preload stays in the
-    environment for its workers)."""
+    suite), ("skip", reason), or ("exec", new environment). argv / orig_argv: sys.argv /
+    sys.orig_argv; modules: sys.modules; test_suite: called from the test suite's conftest
+    (pytest is then expected, and the preload stays in the environment for its workers)."""
     if environ.get(JEMALLOC_ENV, "jemalloc") == "system":
         return "skip", f"{JEMALLOC_ENV}=system"
     if loaded:

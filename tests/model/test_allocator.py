@@ -57,7 +57,8 @@ g = jax.jit(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2)))(jnp.ones((96, 48)
 child = subprocess.run(["sh", "-c", "echo \"$LD_PRELOAD|$MALLOC_CONF\""], capture_output=True,
                        text=True).stdout.strip()
 print(json.dumps({"loaded": jemalloc_loaded(), "preload": os.environ.get("LD_PRELOAD"),
-                  "child_env": child, "digest": hashlib.sha256(bytes(jax.device_get(g))).hexdigest()}))
+                  "child_env": child,
+                  "digest": hashlib.sha256(bytes(jax.device_get(g))).hexdigest()}))
 """
 
 
