@@ -341,10 +341,10 @@ def main(argv=None) -> int:
 
     clock = Clock()
     jax.monitoring.register_event_duration_secs_listener(clock.listen)
-    from model._xla_env import jemalloc_loaded
+    from model._xla_env import allocator
 
     rec = {"side": args.variant, "overrides": args.set, "steps": args.steps,
-           "allocator": "jemalloc" if jemalloc_loaded() else "system",
+           "allocator": allocator(),
            "versions": {k: md.version(k) for k in ("jax", "jaxlib", "flax", "optax")},
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_before": loadavg()}
     out = grpo(clock, config, args.steps)

@@ -122,8 +122,7 @@ def _child_env(peer: bool, cache_dir: str | None = None, peer_malloc: str = "sys
         if library is None:
             raise PeerMissing("--peer-malloc jemalloc: libjemalloc.so.2 not found (bash "
                               "scripts/setup.sh installs it)")
-        env["LD_PRELOAD"] = ":".join(filter(None, (library, env.get("LD_PRELOAD", ""))))
-        env["MALLOC_CONF"] = _xla_env.JEMALLOC_CONF
+        env = _xla_env.with_jemalloc(env, library)
     if cache_dir is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -66,6 +66,20 @@ def jemalloc_loaded(maps_path: str = "/proc/self/maps") -> bool:
         return False
 
 
+def allocator() -> str:
+    """"jemalloc" when this process runs on it, else "system" (recorded with results)."""
+    return "jemalloc" if jemalloc_loaded() else "system"
+
+
+def with_jemalloc(environ, library: str) -> dict:
+    """A copy of `environ` that preloads `library` (ahead of any preload already there) with
+    JEMALLOC_CONF unless MALLOC_CONF is set: the environment of a process started on jemalloc."""
+    env = dict(environ)
+    env["LD_PRELOAD"] = ":".join(filter(None, (library, environ.get("LD_PRELOAD", ""))))
+    env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    return env
+
+
 def find_jemalloc() -> str | None:
     """The jemalloc shared library: $KIMI_JEMALLOC, else the first of JEMALLOC_GLOBS present."""
     import glob
@@ -103,9 +117,7 @@ def jemalloc_reexec_plan(environ, argv, orig_argv, modules, interactive: bool, l
         return "skip", "no original command line to re-execute"
     if library is None:
         return "skip", "libjemalloc.so.2 not found (scripts/setup.sh installs it)"
-    env = dict(environ)
-    env["LD_PRELOAD"] = ":".join(filter(None, (library, environ.get("LD_PRELOAD", ""))))
-    env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    env = with_jemalloc(environ, library)
     env[_REEXEC_MARK] = library
     return "exec", env
 

@@ -28,7 +28,7 @@ def environment() -> dict:
     import importlib.metadata as md
     import platform
 
-    from model._xla_env import jemalloc_loaded
+    from model._xla_env import allocator
 
     def version(name):
         try:
@@ -38,7 +38,7 @@ def environment() -> dict:
 
     return {"python": platform.python_version(),
             "packages": {name: version(name) for name in ENV_PACKAGES},
-            "allocator": "jemalloc" if jemalloc_loaded() else "system",
+            "allocator": allocator(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
