@@ -69,8 +69,13 @@ def kda_step(q, k, v, g, beta, state, *, scale=None):
     q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
     S = state.astype(f32)  # [B,H,K,V]
     d = jnp.exp(g)  # [B,H,K]
-    r_k = jnp.einsum("bhk,bhkv->bhv", k * d, S, precision=reference._HI)  # [B,H,V]
-    r_q = jnp.einsum("bhk,bhkv->bhv", scale * q * d, S, precision=reference._HI)  # [B,H,V]
+    # both readouts as one broadcast multiply and sum over K: XLA:CPU runs the two batched
+    # [1,K]x[K,V] dots they equal at a quarter of its memory rate and copies the state for them
+    # (the update below overwrites it in place); this read-once form took the matched rollout
+    # 1.045x faster (paired medians, thirty-fifth session). Rounding as the dots', not bitwise.
+    kq = jnp.stack([k * d, scale * q * d], axis=-2)  # [B,H,2,K]
+    r = jnp.sum(kq[..., None] * S[..., None, :, :], axis=-2)  # [B,H,2,V]
+    r_k, r_q = r[..., 0, :], r[..., 1, :]  # [B,H,V] each
     delta = beta[..., None] * (v - r_k)  # [B,H,V]
     o = r_q + (scale * jnp.sum(q * k, axis=-1))[..., None] * delta  # [B,H,V]
     S = S * d[..., None] + k[..., None] * delta[..., None, :]
