@@ -19,8 +19,9 @@ scripts), so engine options added later can be measured without touching this fi
 iteration is rl/loop.py:run_rl's (with rl.overlap_scoring off: generate, wait for the scores,
 train): the rollout worker (rl.pipeline.RolloutWorker via rl.loop.make_rollout_worker) generates
 and submits the rewards, rl.loop._train_on builds the batch (rl.pipeline.build_train_batch, with
-rl.loop._RolloutForward's reference log-prob pass, and the old one where rl.old_logp_pass needs
-it) and runs the train step (rl.train_step.make_train_step), all on the config's mesh (one
+rl.loop._RolloutForward's separate log-prob passes where rl.old_logp_pass and rl.ref_logp_pass
+need them: by default neither runs, the step taking its own log-probs as the old ones and the
+reference log-probs inside its program) and runs the train step (rl.train_step.make_train_step), all on the config's mesh (one
 device), wired as rl.loop.run_rl wires them (mirrored here: keep the two in step). As in run_rl,
 the update's programs compile on a thread behind the first rollout (rl.loop.precompile_updates,
 started with the first iteration; `--set rl.precompile=False` compiles each at its first call).
@@ -189,7 +190,8 @@ def build_trainer(config):
 
 def matched_train_step(config, model, algo, opt, state, sampling, on_mesh):
     """The train step as run_rl makes it: the state's shardings, the old-log-prob source of
-    rl.old_logp_pass, rl.mtp_loss_weight, rl.micro_batches."""
+    rl.old_logp_pass, the reference log-probs' place of rl.ref_logp_pass, rl.mtp_loss_weight,
+    rl.micro_batches."""
     import jax
 
     from rl import loop
@@ -199,6 +201,7 @@ def matched_train_step(config, model, algo, opt, state, sampling, on_mesh):
     return make_train_step(model, algo, opt, micro_batches=r.micro_batches, sampling=sampling,
                            state_shardings=jax.tree.map(lambda x: x.sharding, state),
                            old_logp=loop.old_logp_source(r, algo),
+                           ref_logp=loop.ref_logp_source(r, algo),
                            mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
 
 
@@ -226,7 +229,9 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
                                       group_size=r.group_size, tasks=batches[0], **on_mesh)
 
     # the trainer as run_rl wires it: the reference tree shaped like the policy's, the separate
-    # old-log-prob pass only where rl.old_logp_pass needs it, rl.mtp_loss_weight
+    # old- and reference-log-prob passes only where rl.old_logp_pass / rl.ref_logp_pass need
+    # them (the logp_ref sample is then absent: the train step holds that forward),
+    # rl.mtp_loss_weight
     old_src = loop.old_logp_source(r, algo)
     ref_vars = loop.reference_variables(init_vars, state) if algo.needs_ref else None
     logp_fn = make_logp_fn(model, sampling, **on_mesh)
@@ -236,7 +241,8 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
         return (timed_ref if variables is ref_vars else timed_old)(variables, tokens, mask)
 
     forward = loop._RolloutForward(logp_fn=logp, logp_value_fn=None, ref_vars=ref_vars,
-                                   old_logp=old_src == "batch", **on_mesh)
+                                   old_logp=old_src == "batch",
+                                   ref_in_step=loop.ref_logp_source(r, algo) == "step", **on_mesh)
     raw_step = matched_train_step(config, model, algo, opt, state, sampling, on_mesh)
     step_fn = clock.wrap(raw_step, "train_step")
     train_on = functools.partial(loop._train_on, algo=algo, width=loop.train_width(r, batches[0]),

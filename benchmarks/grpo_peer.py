@@ -34,7 +34,9 @@ reference with one reference forward per batch, GRPO clip 0.2, AdamW lr 1e-5 (we
 no clipping), the reward on the host, f32, jax 0.10.2 on both sides, ~4.46M parameters. Both
 skip the separate old-log-prob forward when a batch serves a single update (the old log-probs
 are the step's own, stop-gradient; in the project rl.old_logp_pass="auto", and
-`--set rl.old_logp_pass=always` times the pass).
+`--set rl.old_logp_pass=always` times the pass). The project's reference forward runs inside its
+train step's program (rl.ref_logp_pass="auto": its train_step_s includes it and its logp_s is 0;
+`--set rl.ref_logp_pass=separate` times it apart, as tunix runs it).
 Not matched: the models (the peer's dense Qwen3-style transformer vs the project's hybrid
 KDA/DSA + MoE + MTP, or its dense variant), the project's extra loss terms (MTP, MoE balance, DSA
 indexer KL), its truncated importance weight against the sampler's log-probs (rl.algo.tis_cap)

@@ -127,6 +127,10 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # update and nothing needs old log-probs before the advantages (old = the step's own
     # log-probs, stop-gradient: the same numbers); "always" runs it (rl/loop.py)
     c.rl.old_logp_pass = "auto"
+    # the reference policy's log-probs (KL term): "auto" computes them inside the train step's
+    # program when the KL is in the loss (no separate forward to compile or run; the same
+    # numbers up to rounding), "separate" runs them as a forward of their own (rl/loop.py)
+    c.rl.ref_logp_pass = "auto"
     # the trainer's log-probs use rl.temperature / top_k / top_p (the sampler's distribution);
     # rl.train_indexer=False sets the indexer KL weight to 0 for RL (the indexer stays frozen)
     # rl.speculative="mtp": rollouts and evals draft rl.draft_tokens tokens with the MTP head and

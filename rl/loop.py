@@ -21,7 +21,8 @@ sandbox scores batch i; then the reference log-probs and, where the advantages n
 folded into the rewards when kl_placement="reward") or rl.old_logp_pass="always", the old
 log-probs in a separate forward (otherwise the train step's own log-probs, stop-gradient, are the
 old ones: the same numbers, one forward less; old_logp_source); advantages (GAE with returns for
-PPO); one jit train step on batch i (its MTP term weighted by rl.mtp_loss_weight when set). The critic's params
+PPO); one jit train step on batch i (which takes the reference log-probs itself when the KL term is
+in the loss and rl.ref_logp_pass="auto": ref_logp_source) (its MTP term weighted by rl.mtp_loss_weight when set). The critic's params
 and optimizer state live in the train state and are checkpointed with it.
 Timings per iteration are split into generate / score-wait / train, and the fraction of scoring
 time hidden behind generation is logged (score_hidden_frac).
@@ -1001,11 +1002,20 @@ class _RolloutForward:
     mesh: object = None
     rules: object = None
     old_logp: bool = True  # False: the train step takes old log-probs itself (old_logp_source)
+    ref_in_step: bool = False  # True: the train step takes ref log-probs itself (ref_logp_source)
+
+    @property
+    def step_args(self) -> tuple:
+        """The train step's arguments after (state, batch): the reference variables when the
+        step computes the reference log-probs itself."""
+        return (self.ref_vars,) if self.ref_in_step else ()
 
     def at(self, state):
         """The forward under `state`'s policy: (tokens, mask) -> {"old_logp", ...} rows (no
-        old_logp when self.old_logp is False; None when there is nothing to compute)."""
-        if not self.old_logp and self.logp_value_fn is None and self.ref_vars is None:
+        old_logp when self.old_logp is False, no ref_logp when self.ref_in_step; None when there
+        is nothing to compute)."""
+        ref_vars = None if self.ref_in_step else self.ref_vars
+        if not self.old_logp and self.logp_value_fn is None and ref_vars is None:
             return None
 
         def forward(tokens, mask):
@@ -1016,8 +1026,8 @@ class _RolloutForward:
                     state.variables, state.value_params, gt, gm)
             elif self.old_logp:
                 out["old_logp"] = self.logp_fn(state.variables, gt, gm)
-            if self.ref_vars is not None:
-                out["ref_logp"] = self.logp_fn(self.ref_vars, gt, gm)
+            if ref_vars is not None:
+                out["ref_logp"] = self.logp_fn(ref_vars, gt, gm)
             return shd.host_rows(out)
         return forward
 
@@ -1045,6 +1055,20 @@ def old_logp_source(r, algo) -> str:
     return "current" if mode == "auto" and not needs_before else "batch"
 
 
+def ref_logp_source(r, algo) -> str:
+    """make_train_step's ref_logp from the RL section (config.rl.ref_logp_pass): "step" (the
+    train step computes the reference log-probs from the reference variables inside its own
+    program: no separate forward to compile or run) when the pass is "auto" and the algorithm's
+    KL term is in the loss; "batch" (a separate forward before the advantages) when it is
+    "separate", or the KL is folded into the rewards (needed before the advantages), or there
+    is no KL term."""
+    mode = r.get("ref_logp_pass", "auto")
+    if mode not in ("auto", "separate"):
+        raise ValueError(f"rl.ref_logp_pass must be 'auto' or 'separate', got {mode!r}")
+    in_loss = algo.needs_ref and algo.kl_placement == "loss"
+    return "step" if mode == "auto" and in_loss else "batch"
+
+
 def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, mesh, rules):
     """One update on a scored rollout group: old/ref log-probs (+ values), advantages and the
     jit train step on the global batch assembled from every process's rows, packed `width`
@@ -1057,7 +1081,7 @@ def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, m
     batch, met = build_train_batch(group, algo, width, forward=forward.at(state), mesh=mesh,
                                    rules=rules)
     met["staleness"] = int(state.step) - group.policy_version  # updates behind
-    state, tmet = step_fn(state, shd.to_global(batch, mesh, rules))
+    state, tmet = step_fn(state, shd.to_global(batch, mesh, rules), *forward.step_args)
     met.update({k: float(v) for k, v in jax.device_get(tmet).items()})
     if "old_logp" not in batch and "logp_gap_abs" in met:
         # no separate forward: the step's own log-probs (the same parameters) give the gap
@@ -1098,13 +1122,15 @@ def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
     for t in tasks:
         kinds.setdefault(is_agent_task(t), t)
 
+    fw_step_args = forward.step_args
+
     def compile_all():
         fw = forward.at(state)
         for task in kinds.values():
             w = width([task]) if callable(width) else width
             batch, _ = build_train_batch(placeholder_group(task, rows, group_size), algo, w,
                                          forward=fw)
-            step_fn.lower(state, shd.to_global(batch, mesh, rules)).compile()
+            step_fn.lower(state, shd.to_global(batch, mesh, rules), *fw_step_args).compile()
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="precompile")
     future = pool.submit(compile_all)
@@ -1222,16 +1248,16 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
                          batch=r.prompts_per_batch, oversample=oversample)
 
     # training: the rollout-time forward and the update, both jit programs on the mesh
-    old_src = old_logp_source(r, algo)
+    old_src, ref_src = old_logp_source(r, algo), ref_logp_source(r, algo)
     forward = _RolloutForward(
         logp_fn=make_logp_fn(model, sampling, **on_mesh),
         logp_value_fn=(make_logp_value_fn(model, critic, sampling, **on_mesh)
                        if critic is not None else None),
         ref_vars=reference_variables(init_vars, state) if algo.needs_ref else None,
-        old_logp=old_src == "batch", **on_mesh)
+        old_logp=old_src == "batch", ref_in_step=ref_src == "step", **on_mesh)
     step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
                               sampling=sampling, critic=critic, value_optimizer=value_opt,
-                              state_shardings=state_sh, old_logp=old_src,
+                              state_shardings=state_sh, old_logp=old_src, ref_logp=ref_src,
                               mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
     width = functools.partial(train_width, r)
     train_on = functools.partial(_train_on, algo=algo, width=width, forward=forward,

@@ -477,7 +477,7 @@ def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forwa
     if before:
         fw = forward(jnp.asarray(tokens), jnp.asarray(mask))
         need = ["old_logp"] + (["old_values"] if algo.needs_values else []) + (
-            ["ref_logp"] if algo.needs_ref else [])
+            ["ref_logp"] if reward_kl else [])  # a KL in the loss may take them in the step
         missing = [k for k in need if k not in fw]
         if missing:
             raise ValueError(f"forward returned {sorted(fw)}; algorithm {algo.name!r} needs "

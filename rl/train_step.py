@@ -5,6 +5,8 @@ plain pytree, the SFT step (and the indexer warm-up) on the same state, and the 
     state = init_train_state(variables, opt)
     step = make_train_step(model, algo, opt, micro_batches=2, sampling=sampling_cfg)
     state, metrics = step(state, batch)       # state is donated: do not reuse the old one
+    step = make_train_step(model, algo, opt, ref_logp="step")
+    state, metrics = step(state, batch, ref_variables)  # reference log-probs computed inside
 
 One objective: the RL loss is rl.algorithms.rl_loss plus model.objectives.auxiliary_losses
 (MTP per depth, MoE balance, DSA indexer KL), the same terms with the same weights (model
@@ -57,6 +59,7 @@ init_train_state_sharded. Numerics: make_optimizer's mu_dtype / master_dtype
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -284,15 +287,19 @@ def _state_shardings_fn(model, optimizer, mesh, rules, value_optimizer, given):
 
 def _mesh_step(step, model, optimizer, mesh, rules, value_optimizer, state_shardings, donate,
                name):
-    """`step(state, batch) -> (state, metrics)` as a MeshJit: state in and out with its
-    shardings (donated), batch rows over the batch axes, metrics replicated (global values)."""
+    """`step(state, batch[, ref_variables]) -> (state, metrics)` as a MeshJit: state in and out
+    with its shardings (donated), batch rows over the batch axes, reference variables with the
+    model's shardings, metrics replicated (global values)."""
     state_sh = _state_shardings_fn(model, optimizer, mesh, rules, value_optimizer,
                                    state_shardings)
 
-    def ins(state, batch):
-        return state_sh(state), shd.batch_sharding(mesh, batch["loss_mask"].shape[0], rules)
+    var_sh = shd.model_shardings(model, mesh, rules)
 
-    def outs(state, batch):
+    def ins(state, batch, *ref_variables):  # ref_variables: make_train_step(ref_logp="step")
+        return ((state_sh(state), shd.batch_sharding(mesh, batch["loss_mask"].shape[0], rules))
+                + tuple(shd.variables_shardings(var_sh, v, mesh) for v in ref_variables))
+
+    def outs(state, batch, *ref_variables):
         return state_sh(state), shd.replicated(mesh)
 
     return shd.MeshJit(step, mesh, rules, in_shardings=ins, out_shardings=outs,
@@ -348,6 +355,7 @@ def _sampling_entropy(logp_all, mask):
 
 
 OLD_LOGP_SOURCES = ("batch", "current")
+REF_LOGP_SOURCES = ("batch", "step")
 MAX_METRICS = ("logp_gap_max",)  # combined over micro-batches by max (the rest: mean)
 
 
@@ -362,6 +370,29 @@ def check_old_logp(algo: AlgoConfig, old_logp: str):
         raise ValueError(f"algorithm {algo.name!r} needs old log-probs before its advantages "
                          "(critic values or KL in the reward): old_logp='current' cannot serve "
                          "it; use old_logp='batch' (rl.old_logp_pass='always')")
+
+
+def check_ref_logp(algo: AlgoConfig, ref_logp: str):
+    """Validate make_train_step's `ref_logp`: "batch" (the batch holds ref_logp from a separate
+    forward, when the algorithm needs one) or "step" (the step computes the reference policy's
+    log-probs itself from the reference variables it is called with: only for an algorithm whose
+    KL term is in the loss, since KL folded into the rewards needs them before the
+    advantages)."""
+    if ref_logp not in REF_LOGP_SOURCES:
+        raise ValueError(f"ref_logp must be one of {REF_LOGP_SOURCES}, got {ref_logp!r}")
+    if ref_logp == "step" and not (algo.needs_ref and algo.kl_placement == "loss"):
+        raise ValueError(f"algorithm {algo.name!r} has no KL term in its loss (kl_placement "
+                         f"{algo.kl_placement!r}): ref_logp='step' computes reference log-probs "
+                         "only for that term; use ref_logp='batch' (rl.ref_logp_pass='separate')")
+
+
+def sampled_logp(model: Model, sampling: SamplingConfig | None, variables, tokens, loss_mask):
+    """Teacher-forced log-probs [N,L] of `tokens` under `variables` (position t = log p(tok_t |
+    tok_<t) under the sampler's distribution, 0 outside loss_mask); no MTP: what make_logp_fn
+    jits, and what make_train_step(ref_logp="step") computes for the reference policy."""
+    out = model.apply(variables, tokens, _input_valid(loss_mask), with_mtp=False)
+    lp = _pad_left(sampled_logprobs(out.logits[:, :-1], tokens[:, 1:], sampling)[0])
+    return jnp.where(loss_mask, lp, 0.0)
 
 
 def rl_mtp_weight(cfg, mtp_loss_weight=None) -> float:
@@ -449,8 +480,8 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
                     micro_batches: int = 1, sampling: SamplingConfig | None = None,
                     donate: bool = True, critic: CriticConfig | None = None,
                     value_optimizer: optax.GradientTransformation | None = None,
-                    mtp_loss_weight=None, old_logp: str = "batch", mesh=None, rules=None,
-                    state_shardings=None):
+                    mtp_loss_weight=None, old_logp: str = "batch", ref_logp: str = "batch",
+                    mesh=None, rules=None, state_shardings=None):
     """The RL update: rl_loss (policy + KL + entropy [+ value]) + the model's auxiliary terms
     (model.objectives.auxiliary_losses: MTP, MoE balance, DSA indexer KL, each weighted by its
     model-config field, exactly as in SFT).
@@ -478,6 +509,17 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
     critic, KL in the reward) are rejected. The sampler/trainer gap is then read from the
     step's metrics (logp_gap_abs: token mean, logp_gap_max).
 
+    ref_logp: "batch" (default): the reference policy's log-probs come in batch["ref_logp"] (a
+    separate forward, make_logp_fn, where the algorithm needs them). "step": the step is called
+    as step(state, batch, ref_variables) and takes them itself from a forward of those variables
+    (no gradient; `sampled_logp`, the separate forward's computation) in the same program,
+    before the gradient's micro-batch loop (the whole batch, or one micro-batch at a time with
+    micro_batches > 1). One program less to trace, compile and dispatch: on the matched GRPO work
+    the step compiled in 13.8-15.0 s against 14.9-16.4 s for the separate forward and the step
+    (3 alternating pairs), with the forward inside the micro-batch loop's body it took ~1 s
+    longer than apart. Only for a KL term in the loss (check_ref_logp); the batch must not hold
+    ref_logp.
+
     mtp_loss_weight: the MTP term's weight in this step (rl.mtp_loss_weight); None keeps the
     model's mtp.loss_weight (the SFT objective's); 0 skips the MTP forward entirely (the MTP
     block then gets no gradient and its router bias does not move)."""
@@ -492,13 +534,18 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
                          "log-probs to train on): set rl.temperature")
     micro_loss = make_rl_loss(model, algo, micro_batches=micro_batches, sampling=sampling,
                               critic=critic, old_logp=old_logp, mtp_loss_weight=mtp_loss_weight)
+    check_ref_logp(algo, ref_logp)
+    ref_in_step = ref_logp == "step"
 
     # jitted so its trace is cached: the eval_shape below (the scan carry's shapes) and the
     # scan body then trace the model's forward and backward once, not twice (the step's
     # lowering 4.0 -> 2.6 s on the matched GRPO work; the compiled program is the same)
     grad_fn = jax.jit(jax.value_and_grad(micro_loss, has_aux=True))
 
-    def step(state: TrainState, batch: dict):
+    def ref_rows(ref_variables, tm):  # (tokens, loss_mask) [n,L] -> reference log-probs [n,L]
+        return jax.lax.stop_gradient(sampled_logp(model, sampling, ref_variables, *tm))
+
+    def step(state: TrainState, batch: dict, ref_variables=None):
         mask = batch["loss_mask"]
         N = mask.shape[0]
         if N % micro_batches:
@@ -516,6 +563,13 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
         if old_logp == "current" and "old_logp" in batch:
             raise ValueError("make_train_step(old_logp='current') computes old log-probs itself, "
                              "but the batch holds old_logp: drop it, or use old_logp='batch'")
+        if ref_in_step and (ref_variables is None or "ref_logp" in batch):
+            raise ValueError("make_train_step(ref_logp='step') computes reference log-probs "
+                             "itself: call step(state, batch, ref_variables) with a batch "
+                             "without ref_logp (or make the step with ref_logp='batch')")
+        if not ref_in_step and ref_variables is not None:
+            raise ValueError("reference variables passed to a step made with ref_logp='batch' "
+                             "(it reads batch['ref_logp']): make it with ref_logp='step'")
         if old_logp == "batch" and "old_logp" not in batch:
             raise ValueError("the batch has no old_logp: pass the rollout-time forward to "
                              "build_train_batch, or make the step with old_logp='current'")
@@ -523,6 +577,14 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
         tcounts = objectives.target_counts(mask, cfg.mtp.depth if with_mtp else 0)
         n_targets = jnp.sum(mask.astype(jnp.float32))
         mbs = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)
+        if ref_in_step:
+            # before the gradient's loop, not in its body (there the step compiled ~1 s longer
+            # than with the separate forward): the whole batch at once, or one micro-batch at a
+            # time (lax.map: one micro-batch's activations)
+            fwd = functools.partial(ref_rows, ref_variables)
+            ref = (split_micro_batches(fwd((batch["tokens"], mask)), 1) if micro_batches == 1
+                   else jax.lax.map(fwd, (mbs["tokens"], mbs["loss_mask"])))
+            mbs = {**mbs, "ref_logp": ref}  # [m, n, L]
         trainable = (state.params, state.value_params if with_critic else None)
 
         def body(acc, mb):
@@ -604,9 +666,7 @@ def make_logp_fn(model: Model, sampling: SamplingConfig | None = None, *, mesh=N
     mesh/rules: a MeshJit on the mesh (global tokens/mask in, log-probs sharded like them)."""
 
     def logp_fn(variables, tokens, loss_mask):
-        out = model.apply(variables, tokens, _input_valid(loss_mask), with_mtp=False)
-        lp = _pad_left(sampled_logprobs(out.logits[:, :-1], tokens[:, 1:], sampling)[0])
-        return jnp.where(loss_mask, lp, 0.0)
+        return sampled_logp(model, sampling, variables, tokens, loss_mask)
 
     if mesh is not None:
         return _mesh_forward(logp_fn, model, mesh, rules, 0, "logp")

@@ -7,6 +7,10 @@ pass (old_logp="batch"), with micro-batches and a sampling temperature, and the 
 sampler/trainer gap metrics equal build_train_batch's; the loop keeps the pass where old
 log-probs are needed before the advantages (critic, KL in the reward) or when asked to
 (rl.old_logp_pass="always"), and the step rejects a batch that contradicts its mode;
+ref_logp="step" (the reference log-probs computed inside the train step from the reference
+variables it is called with) gives the parameters and metrics of the separate reference forward
+(ref_logp="batch"), with micro-batches, on a mesh too, and the loop takes it exactly where the KL
+term is in the loss (rl.ref_logp_pass="auto"); the step rejects calls that contradict its mode;
 rl.mtp_loss_weight scales exactly the MTP term and 0 drops it; the jitted prepare_advantages
 equals the eager one; the reference variables share the policy's tree (one log-prob compile);
 the loop's train step (on the mesh) compiles once for a batch shape, however many updates it
@@ -32,11 +36,12 @@ from model.config import ModelConfig
 from model.transformer import Model
 from rl import losses
 from rl.algorithms import get_algorithm, prepare_advantages
-from rl.loop import old_logp_source, reference_variables
+from rl.loop import old_logp_source, ref_logp_source, reference_variables
 from rl.pipeline import _prepare_advantages_jit
 from rl.sampler import SamplingConfig
 from rl.train_step import (
     check_old_logp,
+    check_ref_logp,
     init_train_state,
     init_train_state_sharded,
     make_logp_fn,
@@ -138,6 +143,77 @@ def test_current_old_logp_equals_the_separate_pass(small_lm):
         make_train_step(model, algo, opt, donate=False)(init_train_state(variables, opt), batch)
 
 
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_step_ref_logp_equals_the_separate_pass(small_lm, on_mesh):
+    """The train step that takes the reference log-probs itself (ref_logp="step", per
+    micro-batch, from the reference variables) ends at the parameters and metrics of the step fed
+    the separate forward's ref_logp (ref_logp="batch"); the reference differs from the policy, so
+    the KL term is live. On a mesh its reference variables come in with the model's shardings."""
+    model, variables = small_lm
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.7, top_k=20)
+    algo = get_algorithm("grpo", kl_placement="loss", kl_coef=0.5)
+    batch, _ = _batch(model, variables, sampling)
+    batch.pop("ref_logp")
+    ref_params = jax.tree.map(lambda x: x * 0.9, variables["params"])
+    mesh = shd.make_mesh(devices=jax.devices()[:1]) if on_mesh else None
+    opt = optax.sgd(1e-2)  # plain SGD: see test_current_old_logp_equals_the_separate_pass
+
+    def state():
+        if mesh is None:
+            return init_train_state(variables, opt)
+        return init_train_state_sharded(variables, opt, train_state_shardings(model, opt, mesh))
+
+    st = state()
+    ref_vars = reference_variables({"params": ref_params}, st)
+    glob = (lambda b: shd.to_global(b, mesh)) if mesh is not None else (lambda b: b)
+    ref_logp = make_logp_fn(model, sampling, mesh=mesh)(ref_vars, *(
+        glob((batch["tokens"], batch["loss_mask"]))))
+    out = {}
+    for mode, b, args in (("batch", {**batch, "ref_logp": ref_logp}, ()),
+                          ("step", batch, (ref_vars,))):
+        step = make_train_step(model, algo, opt, micro_batches=2, sampling=sampling,
+                               donate=False, old_logp="current", ref_logp=mode, mesh=mesh)
+        out[mode] = step(state(), glob(b), *args)
+    (s_b, m_b), (s_s, m_s) = out["batch"], out["step"]
+    assert float(m_b["kl_ref"]) > 1e-4  # the reference is not the policy: the KL term is in play
+    for k in ("loss", "kl_ref", "kl_loss", "pg_loss", "grad_norm"):
+        np.testing.assert_allclose(float(m_s[k]), float(m_b[k]), rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(s_s.params), jax.tree.leaves(s_b.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+    # calls that contradict the step's mode are errors, not silently used or dropped
+    in_step = make_train_step(model, algo, opt, donate=False, old_logp="current",
+                              ref_logp="step")
+    with pytest.raises(ValueError, match="computes reference log-probs"):
+        in_step(init_train_state(variables, opt), batch)  # no reference variables
+    with pytest.raises(ValueError, match="computes reference log-probs"):
+        in_step(init_train_state(variables, opt), {**batch, "ref_logp": ref_logp}, ref_vars)
+    with pytest.raises(ValueError, match="ref_logp='batch'"):
+        make_train_step(model, algo, opt, donate=False, old_logp="current")(
+            init_train_state(variables, opt), {**batch, "ref_logp": ref_logp}, ref_vars)
+
+
+def test_ref_logp_in_the_step_exactly_where_the_kl_is_in_the_loss():
+    auto = ml_collections.ConfigDict(dict(ref_logp_pass="auto"))
+    assert ref_logp_source(auto, get_algorithm("grpo")) == "step"  # KL in the loss
+    assert ref_logp_source(auto, get_algorithm("ppo", kl_placement="loss")) == "step"
+    # KL in the loss at weight 0: the reference forward still runs for its metric (kl_ref)
+    assert ref_logp_source(auto, get_algorithm("grpo", kl_coef=0.0)) == "step"
+    for algo in (get_algorithm("rloo"), get_algorithm("ppo"),  # KL in the reward: before
+                 get_algorithm("dapo", max_len=48, overlong_cache_len=8)):  # no KL term
+        assert ref_logp_source(auto, algo) == "batch"
+        with pytest.raises(ValueError, match="no KL term in its loss"):
+            check_ref_logp(algo, "step")
+    separate = ml_collections.ConfigDict(dict(ref_logp_pass="separate"))
+    assert ref_logp_source(separate, get_algorithm("grpo")) == "batch"
+    assert ref_logp_source(ml_collections.ConfigDict(), get_algorithm("grpo")) == "step"
+    with pytest.raises(ValueError, match="ref_logp_pass"):
+        ref_logp_source(ml_collections.ConfigDict(dict(ref_logp_pass="fused")),
+                        get_algorithm("grpo"))
+    with pytest.raises(ValueError, match="ref_logp must be"):
+        check_ref_logp(get_algorithm("grpo"), "inline")
+
+
 def test_train_step_compiles_once_per_batch_shape(small_lm):
     """Two updates on the mesh, the second fed the first's output state and another batch of the
     same shapes: one XLA compile in all (a state that comes back with another tree, dtype or
@@ -178,11 +254,13 @@ def _scored_group(rows, group_size, prompt_len, gen_len, task, seed=0):
         if task.meta.get("family_name") == "multistep" else None)
 
 
-def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm):
+@pytest.mark.parametrize("ref_mode", ["step", "batch"])
+def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_mode):
     """rl.loop.precompile_updates (the train step compiled on a thread while the first rollouts
     generate) compiles exactly the programs the real updates then use: after it, updates on
     real groups of both row kinds (one-shot and multi-turn, each at its own width) compile
-    nothing. Without it the same updates compile (the count is not vacuous)."""
+    nothing, with the reference log-probs in the step or from the separate forward. Without it
+    the same updates compile (the count is not vacuous)."""
     from rl.loop import _RolloutForward, _train_on, precompile_updates
     from sandbox.tasks.schema import Task
 
@@ -201,9 +279,10 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm):
                                          train_state_shardings(model, opt, mesh))
         ref = reference_variables(variables, state)
         forward = _RolloutForward(logp_fn=make_logp_fn(model, sampling, mesh=mesh),
-                                  logp_value_fn=None, ref_vars=ref, old_logp=False, mesh=mesh)
+                                  logp_value_fn=None, ref_vars=ref, old_logp=False,
+                                  ref_in_step=ref_mode == "step", mesh=mesh)
         step = make_train_step(model, algo, opt, sampling=sampling, old_logp="current",
-                               mesh=mesh)
+                               ref_logp=ref_mode, mesh=mesh)
         kw = dict(algo=algo, width=width, forward=forward, step_fn=step, mesh=mesh, rules=None)
         jax.block_until_ready(state)
         compiles.clear()
