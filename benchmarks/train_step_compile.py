@@ -7,9 +7,10 @@ traced, lowered and compiled in separate timed stages, in one fresh process.
     python -m benchmarks.train_step_compile --set model.num_layers=32 model.scan_layers=True
 
 The step is rl/train_step.py:make_train_step wired as grpo_matched wires it (same config, mesh,
-state shardings, old_logp source, MTP weight); the batch has the shapes and keys
+state shardings, old_logp and ref_logp sources, MTP weight); the batch has the shapes and keys
 rl.pipeline.build_train_batch gives that run (tokens and loss mask [N, P+G], advantages,
-rollout and reference log-probs) with seeded random values. `--set` overrides config fields as
+rollout log-probs, and the reference log-probs where the step does not compute them itself from
+the reference variables, rl.ref_logp_pass) with seeded random values. `--set` overrides config fields as
 in grpo_matched (ablations: rl.mtp_loss_weight=0.0, model.layer_pattern=KKKK / DDDD,
 model.moe.num_experts=0; depth: model.num_layers=N with model.scan_layers=True / False, the
 repeated layer groups scanned or unrolled).
@@ -89,7 +90,9 @@ def _xla_phases(trace_dir: str) -> dict:
 
 
 def build(config):
-    """(train step, state, global batch) as grpo_matched's grpo() builds them."""
+    """(train step, state, global batch, on_mesh, old-log-prob source, the step's arguments after
+    (state, batch): the reference variables where it computes the reference log-probs) as
+    grpo_matched's grpo() builds them."""
     import numpy as np
 
     from benchmarks.grpo_matched import build_trainer, matched_train_step
@@ -98,8 +101,8 @@ def build(config):
     from rl.pipeline import _prepare_advantages_jit
 
     r = config.rl
-    model, algo, on_mesh, _, state, opt = build_trainer(config)
-    old_src = loop.old_logp_source(r, algo)
+    model, algo, on_mesh, init_vars, state, opt = build_trainer(config)
+    old_src, ref_src = loop.old_logp_source(r, algo), loop.ref_logp_source(r, algo)
     step = matched_train_step(config, model, algo, opt, state, loop.rollout_sampling(r, -1),
                               on_mesh)
     N, P, G = r.prompts_per_batch * r.group_size, r.max_prompt_len, r.max_new_tokens
@@ -114,11 +117,14 @@ def build(config):
     batch = {"tokens": rng.integers(3, config.model.vocab_size, mask.shape).astype(np.int32),
              "loss_mask": mask, "advantages": np.asarray(prep.advantages),
              "rollout_logp": logp()}
-    if algo.needs_ref:
+    extra = ()
+    if ref_src == "step":
+        extra = (loop.reference_variables(init_vars, state),)
+    elif algo.needs_ref:
         batch["ref_logp"] = logp()
     if old_src == "batch":
         batch["old_logp"] = logp()
-    return step, state, shd.to_global(batch, **on_mesh), on_mesh, old_src
+    return step, state, shd.to_global(batch, **on_mesh), on_mesh, old_src, extra
 
 
 def measure(args, config) -> dict:
@@ -130,13 +136,14 @@ def measure(args, config) -> dict:
 
     rec = {"variant": args.variant, "overrides": args.set,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_before": loadavg()}
-    step, state, batch, on_mesh, old_src = build(config)
+    step, state, batch, on_mesh, old_src, extra = build(config)
     jax.block_until_ready(state)
-    rec.update(old_logp=old_src, batch={k: list(np.shape(v)) for k, v in batch.items()})
-    jitted = step._jit((state, batch))[1] if isinstance(step, shd.MeshJit) else step
+    rec.update(old_logp=old_src, ref_logp_in_step=bool(extra),
+               batch={k: list(np.shape(v)) for k, v in batch.items()})
+    jitted = step._jit((state, batch, *extra))[1] if isinstance(step, shd.MeshJit) else step
     points = [(time.perf_counter(), _cpu())]
     with shd.use_mesh(on_mesh["mesh"], on_mesh["rules"]):
-        traced = jitted.trace(state, batch)
+        traced = jitted.trace(state, batch, *extra)
         points.append((time.perf_counter(), _cpu()))
         lowered = traced.lower()
         points.append((time.perf_counter(), _cpu()))
@@ -160,7 +167,7 @@ def measure(args, config) -> dict:
             fresh = jax.tree.map(lambda h, x: jax.device_put(h, x.sharding), host, state)
             jax.block_until_ready(fresh)
             w0, c0 = time.perf_counter(), _cpu()
-            out = jax.block_until_ready(compiled(fresh, batch))
+            out = jax.block_until_ready(compiled(fresh, batch, *extra))
             walls.append(round(time.perf_counter() - w0, 3))
             cpus.append(round(_cpu() - c0, 3))
         digest = hashlib.sha256()

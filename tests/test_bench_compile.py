@@ -52,6 +52,8 @@ def test_probe_reports_every_stage_and_compiles_cold_after_cached_compiles(tmp_p
         compilation_cache.reset_cache()
     rec = json.loads(out.read_text())
     assert rec["batch"]["tokens"] == [4, 16] and rec["old_logp"] == "current"
+    # the reference log-probs come from the reference variables inside the step (as run_rl)
+    assert rec["ref_logp_in_step"] and "ref_logp" not in rec["batch"]
     for stage in ("trace", "lower", "compile"):
         assert rec[f"{stage}_cpu_s"] > 0 and rec[f"{stage}_wall_s"] > 0
     assert rec["jaxpr_eqns"] > 100 and rec["hlo_instructions"] > rec["hlo_fusions"] > 0
