@@ -16,13 +16,14 @@ depends on (rl/workdir.py: else an error naming the fields); `resume=False` move
 phase directory aside (start_phase).
 
 RL iteration (one batch of lookahead when rl.overlap_scoring): generate batch i+1 while the
-sandbox scores batch i; then the reference log-probs and, where the advantages need them first
-(algorithms with a critic such as PPO: the value head's old values from the same forward; KL
-folded into the rewards when kl_placement="reward") or rl.old_logp_pass="always", the old
-log-probs in a separate forward (otherwise the train step's own log-probs, stop-gradient, are the
-old ones: the same numbers, one forward less; old_logp_source); advantages (GAE with returns for
-PPO); one jit train step on batch i (which takes the reference log-probs itself when the KL term is
-in the loss and rl.ref_logp_pass="auto": ref_logp_source) (its MTP term weighted by rl.mtp_loss_weight when set). The critic's params
+sandbox scores batch i; then, in a separate forward, the reference log-probs where the KL is
+folded into the rewards or rl.ref_logp_pass="separate" (otherwise the train step computes them
+from the reference variables in its own program: ref_logp_source), and, where the advantages
+need them first (algorithms with a critic such as PPO: the value head's old values from the same
+forward; KL in the rewards) or rl.old_logp_pass="always", the old log-probs (otherwise the train
+step's own log-probs, stop-gradient, are the old ones: the same numbers, one forward less;
+old_logp_source); advantages (GAE with returns for PPO); one jit train step on batch i (its MTP
+term weighted by rl.mtp_loss_weight when set). The critic's params
 and optimizer state live in the train state and are checkpointed with it.
 Timings per iteration are split into generate / score-wait / train, and the fraction of scoring
 time hidden behind generation is logged (score_hidden_frac).
