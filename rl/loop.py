@@ -90,6 +90,7 @@ from rl.train_step import (
     indexer_mask,
     init_train_state,
     init_train_state_sharded,
+    kl_in_loss,
     make_logp_fn,
     make_logp_value_fn,
     make_optimizer,
@@ -1066,8 +1067,7 @@ def ref_logp_source(r, algo) -> str:
     mode = r.get("ref_logp_pass", "auto")
     if mode not in ("auto", "separate"):
         raise ValueError(f"rl.ref_logp_pass must be 'auto' or 'separate', got {mode!r}")
-    in_loss = algo.needs_ref and algo.kl_placement == "loss"
-    return "step" if mode == "auto" and in_loss else "batch"
+    return "step" if mode == "auto" and kl_in_loss(algo) else "batch"
 
 
 def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, mesh, rules):
@@ -1123,15 +1123,14 @@ def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
     for t in tasks:
         kinds.setdefault(is_agent_task(t), t)
 
-    fw_step_args = forward.step_args
-
     def compile_all():
         fw = forward.at(state)
         for task in kinds.values():
             w = width([task]) if callable(width) else width
             batch, _ = build_train_batch(placeholder_group(task, rows, group_size), algo, w,
                                          forward=fw)
-            step_fn.lower(state, shd.to_global(batch, mesh, rules), *fw_step_args).compile()
+            step_fn.lower(state, shd.to_global(batch, mesh, rules),
+                          *forward.step_args).compile()
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="precompile")
     future = pool.submit(compile_all)

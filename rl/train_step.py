@@ -59,7 +59,6 @@ init_train_state_sharded. Numerics: make_optimizer's mu_dtype / master_dtype
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -372,6 +371,12 @@ def check_old_logp(algo: AlgoConfig, old_logp: str):
                          "it; use old_logp='batch' (rl.old_logp_pass='always')")
 
 
+def kl_in_loss(algo: AlgoConfig) -> bool:
+    """Whether the algorithm's KL to the reference is a loss term (the only use of reference
+    log-probs a train step can serve itself: ref_logp="step")."""
+    return algo.needs_ref and algo.kl_placement == "loss"
+
+
 def check_ref_logp(algo: AlgoConfig, ref_logp: str):
     """Validate make_train_step's `ref_logp`: "batch" (the batch holds ref_logp from a separate
     forward, when the algorithm needs one) or "step" (the step computes the reference policy's
@@ -380,7 +385,7 @@ def check_ref_logp(algo: AlgoConfig, ref_logp: str):
     advantages)."""
     if ref_logp not in REF_LOGP_SOURCES:
         raise ValueError(f"ref_logp must be one of {REF_LOGP_SOURCES}, got {ref_logp!r}")
-    if ref_logp == "step" and not (algo.needs_ref and algo.kl_placement == "loss"):
+    if ref_logp == "step" and not kl_in_loss(algo):
         raise ValueError(f"algorithm {algo.name!r} has no KL term in its loss (kl_placement "
                          f"{algo.kl_placement!r}): ref_logp='step' computes reference log-probs "
                          "only for that term; use ref_logp='batch' (rl.ref_logp_pass='separate')")
@@ -542,9 +547,6 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
     # lowering 4.0 -> 2.6 s on the matched GRPO work; the compiled program is the same)
     grad_fn = jax.jit(jax.value_and_grad(micro_loss, has_aux=True))
 
-    def ref_rows(ref_variables, tm):  # (tokens, loss_mask) [n,L] -> reference log-probs [n,L]
-        return jax.lax.stop_gradient(sampled_logp(model, sampling, ref_variables, *tm))
-
     def step(state: TrainState, batch: dict, ref_variables=None):
         mask = batch["loss_mask"]
         N = mask.shape[0]
@@ -581,7 +583,7 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
             # before the gradient's loop, not in its body (there the step compiled ~1 s longer
             # than with the separate forward): the whole batch at once, or one micro-batch at a
             # time (lax.map: one micro-batch's activations)
-            fwd = functools.partial(ref_rows, ref_variables)
+            fwd = lambda tm: sampled_logp(model, sampling, ref_variables, *tm)  # [n,L] each
             ref = (split_micro_batches(fwd((batch["tokens"], mask)), 1) if micro_batches == 1
                    else jax.lax.map(fwd, (mbs["tokens"], mbs["loss_mask"])))
             mbs = {**mbs, "ref_logp": ref}  # [m, n, L]
