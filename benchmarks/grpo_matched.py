@@ -23,8 +23,10 @@ rl.loop._RolloutForward's separate log-prob passes where rl.old_logp_pass and rl
 need them: by default neither runs, the step taking its own log-probs as the old ones and the
 reference log-probs inside its program) and runs the train step (rl.train_step.make_train_step), all on the config's mesh (one
 device), wired as rl.loop.run_rl wires them (mirrored here: keep the two in step). As in run_rl,
-the update's programs compile on a thread behind the first rollout (rl.loop.precompile_updates,
-started with the first iteration; `--set rl.precompile=False` compiles each at its first call).
+the update's programs compile on a thread (rl.loop.precompile_updates; `--set
+rl.precompile=False` compiles each at its first call): from the train state's shapes during the
+set-up, before the weights are made, when the rollout-time forward has nothing to run (the
+default), else from the state, started with the first iteration.
 The reward is the matched work's host function (even-id fraction) on a thread, in place of the
 sandbox; its wait is the `score` sample. The GRPO part runs first, in a cold process with no persistent compilation cache,
 so its first iteration holds every compile; then the sampler alone (the rollout worker's
@@ -171,27 +173,32 @@ def _prompt_texts(rng, n: int, spec: dict) -> list[str]:
 
 
 def build_trainer(config):
-    """The trainer's pieces as rl/loop.py:run_rl builds them: (model, algo, on_mesh (mesh and
-    rules kwargs), initial variables, train state, optimizer). The matched work is GRPO: an
-    algorithm with a critic is an error."""
+    """The trainer's pieces as rl/loop.py:run_rl builds them, in its order: (model, algo,
+    on_mesh (mesh and rules kwargs), optimizer, abstract train state (rl.loop.abstract_rl_state),
+    and a function () -> (initial variables, train state) that makes them). The matched work is
+    GRPO: an algorithm with a critic is an error."""
     from model import sharding as shd
     from rl import loop
     from rl.algorithms import algo_from_config
 
     model, algo = loop.rl_model(config), algo_from_config(config.rl.algo)
+    if algo.needs_values:
+        raise ValueError(f"rl.algo {algo.name!r} trains a critic; the matched work is GRPO")
     mesh, rules = shd.mesh_from_config(config)
     on_mesh = dict(mesh=mesh, rules=rules)
-    init_vars = loop._initial_variables(config, model, **on_mesh)
-    state, opt, critic, _ = loop.init_rl_state(config, model, algo, init_vars, **on_mesh)
-    if critic is not None:
-        raise ValueError(f"rl.algo {algo.name!r} trains a critic; the matched work is GRPO")
-    return model, algo, on_mesh, init_vars, state, opt
+    opt = loop.rl_optimizers(config, algo)[0]
+    abstract = loop.abstract_rl_state(config, model, algo, **on_mesh)
+
+    def init():
+        init_vars = loop._initial_variables(config, model, **on_mesh)
+        return init_vars, loop.init_rl_state(config, model, algo, init_vars, **on_mesh)[0]
+    return model, algo, on_mesh, opt, abstract, init
 
 
 def matched_train_step(config, model, algo, opt, state, sampling, on_mesh):
-    """The train step as run_rl makes it: the state's shardings, the old-log-prob source of
-    rl.old_logp_pass, the reference log-probs' place of rl.ref_logp_pass, rl.mtp_loss_weight,
-    rl.micro_batches."""
+    """The train step as run_rl makes it: the state's shardings (`state` real or abstract), the
+    old-log-prob source of rl.old_logp_pass, the reference log-probs' place of
+    rl.ref_logp_pass, rl.mtp_loss_weight, rl.micro_batches."""
     import jax
 
     from rl import loop
@@ -217,22 +224,37 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
 
     t_start = time.perf_counter()  # setup: model, state, workers (compiles booked to "setup")
     r = config.rl
-    model, algo, on_mesh, init_vars, state, opt = build_trainer(config)
-    sample_model, to_sampler = loop.rollout_policy(config, model, **on_mesh)
     tok, reward = IdTokenizer(), EvenFractionReward()
     sampling = loop.rollout_sampling(r, tok.eos_id)
     rng_np = np.random.default_rng(spec["seed"])
     batches = [[Task(id=f"b{k}p{i}", family="matched", prompt=text)
                 for i, text in enumerate(_prompt_texts(rng_np, r.prompts_per_batch, spec))]
                for k in range(1 + steps)]
+
+    # as run_rl: the train step made on the state's shapes and, where the rollout-time forward
+    # has nothing to run (rl.old_logp_pass, rl.ref_logp_pass), its programs compiling on a
+    # thread from there (rl.loop.precompile_updates; rl.precompile) while the weights are made
+    # and the first rollout runs; else from the state, with the first iteration
+    model, algo, on_mesh, opt, abstract, init = build_trainer(config)
+    old_src, ref_src = loop.old_logp_source(r, algo), loop.ref_logp_source(r, algo)
+    raw_step = matched_train_step(config, model, algo, opt, abstract, sampling, on_mesh)
+    precompile = functools.partial(
+        loop.precompile_updates, batches[0], len(batches[0]) * r.group_size, r.group_size,
+        algo=algo, width=loop.train_width(r, batches[0]), step_fn=raw_step, **on_mesh)
+    ahead = loop._RolloutForward(logp_fn=None, logp_value_fn=None,
+                                 ref_vars=abstract.variables if algo.needs_ref else None,
+                                 old_logp=old_src == "batch", ref_in_step=ref_src == "step",
+                                 **on_mesh)
+    compiling = [precompile(abstract, forward=ahead)] if r.precompile and not ahead.runs else []
+
+    init_vars, state = init()
+    sample_model, to_sampler = loop.rollout_policy(config, model, **on_mesh)
     worker = loop.make_rollout_worker(r, sample_model, tok, sampling, reward, None,
                                       group_size=r.group_size, tasks=batches[0], **on_mesh)
 
     # the trainer as run_rl wires it: the reference tree shaped like the policy's, the separate
     # old- and reference-log-prob passes only where rl.old_logp_pass / rl.ref_logp_pass need
-    # them (the logp_ref sample is then absent: the train step holds that forward),
-    # rl.mtp_loss_weight
-    old_src = loop.old_logp_source(r, algo)
+    # them (the logp_ref sample is then absent: the train step holds that forward)
     ref_vars = loop.reference_variables(init_vars, state) if algo.needs_ref else None
     logp_fn = make_logp_fn(model, sampling, **on_mesh)
     timed_old, timed_ref = clock.wrap(logp_fn, "logp_old"), clock.wrap(logp_fn, "logp_ref")
@@ -241,9 +263,8 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
         return (timed_ref if variables is ref_vars else timed_old)(variables, tokens, mask)
 
     forward = loop._RolloutForward(logp_fn=logp, logp_value_fn=None, ref_vars=ref_vars,
-                                   old_logp=old_src == "batch",
-                                   ref_in_step=loop.ref_logp_source(r, algo) == "step", **on_mesh)
-    raw_step = matched_train_step(config, model, algo, opt, state, sampling, on_mesh)
+                                   old_logp=old_src == "batch", ref_in_step=ref_src == "step",
+                                   **on_mesh)
     step_fn = clock.wrap(raw_step, "train_step")
     train_on = functools.partial(loop._train_on, algo=algo, width=loop.train_width(r, batches[0]),
                                  forward=forward, step_fn=step_fn, **on_mesh)
@@ -251,15 +272,12 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
     p0 = jax.tree.map(lambda x: np.array(x, copy=True), state.params)  # host copies
     rng = jax.random.key(config.seed + 1)
     generated = []
-    compiling = []  # run_rl's precompile_updates (rl.precompile), started in the 1st iteration
 
     def iteration(tasks, rng):
         nonlocal state
-        if r.precompile and not generated:  # untimed forward: its compile is no logp sample
-            compiling.append(loop.precompile_updates(
-                tasks, len(tasks) * r.group_size, r.group_size, state, algo=algo,
-                width=loop.train_width(r, tasks), step_fn=raw_step,
-                forward=dataclasses.replace(forward, logp_fn=logp_fn), **on_mesh))
+        if r.precompile and ahead.runs and not generated:  # untimed forward: no logp sample
+            compiling.append(precompile(state, forward=dataclasses.replace(forward,
+                                                                           logp_fn=logp_fn)))
         pending = start(to_sampler(state.variables), tasks, rng, version=int(state.step))
         group = pending.result()
         clock.add("score", group.score_wait_s)

@@ -101,7 +101,8 @@ def build(config):
     from rl.pipeline import _prepare_advantages_jit
 
     r = config.rl
-    model, algo, on_mesh, init_vars, state, opt = build_trainer(config)
+    model, algo, on_mesh, opt, _, init = build_trainer(config)
+    init_vars, state = init()
     old_src, ref_src = loop.old_logp_source(r, algo), loop.ref_logp_source(r, algo)
     step = matched_train_step(config, model, algo, opt, state, loop.rollout_sampling(r, -1),
                               on_mesh)

@@ -156,8 +156,9 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rl.share_prefix = True
     c.rl.rollout_slots = 0
     # precompile: the update's programs (train step per row width, rollout-time forward,
-    # advantages) compile on a thread behind the first evaluation and rollouts (single process;
-    # rl/loop.py:precompile_updates); False compiles each at its first call
+    # advantages) compile on a thread behind the weights' loading, the first evaluation and
+    # rollouts (single process; rl/loop.py:precompile_updates); False compiles each at its
+    # first call
     c.rl.precompile = True
     c.rl.algo = _algo(algo, c.rl)
     # the value head of algorithms with a critic (rl.algo.needs_values: ppo); see

@@ -30,7 +30,9 @@ time hidden behind generation is logged (score_hidden_frac).
 
 Compiles ahead (single process): the update's programs (train step per row width, rollout-time
 forward, advantages) compile on a thread behind the first evaluation and rollouts
-(precompile_updates, rl.precompile); SFT's steps compile two at a time on threads, SFT's own
+(precompile_updates, rl.precompile), from the train state's shapes and shardings
+(abstract_rl_state) while the weights load when the rollout-time forward has nothing to run
+(the default GRPO), else from the state once it exists; SFT's steps compile two at a time on threads, SFT's own
 while the indexer warm-up trains (supervised_step).
 
 Row widths: one-shot rows and multi-turn episodes (rl/agent.py) never share a batch. SFT
@@ -866,17 +868,38 @@ class _Position:
         self._it.set_state(json.loads(state))
 
 
+def rl_optimizers(config, algo) -> tuple:
+    """(optimizer, critic, value optimizer) of the RL run: config.optim's optimizer; with a
+    critic (algo.needs_values) its config (config.rl.critic, rl/critic.py) and optimizer
+    (config.optim with lr * critic.lr_scale), else both None."""
+    if not algo.needs_values:
+        return make_optimizer(config.optim), None, None
+    critic = CriticConfig.from_config(config.rl.get("critic"))
+    return (make_optimizer(config.optim), critic,
+            make_optimizer(critic_optim_config(config.optim, critic)))
+
+
+def abstract_rl_state(config, model: Model, algo, *, mesh, rules=None):
+    """The fresh RL train state of init_rl_state as ShapeDtypeStructs with its shardings on
+    `mesh`, computed from shapes alone (no weights loaded, nothing allocated): what checkpoints
+    restore into and what the update's programs compile against before the state exists."""
+    abstract = jax.eval_shape(
+        lambda: init_rl_state(config, model, algo, model.init(jax.random.key(0)))[0])
+    opt, _, value_opt = rl_optimizers(config, algo)
+    return shd.sharded_abstract(abstract, train_state_shardings(
+        model, opt, mesh, rules, value_params=getattr(abstract, "value_params", None),
+        value_optimizer=value_opt))
+
+
 def init_rl_state(config, model: Model, algo, init_vars: dict, *, mesh=None, rules=None):
-    """The fresh RL train state for `algo`: (state, optimizer, critic, value optimizer). With a
-    critic (algo.needs_values) the state holds a new value head (config.rl.critic, rl/critic.py)
-    and its optimizer state (config.optim with lr * critic.lr_scale); else critic and value
-    optimizer are None. mesh/rules: the state is created straight into its shardings
+    """The fresh RL train state for `algo`: (state, optimizer, critic, value optimizer) (the last
+    three rl_optimizers'). With a critic (algo.needs_values) the state holds a new value head
+    (config.rl.critic, rl/critic.py) and its optimizer state; else critic and value optimizer
+    are None. mesh/rules: the state is created straight into its shardings
     (rl.train_step.train_state_shardings; init_vars sharded or not, they are not donated)."""
-    opt = make_optimizer(config.optim)
-    critic = value_opt = value_params = None
-    if algo.needs_values:
-        critic = CriticConfig.from_config(config.rl.get("critic"))
-        value_opt = make_optimizer(critic_optim_config(config.optim, critic))
+    opt, critic, value_opt = rl_optimizers(config, algo)
+    value_params = None
+    if critic is not None:
         value_params = init_value_params(critic, model.cfg,
                                          jax.random.fold_in(jax.random.key(rl_seed(config)), 2))
     if mesh is None:
@@ -1012,13 +1035,20 @@ class _RolloutForward:
         step computes the reference log-probs itself."""
         return (self.ref_vars,) if self.ref_in_step else ()
 
+    @property
+    def runs(self) -> bool:
+        """Whether there is anything to compute before the step (else `at` gives None and the
+        update's programs compile from the state's shapes alone: precompile_updates)."""
+        return (self.old_logp or self.logp_value_fn is not None
+                or (self.ref_vars is not None and not self.ref_in_step))
+
     def at(self, state):
         """The forward under `state`'s policy: (tokens, mask) -> {"old_logp", ...} rows (no
         old_logp when self.old_logp is False, no ref_logp when self.ref_in_step; None when there
         is nothing to compute)."""
-        ref_vars = None if self.ref_in_step else self.ref_vars
-        if not self.old_logp and self.logp_value_fn is None and ref_vars is None:
+        if not self.runs:
             return None
+        ref_vars = None if self.ref_in_step else self.ref_vars
 
         def forward(tokens, mask):
             gt, gm = shd.to_global((np.asarray(tokens), np.asarray(mask)), self.mesh, self.rules)
@@ -1112,6 +1142,9 @@ def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
     placeholder batch of `rows` rows goes through build_train_batch (the rollout-time forward
     and the advantages compile and run on it) and the train step is lowered and compiled on it
     (not run: `state` is only read). The real calls then find their programs compiled.
+    `state` (and forward.ref_vars) may be abstract (abstract_rl_state: ShapeDtypeStructs with
+    the real state's shardings) when the forward has nothing to run (not forward.runs): the
+    compile then starts before the weights are loaded.
     -> a Future: wait on it before the first update (the train step must not compile twice).
     None in a multi-process job, where MeshJit compiles each program at its first call and
     the processes meet at a barrier before running it."""
@@ -1119,6 +1152,9 @@ def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
         return None
     from rl.agent import is_agent_task
 
+    if forward.runs and any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
+        raise ValueError("precompile_updates: the rollout-time forward runs on the state's "
+                         "weights; pass the train state itself, not its abstract form")
     kinds = {}  # one task per row kind, in the order the kinds first appear
     for t in tasks:
         kinds.setdefault(is_agent_task(t), t)
@@ -1218,13 +1254,35 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
                              batch_size=r.prompts_per_batch * oversample, group_by=is_agent_task,
                              template_power=rl_template_power(r)))
 
+    # the update (the jit train step on the mesh) and its programs, compiling on a thread from
+    # the state's shapes while the weights load and the first evaluation and rollouts run
+    opt, critic, value_opt = rl_optimizers(config, algo)
+    abstract = abstract_rl_state(config, model, algo, **on_mesh)
+    state_sh = jax.tree.map(lambda x: x.sharding, abstract)
+    sampling = rollout_sampling(r, tok.eos_id)
+    old_src, ref_src = old_logp_source(r, algo), ref_logp_source(r, algo)
+    step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
+                              sampling=sampling, critic=critic, value_optimizer=value_opt,
+                              state_shardings=state_sh, old_logp=old_src, ref_logp=ref_src,
+                              mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
+    width = functools.partial(train_width, r)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=r.keep_checkpoints)
+    precompile = functools.partial(precompile_updates, train_tasks,
+                                   r.prompts_per_batch * r.group_size, r.group_size, algo=algo,
+                                   width=width, step_fn=step_fn, **on_mesh)
+    ahead = _RolloutForward(logp_fn=None, logp_value_fn=None,  # shapes only: nothing to run
+                            ref_vars=abstract.variables if algo.needs_ref else None,
+                            old_logp=old_src == "batch", ref_in_step=ref_src == "step",
+                            **on_mesh)
+    compiling = None  # the update's programs, compiling behind the set-up, evaluation, rollouts
+    if r.precompile and not ahead.runs and (not resume or (ckpt.latest_step() or 0) < r.steps):
+        compiling = precompile(abstract, forward=ahead)
+
     # the policy's train state (with a critic: the value head) from the initial weights, or the
     # latest checkpoint; the frozen reference policy is the initial weights in their own buffers
     # (the train state is donated to each update), reloaded rather than checkpointed
     init_vars = _initial_variables(config, model, **on_mesh)
-    state, opt, critic, value_opt = init_rl_state(config, model, algo, init_vars, **on_mesh)
-    state_sh = jax.tree.map(lambda x: x.sharding, state)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=r.keep_checkpoints)
+    state = init_rl_state(config, model, algo, init_vars, **on_mesh)[0]
     rng = jax.random.key(seed + 1)
     if resume:
         state, rng = _resume(ckpt, state, state_sh, rng, data, "RL")
@@ -1238,7 +1296,6 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     else:
         from sandbox.verifiers import Verifier
         verifier = Verifier(executor=pool, reuse=reuse_verdicts(config.sandbox))
-    sampling = rollout_sampling(r, tok.eos_id)
     worker = make_rollout_worker(r, sample_model, tok, sampling, verifier, pool,
                                  group_size=r.group_size, tasks=train_tasks, **on_mesh)
     eval_worker = make_rollout_worker(r, sample_model, tok, eval_sampling(e, sampling), verifier,
@@ -1247,26 +1304,18 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
                                                          mesh, rules), to_sampler,
                          batch=r.prompts_per_batch, oversample=oversample)
 
-    # training: the rollout-time forward and the update, both jit programs on the mesh
-    old_src, ref_src = old_logp_source(r, algo), ref_logp_source(r, algo)
+    # training: the rollout-time forward (the log-prob passes the step does not take itself)
+    # and the update
     forward = _RolloutForward(
         logp_fn=make_logp_fn(model, sampling, **on_mesh),
         logp_value_fn=(make_logp_value_fn(model, critic, sampling, **on_mesh)
                        if critic is not None else None),
         ref_vars=reference_variables(init_vars, state) if algo.needs_ref else None,
         old_logp=old_src == "batch", ref_in_step=ref_src == "step", **on_mesh)
-    step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
-                              sampling=sampling, critic=critic, value_optimizer=value_opt,
-                              state_shardings=state_sh, old_logp=old_src, ref_logp=ref_src,
-                              mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
-    width = functools.partial(train_width, r)
     train_on = functools.partial(_train_on, algo=algo, width=width, forward=forward,
                                  step_fn=step_fn, **on_mesh)
-    compiling = None  # the update's programs, compiling behind the first evaluation and rollouts
-    if r.precompile and int(state.step) < r.steps:
-        compiling = precompile_updates(train_tasks, r.prompts_per_batch * r.group_size,
-                                       r.group_size, state, algo=algo, width=width,
-                                       forward=forward, step_fn=step_fn, **on_mesh)
+    if compiling is None and r.precompile and int(state.step) < r.steps:
+        compiling = precompile(state, forward=forward)  # the forward's programs run on the state
     writer = MetricsWriter(workdir, config=config) if _primary() else None
     evaluate_at = functools.partial(_evaluate, e, eval_worker, val_tasks, writer, on_eval)
 

@@ -9,7 +9,9 @@ usual size, the fractions logged). Not covered: whether it raises held-out pass 
 """
 
 import json
+from unittest import mock
 
+import jax
 import numpy as np
 import pytest
 from ml_collections import ConfigDict
@@ -119,8 +121,29 @@ def test_run_rl_with_oversample_trains_one_batch_of_the_drawn_groups(tmp_path):
     save_tasks([Task(id=f"digit{i}", family="answer_check", prompt="say a digit",
                      check=DIGIT_CHECK, check_language="python", timeout_s=5) for i in range(8)],
                c.tasks.task_file)
-    state = loop.run_rl(c, progress=False)
+    compiled, ahead = [], []  # the programs XLA compiled; the states precompile_updates got
+
+    def listen(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    def precompile(tasks, rows, group_size, state, **kw):
+        ahead.append(state)
+        return precompile_updates(tasks, rows, group_size, state, **kw)
+
+    precompile_updates = loop.precompile_updates
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with mock.patch.object(loop, "precompile_updates", precompile):
+            state = loop.run_rl(c, progress=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
     assert int(state.step) == 2
+    # the update compiled from the state's shapes before the weights existed (the default
+    # GRPO's forward has nothing to run), and the real updates found it compiled: once in all
+    assert len(ahead) == 1 and all(isinstance(x, jax.ShapeDtypeStruct)
+                                   for x in jax.tree.leaves(ahead[0]))
+    assert compiled.count("jit(step)") == 1, sorted(compiled)
     lines = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     lines = [m for m in lines if "rl/reward_mean" in m]
     assert len(lines) == 2

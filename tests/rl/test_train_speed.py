@@ -22,6 +22,7 @@ Not covered: the timings (benchmarks/rl_loop.py and the peer bench measure them)
 """
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -254,13 +255,16 @@ def _scored_group(rows, group_size, prompt_len, gen_len, task, seed=0):
         if task.meta.get("family_name") == "multistep" else None)
 
 
-@pytest.mark.parametrize("ref_mode", ["step", "batch"])
-def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_mode):
+@pytest.mark.parametrize("ref_mode,ahead", [("step", "state"), ("batch", "state"),
+                                            ("step", "abstract")])
+def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_mode, ahead):
     """rl.loop.precompile_updates (the train step compiled on a thread while the first rollouts
     generate) compiles exactly the programs the real updates then use: after it, updates on
     real groups of both row kinds (one-shot and multi-turn, each at its own width) compile
-    nothing, with the reference log-probs in the step or from the separate forward. Without it
-    the same updates compile (the count is not vacuous)."""
+    nothing, with the reference log-probs in the step or from the separate forward, and when it
+    compiled from the state's abstract form (shapes and shardings, before the state exists, as
+    run_rl starts it where the forward has nothing to run). Without it the same updates compile
+    (the count is not vacuous)."""
     from rl.loop import _RolloutForward, _train_on, precompile_updates
     from sandbox.tasks.schema import Task
 
@@ -277,7 +281,9 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_m
     def updates(compiles: list, precompile: bool) -> tuple[int, int]:
         state = init_train_state_sharded(variables, opt,
                                          train_state_shardings(model, opt, mesh))
-        ref = reference_variables(variables, state)
+        ref = reference_variables(variables, state)  # on the mesh, as run_rl's initial weights
+        ref = jax.device_put(ref, shd.variables_shardings(shd.model_shardings(model, mesh), ref,
+                                                          mesh))
         forward = _RolloutForward(logp_fn=make_logp_fn(model, sampling, mesh=mesh),
                                   logp_value_fn=None, ref_vars=ref, old_logp=False,
                                   ref_in_step=ref_mode == "step", mesh=mesh)
@@ -287,7 +293,12 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_m
         jax.block_until_ready(state)
         compiles.clear()
         if precompile:
-            precompile_updates(tasks, rows, group, state, **kw).result()
+            target, fw = state, forward
+            if ahead == "abstract":
+                target = shd.sharded_abstract(jax.eval_shape(lambda: state),
+                                              train_state_shardings(model, opt, mesh))
+                fw = dataclasses.replace(forward, logp_fn=None, ref_vars=target.variables)
+            precompile_updates(tasks, rows, group, target, **{**kw, "forward": fw}).result()
         before = len(compiles)
         for i, t in enumerate(tasks * 2):
             g = _scored_group(rows, group, 10 if t is tasks[0] else 6,
@@ -302,6 +313,48 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_m
     assert ahead >= 2, f"precompile_updates compiled {ahead} programs (two train steps at least)"
     assert after == 0, f"{after} compiles in the updates after precompile_updates"
     assert cold >= 2, f"without precompile_updates the updates compiled {cold} programs"
+
+
+def test_precompile_from_shapes_only_where_the_forward_has_nothing_to_run(small_lm):
+    """precompile_updates refuses an abstract state when the rollout-time forward runs on the
+    state's weights (here the separate reference pass): that forward needs the real state."""
+    from rl.loop import _RolloutForward, precompile_updates
+
+    model, variables = small_lm
+    mesh = shd.make_mesh(devices=jax.devices()[:1])
+    opt = optax.sgd(1e-2)
+    abstract = shd.sharded_abstract(
+        jax.eval_shape(lambda: init_train_state(variables, opt)),
+        train_state_shardings(model, opt, mesh))
+    forward = _RolloutForward(logp_fn=None, logp_value_fn=None, ref_vars=abstract.variables,
+                              old_logp=False, ref_in_step=False, mesh=mesh)
+    assert forward.runs and not dataclasses.replace(forward, ref_in_step=True).runs
+    with pytest.raises(ValueError, match="pass the train state itself"):
+        precompile_updates([], 8, 4, abstract, algo=None, width=24, forward=forward,
+                           step_fn=None, mesh=mesh, rules=None)
+
+
+@pytest.mark.parametrize("algo_name", ["grpo", "ppo"])
+def test_abstract_rl_state_is_the_state_run_rl_creates(algo_name):
+    """rl.loop.abstract_rl_state (what run_rl's update compiles against before the weights
+    load) has init_rl_state's tree, shapes, dtypes and shardings, with a critic too."""
+    from configs import rl as rl_configs
+    from rl.algorithms import algo_from_config
+    from rl.loop import abstract_rl_state, init_rl_state
+
+    c = rl_configs.get_config("smoke")
+    c.model.update(dict(num_layers=1, layer_pattern="D"))
+    if algo_name == "ppo":
+        c.rl.algo = rl_configs.get_config("ppo_tiny").rl.algo
+    model, algo = Model(ModelConfig.from_dict(c.model)), algo_from_config(c.rl.algo)
+    assert algo.needs_values == (algo_name == "ppo")
+    mesh, rules = shd.mesh_from_config(c)
+    state = init_rl_state(c, model, algo, model.init(jax.random.key(0)), mesh=mesh,
+                          rules=rules)[0]
+    abstract = abstract_rl_state(c, model, algo, mesh=mesh, rules=rules)
+    assert jax.tree.structure(abstract) == jax.tree.structure(state)
+    for a, x in zip(jax.tree.leaves(abstract), jax.tree.leaves(state)):
+        assert (a.shape, a.dtype, a.sharding) == (x.shape, x.dtype, x.sharding)
 
 
 def test_supervised_steps_compiled_ahead_compile_nothing_at_their_first_steps(small_lm):
