@@ -32,8 +32,8 @@ Compiles ahead (single process): the update's programs (train step per row width
 forward, advantages) compile on a thread behind the first evaluation and rollouts
 (precompile_updates, rl.precompile), from the train state's shapes and shardings
 (abstract_rl_state) while the weights load when the rollout-time forward has nothing to run
-(the default GRPO), else from the state once it exists; SFT's steps compile two at a time on threads, SFT's own
-while the indexer warm-up trains (supervised_step).
+(the default GRPO), else from the state once it exists; SFT's steps compile two at a time on
+threads, SFT's own while the indexer warm-up trains (supervised_step).
 
 Row widths: one-shot rows and multi-turn episodes (rl/agent.py) never share a batch. SFT
 batches come from one length bucket each (sft_buckets: sft.seq_len / sft.episode_seq_len, mixed
