@@ -15,12 +15,14 @@ of the same config sees; the issue's first-iteration target stays on the cold ru
 
 Printed per side (medians over rounds; within a round, steady = the median over the iterations
 after the first): the set-up before the first iteration (models, train state, programs built)
-and its compile seconds; the first iteration; the steady iteration and its split: rollout
+and its compile seconds; the first iteration; their sum, the time to the first update (the
+project compiles its update from the set-up on where the rollout-time forward has nothing to
+run, so part of its compile is in the set-up); the steady iteration and its split: rollout
 (prefill = the same rollout call at 1 new token, batch 32; decode = the rest of the rollout),
 log-prob passes (old, reference), train step, scoring wait, other (host work: packing,
 advantages, transfers); the train step's compile seconds where it compiles at its first call
-(`compiled_ahead_s`: the project's update programs compiled on a thread behind the first
-rollout, rl.precompile, which the first iteration holds only where it waits); decode tokens/s
+(`compiled_ahead_s`: the project's update programs compiled on a thread, rl.precompile, which
+the first iteration holds only where it waits); decode tokens/s
 at batch 32 and 1 (B x 63 / (call at 64 new tokens - call at 1), the same definition on both
 sides); the other processes' CPU load during the steady iterations (cores) and the load average
 before and after.
@@ -69,6 +71,7 @@ TABLE = (
     ("setup_s", "lower", None),
     ("setup_compile_s", "lower", None),
     ("first_iteration_s", "lower", 1.0),
+    ("setup_and_first_s", "lower", None),  # the time to the first update, wherever compiles run
     ("iteration_s", "lower", 1.0),
     ("rollout_s", "lower", None),
     ("prefill_s", "lower", None),
@@ -210,11 +213,13 @@ def summarize(rec: dict, spec: dict = MATCHED) -> dict:
         out["decode_fn_s"] = _steady(s["decode"])
         out["prefill_fn_s"] = _steady(s["prefill"])
     out["train_step_compile_s"] = rec["clock"]["compile_s"].get("train_step", 0.0)
-    # the update's programs compiled on a thread behind the first rollout (rl.precompile)
+    # the update's programs compiled ahead on a thread (rl.precompile; from the set-up on where
+    # the rollout-time forward has nothing to run)
     out["compiled_ahead_s"] = rec["clock"]["compile_s"].get("ahead", 0.0)
     if s.get("setup"):
         out["setup_s"] = s["setup"][0]
         out["setup_compile_s"] = rec["clock"]["compile_s"].get("setup", 0.0)
+        out["setup_and_first_s"] = out["setup_s"] + out["first_iteration_s"]
     fc = rec["clock"]["foreign_cores"]["iteration"]
     out["foreign_cores"] = statistics.median(fc[1:] if len(fc) > 1 else fc)
     out["params"] = rec["params"]

@@ -151,6 +151,7 @@ def test_split_medians_and_ratios_of_recorded_runs():
     rec["clock"]["compile_s"] = {**rec["clock"]["compile_s"], "setup": 9.8}
     with_setup = grpo_peer.summarize(rec)
     assert (with_setup["setup_s"], with_setup["setup_compile_s"]) == (12.5, 9.8)
+    assert with_setup["setup_and_first_s"] == 12.5 + with_setup["first_iteration_s"]
 
     # medians over rounds, ratios project / peer and the targets
     slower = dict(h, iteration_s=h["iteration_s"] * 3)
