@@ -262,9 +262,7 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
     def logp(variables, tokens, mask):  # [N,L] -> [N,L]; which pass it is, by its weights
         return (timed_ref if variables is ref_vars else timed_old)(variables, tokens, mask)
 
-    forward = loop._RolloutForward(logp_fn=logp, logp_value_fn=None, ref_vars=ref_vars,
-                                   old_logp=old_src == "batch", ref_in_step=ref_src == "step",
-                                   **on_mesh)
+    forward = dataclasses.replace(ahead, logp_fn=logp, ref_vars=ref_vars)
     step_fn = clock.wrap(raw_step, "train_step")
     train_on = functools.partial(loop._train_on, algo=algo, width=loop.train_width(r, batches[0]),
                                  forward=forward, step_fn=step_fn, **on_mesh)

@@ -879,12 +879,17 @@ def rl_optimizers(config, algo) -> tuple:
             make_optimizer(critic_optim_config(config.optim, critic)))
 
 
+def _rl_state_shapes(config, model: Model, algo):
+    """init_rl_state's fresh state as ShapeDtypeStructs (no shardings), from shapes alone."""
+    return jax.eval_shape(
+        lambda: init_rl_state(config, model, algo, model.init(jax.random.key(0)))[0])
+
+
 def abstract_rl_state(config, model: Model, algo, *, mesh, rules=None):
     """The fresh RL train state of init_rl_state as ShapeDtypeStructs with its shardings on
     `mesh`, computed from shapes alone (no weights loaded, nothing allocated): what checkpoints
     restore into and what the update's programs compile against before the state exists."""
-    abstract = jax.eval_shape(
-        lambda: init_rl_state(config, model, algo, model.init(jax.random.key(0)))[0])
+    abstract = _rl_state_shapes(config, model, algo)
     opt, _, value_opt = rl_optimizers(config, algo)
     return shd.sharded_abstract(abstract, train_state_shardings(
         model, opt, mesh, rules, value_params=getattr(abstract, "value_params", None),
@@ -1306,12 +1311,11 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
 
     # training: the rollout-time forward (the log-prob passes the step does not take itself)
     # and the update
-    forward = _RolloutForward(
-        logp_fn=make_logp_fn(model, sampling, **on_mesh),
+    forward = dataclasses.replace(  # `ahead` with the functions and the reference's weights
+        ahead, logp_fn=make_logp_fn(model, sampling, **on_mesh),
         logp_value_fn=(make_logp_value_fn(model, critic, sampling, **on_mesh)
                        if critic is not None else None),
-        ref_vars=reference_variables(init_vars, state) if algo.needs_ref else None,
-        old_logp=old_src == "batch", ref_in_step=ref_src == "step", **on_mesh)
+        ref_vars=reference_variables(init_vars, state) if algo.needs_ref else None)
     train_on = functools.partial(_train_on, algo=algo, width=width, forward=forward,
                                  step_fn=step_fn, **on_mesh)
     if compiling is None and r.precompile and int(state.step) < r.steps:
@@ -1369,8 +1373,8 @@ def load_rl_variables(config, model: Model, directory: str | None = None, *, mes
     algo = algo_from_config(config.rl.algo)  # with a critic the state holds a value head
     opt = make_optimizer(config.optim)
     d = directory or os.path.join(config.workdir, "rl", "checkpoints")
-    v = _restore_variables(d, model, opt, mesh, rules, abstract_fn=lambda: jax.eval_shape(
-        lambda: init_rl_state(config, model, algo, model.init(jax.random.key(0)))[0]))
+    v = _restore_variables(d, model, opt, mesh, rules,
+                           abstract_fn=lambda: _rl_state_shapes(config, model, algo))
     if v is None:
         raise FileNotFoundError(f"no RL checkpoint under {d}: run scripts/train_rl.py first")
     return v
