@@ -15,7 +15,8 @@ to plain decoding, the measured time of one speculative loop iteration relative 
 decode iteration on this machine (prefill included in both), and the k
 `rl.speculative.choose_draft_tokens` picks from the measured acceptance under two cost models
 (memory-bound: verification free, a draft 1/num_layers of a trunk pass; and the step costs
-measured here). Greedy outputs must be identical to plain decoding (reported). The 1-minute load
+measured here, fitted over every k by `rl.speculative.fit_step_cost` as a fixed overhead plus a
+cost per draft). Greedy outputs must be identical to plain decoding (reported). The 1-minute load
 average is recorded with the numbers.
 """
 
@@ -74,7 +75,7 @@ def _counting_model(batch: int, quick: bool):
 def run(quick: bool = False, batches: tuple[int, ...] | None = None) -> dict:
     """batches: the batch sizes to measure (default 1 and 32; 1 and 8 with quick)."""
     from rl.sampler import SampleOutput, Sampler, SamplingConfig
-    from rl.speculative import choose_draft_tokens, draft_summary
+    from rl.speculative import choose_draft_tokens, draft_summary, fit_step_cost
 
     batch = 8 if quick else 32
     ks = (1, 2) if quick else (1, 2, 3)
@@ -156,14 +157,15 @@ def run(quick: bool = False, batches: tuple[int, ...] | None = None) -> dict:
                       + f" | load {row['load_avg']:.1f}", flush=True)
             acc = row[f"k{ks[-1]}"]["acceptance"]
             mem_k, mem_speed = choose_draft_tokens(acc, draft_cost=1 / model.cfg.num_layers)
-            # measured here: cost(k) = step_cost(k); fit cost(k) = 1 + c k through k = max
-            c = max(row[f"k{ks[-1]}"]["step_cost"] - 1.0, 0.0) / ks[-1]
-            cpu_k, cpu_speed = choose_draft_tokens(acc, draft_cost=c)
+            # measured here: the step costs at every k, fit 1 + overhead + c k (k >= 1)
+            over, c = fit_step_cost(ks, [row[f"k{k}"]["step_cost"] for k in ks])
+            cpu_k, cpu_speed = choose_draft_tokens(acc, draft_cost=c, step_overhead=over)
             row["choose_k"] = {"memory_bound": mem_k, "memory_bound_speedups": mem_speed,
                                "measured_cost": cpu_k, "measured_cost_per_draft": c,
+                               "measured_cost_overhead": over,
                                "measured_cost_speedups": cpu_speed}
             print(f"batch {B:3d} {name:8s} choose k: memory-bound {mem_k} "
-                  f"{[round(x, 2) for x in mem_speed]}; measured step cost (1 + {c:.2f} k) "
-                  f"{cpu_k} {[round(x, 2) for x in cpu_speed]}", flush=True)
+                  f"{[round(x, 2) for x in mem_speed]}; measured step cost (1 + {over:.2f} + "
+                  f"{c:.2f} k) {cpu_k} {[round(x, 2) for x in cpu_speed]}", flush=True)
             res[f"batch{B}_{name}"] = row
     return res

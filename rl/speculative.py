@@ -14,7 +14,8 @@ first rejection (then a draw from the residual) or all k (then a free token from
 position), so greedy output equals the plain sampler's token for token and sampled output has its
 distribution; `Model.commit` keeps 1 + accepted tokens of the trunk cache (KDA state and conv
 window after that prefix); the MTP cache then runs on the committed positions.
-`choose_draft_tokens` picks k from measured acceptance rates and a per-pass cost model.
+`choose_draft_tokens` picks k from measured acceptance rates and a per-step cost model
+(`fit_step_cost` fits it to measured step costs).
 Not covered: chaining the deeper MTP modules of a model with mtp.depth > 1 (only the first module
 drafts, recursively), tree drafts.
 """
@@ -265,21 +266,47 @@ def expected_tokens_per_pass(acceptance: Sequence[float], k: int) -> float:
 
 
 def choose_draft_tokens(acceptance: Sequence[float], *, draft_cost: float,
-                        verify_cost: float = 0.0) -> tuple[int, list[float]]:
+                        verify_cost: float = 0.0, step_overhead: float = 0.0
+                        ) -> tuple[int, list[float]]:
     """Pick k (0 = plain decoding) maximising expected tokens per unit of decode cost.
 
     acceptance: measured per-position rates alpha_1..alpha_m (`draft_summary(...)["acceptance"]`
     of a run with draft_tokens = m; k is chosen among 0..m). Cost of one step with k drafts,
     relative to one plain decode step (a trunk pass over one token per row):
-        cost(k) = 1 + k * (draft_cost + verify_cost)       (cost(0) = 1)
+        cost(k) = 1 + step_overhead + k * (draft_cost + verify_cost)   (k >= 1; cost(0) = 1)
     draft_cost: one MTP-block call relative to a trunk pass (about 1 / num_layers of the trunk
     plus the vocabulary head when decoding is bound by memory bandwidth); verify_cost: the extra
     cost of each further token in the trunk pass (about 0 when decoding is bound by memory
     bandwidth, as on accelerators at small batch; up to about 1 when bound by compute, as on a
-    small CPU). Returns (k, [speed-up over plain decoding for k = 0..m])."""
-    if draft_cost < 0 or verify_cost < 0:
+    small CPU); step_overhead: what a speculative step costs beyond that whatever k (the MTP
+    block over the committed positions, acceptance, commit; `fit_step_cost` measures it).
+    Returns (k, [speed-up over plain decoding for k = 0..m])."""
+    if draft_cost < 0 or verify_cost < 0 or step_overhead < 0:
         raise ValueError(f"costs must be >= 0, got draft_cost={draft_cost}, "
-                         f"verify_cost={verify_cost}")
-    speed = [expected_tokens_per_pass(acceptance, k) / (1.0 + k * (draft_cost + verify_cost))
+                         f"verify_cost={verify_cost}, step_overhead={step_overhead}")
+    speed = [expected_tokens_per_pass(acceptance, k)
+             / (1.0 + (k > 0) * (step_overhead + k * (draft_cost + verify_cost)))
              for k in range(len(acceptance) + 1)]
     return int(np.argmax(speed)), speed
+
+
+def fit_step_cost(ks: Sequence[int], costs: Sequence[float]) -> tuple[float, float]:
+    """(step_overhead, per_draft) of `choose_draft_tokens`' cost model from measured step costs
+    (one speculative loop iteration with k drafts relative to one plain one) at the draft counts
+    ks: the least-squares line cost = 1 + step_overhead + per_draft * k over the measured points,
+    both parts clamped at 0. One point: per_draft = (cost - 1) / k, no overhead (the two cannot be
+    told apart). A line through k = m alone (1 + c k) underrates small k: on the demo checkpoint
+    (2 cores, batch 32, acceptance 1.00 / 0.38 / 0.26) the costs 2.34 / 3.07 / 3.74 at k = 1 / 2 / 3
+    fit 1 + 0.65 + 0.70 k, which predicts 0.85x at k = 1 (measured 0.84x) and picks k = 0, where
+    the line 1 + 0.91 k through k = 3 predicted 1.05x and picked k = 1."""
+    ks = np.asarray(ks, np.float64)
+    costs = np.asarray(costs, np.float64)
+    if ks.ndim != 1 or ks.shape != costs.shape or ks.size == 0 or np.any(ks < 1):
+        raise ValueError(f"ks (each >= 1) and costs must be equal-length 1-D sequences, got "
+                         f"{ks.tolist()} and {costs.tolist()}")
+    if np.unique(ks).size == 1:
+        return 0.0, float(max(np.mean(costs) - 1.0, 0.0) / ks[0])
+    slope, intercept = np.polyfit(ks, costs, 1)
+    slope = max(float(slope), 0.0)
+    overhead = max(float(np.mean(costs - slope * ks)) - 1.0, 0.0)  # refit with the clamped slope
+    return overhead, slope

@@ -28,6 +28,7 @@ from rl.speculative import (
     choose_draft_tokens,
     draft_summary,
     expected_tokens_per_pass,
+    fit_step_cost,
     verify_draft,
 )
 from rl.train_step import make_logp_fn
@@ -304,3 +305,27 @@ def test_expected_tokens_and_choice_of_k():
     s = draft_summary(np.array([10, 8, 4, 3]), np.array([15, 9]))
     assert s["acceptance"] == [0.8, 0.5] and s["accepted_per_pass"] == 1.2
     assert s["tokens_per_pass"] == 2.2 and s["batch_passes_per_token"] == 3 / 14
+
+
+def test_step_cost_fit_and_overhead():
+    # a fixed overhead per speculative step is paid at every k >= 1, never at k = 0
+    k, speed = choose_draft_tokens([1.0, 0.38, 0.26], draft_cost=0.7, step_overhead=0.65)
+    assert k == 0 and speed[0] == 1.0
+    assert speed[1] == pytest.approx(2.0 / 2.35) and speed[3] == pytest.approx(2.4788 / 3.75)
+    # the same acceptance with the overhead folded into a line through k = 3 (the old fit)
+    # would speculate at k = 1: the fit is what decides
+    assert choose_draft_tokens([1.0, 0.38, 0.26], draft_cost=(3.74 - 1) / 3)[0] == 1
+    # the demo checkpoint's measured costs (docs/speed.md): overhead 0.65, 0.70 per draft
+    over, per = fit_step_cost([1, 2, 3], [2.34, 3.07, 3.74])
+    assert over == pytest.approx(0.65) and per == pytest.approx(0.70)
+    # exact on a line; clamped at zero (a noisy negative intercept is no overhead)
+    assert fit_step_cost([1, 2], [1.5, 2.0]) == pytest.approx((0.0, 0.5))
+    assert fit_step_cost([1, 2], [2.57, 4.23]) == pytest.approx((0.0, 1.66))
+    # one point cannot split the two: all of it per draft, as the old fit
+    assert fit_step_cost([2], [3.0]) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="equal-length"):
+        fit_step_cost([1, 2], [2.0])
+    with pytest.raises(ValueError, match="each >= 1"):
+        fit_step_cost([0, 1], [1.0, 2.0])
+    with pytest.raises(ValueError, match="step_overhead=-0.1"):
+        choose_draft_tokens([0.9], draft_cost=0.1, step_overhead=-0.1)
