@@ -298,7 +298,7 @@ def fit_step_cost(ks: Sequence[int], costs: Sequence[float]) -> tuple[float, flo
     told apart). A line through k = m alone (1 + c k) underrates small k: on the demo checkpoint
     (2 cores, batch 32, acceptance 1.00 / 0.38 / 0.26) the costs 2.34 / 3.07 / 3.74 at k = 1 / 2 / 3
     fit 1 + 0.65 + 0.70 k, which predicts 0.85x at k = 1 (measured 0.84x) and picks k = 0, where
-    the line 1 + 0.91 k through k = 3 predicted 1.05x and picked k = 1."""
+    the line 1 + 0.91 k through k = 3 predicted 1.04x and picked k = 1."""
     ks = np.asarray(ks, np.float64)
     costs = np.asarray(costs, np.float64)
     if ks.ndim != 1 or ks.shape != costs.shape or ks.size == 0 or np.any(ks < 1):
