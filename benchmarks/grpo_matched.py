@@ -236,15 +236,11 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
     # thread from there (rl.loop.precompile_updates; rl.precompile) while the weights are made
     # and the first rollout runs; else from the state, with the first iteration
     model, algo, on_mesh, opt, abstract, init = build_trainer(config)
-    old_src, ref_src = loop.old_logp_source(r, algo), loop.ref_logp_source(r, algo)
     raw_step = matched_train_step(config, model, algo, opt, abstract, sampling, on_mesh)
     precompile = functools.partial(
         loop.precompile_updates, batches[0], len(batches[0]) * r.group_size, r.group_size,
         algo=algo, width=loop.train_width(r, batches[0]), step_fn=raw_step, **on_mesh)
-    ahead = loop._RolloutForward(logp_fn=None, logp_value_fn=None,
-                                 ref_vars=abstract.variables if algo.needs_ref else None,
-                                 old_logp=old_src == "batch", ref_in_step=ref_src == "step",
-                                 **on_mesh)
+    ahead = loop._RolloutForward.planned(r, algo, abstract, **on_mesh)
     compiling = [precompile(abstract, forward=ahead)] if r.precompile and not ahead.runs else []
 
     init_vars, state = init()

@@ -1034,6 +1034,17 @@ class _RolloutForward:
     old_logp: bool = True  # False: the train step takes old log-probs itself (old_logp_source)
     ref_in_step: bool = False  # True: the train step takes ref log-probs itself (ref_logp_source)
 
+    @classmethod
+    def planned(cls, r, algo, state, *, mesh=None, rules=None) -> _RolloutForward:
+        """The forward rl config `r` and `algo` call for (old_logp_source, ref_logp_source),
+        without its functions: enough for `runs`, `step_args` and precompile_updates on an
+        abstract `state` (its variables stand for the reference's); the real one is
+        dataclasses.replace(planned, logp_fn=..., logp_value_fn=..., ref_vars=...)."""
+        return cls(logp_fn=None, logp_value_fn=None,
+                   ref_vars=state.variables if algo.needs_ref else None,
+                   old_logp=old_logp_source(r, algo) == "batch",
+                   ref_in_step=ref_logp_source(r, algo) == "step", mesh=mesh, rules=rules)
+
     @property
     def step_args(self) -> tuple:
         """The train step's arguments after (state, batch): the reference variables when the
@@ -1275,10 +1286,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     precompile = functools.partial(precompile_updates, train_tasks,
                                    r.prompts_per_batch * r.group_size, r.group_size, algo=algo,
                                    width=width, step_fn=step_fn, **on_mesh)
-    ahead = _RolloutForward(logp_fn=None, logp_value_fn=None,  # shapes only: nothing to run
-                            ref_vars=abstract.variables if algo.needs_ref else None,
-                            old_logp=old_src == "batch", ref_in_step=ref_src == "step",
-                            **on_mesh)
+    ahead = _RolloutForward.planned(r, algo, abstract, **on_mesh)  # shapes only: nothing runs
     compiling = None  # the update's programs, compiling behind the set-up, evaluation, rollouts
     if r.precompile and not ahead.runs and (not resume or (ckpt.latest_step() or 0) < r.steps):
         compiling = precompile(abstract, forward=ahead)
