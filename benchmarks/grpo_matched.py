@@ -336,6 +336,21 @@ def sampler_alone(clock: Clock, config, worker, sample_model, variables, on_mesh
                 raise RuntimeError(f"{name}: {n} tokens generated, expected {B * g}")
 
 
+def decode_flops_per_token(model, variables, batch: int, max_len: int) -> float:
+    """XLA's count of the floating-point operations in one decode step of `batch` rows over a
+    cache of `max_len` positions (`model.decode_step` compiled alone, not run; its cost
+    analysis), per row: what the sampler's loop computes per generated token. Times the decode
+    rate it gives the FLOP/s the decode sustains (benchmarks/grpo_peer.py's decode_gflop_s)."""
+    import jax
+    import jax.numpy as jnp
+
+    cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    cost = jax.jit(model.decode_step).lower(variables, tokens, cache).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"]) / batch
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--variant", default="hybrid", choices=VARIANTS)
@@ -369,6 +384,9 @@ def main(argv=None) -> int:
     sampler = out.pop("sampler")
     if args.reps:
         sampler_alone(clock, config, *sampler, reps=args.reps)
+        B = MATCHED["prompts"] * MATCHED["group"]
+        rec["decode_flops_per_token"] = decode_flops_per_token(
+            sampler[1], sampler[2], B, MATCHED["prompt_len"] + MATCHED["new_tokens"])
     rec.update(out, load_after=loadavg(), clock=clock.record(), spec=MATCHED,
                model=config.model.to_dict())
     emit(rec, args.out)

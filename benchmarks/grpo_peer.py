@@ -24,7 +24,9 @@ advantages, transfers); the train step's compile seconds where it compiles at it
 (`compiled_ahead_s`: the project's update programs compiled on a thread, rl.precompile, which
 the first iteration holds only where it waits); decode tokens/s
 at batch 32 and 1 (B x 63 / (call at 64 new tokens - call at 1), the same definition on both
-sides); the other processes' CPU load during the steady iterations (cores) and the load average
+sides) and, for the project's sides, the FLOP/s that decode rate sustains at batch 32 (XLA's
+count of its decode step's operations per row, benchmarks/grpo_matched.py:decode_flops_per_token,
+times the rate); the other processes' CPU load during the steady iterations (cores) and the load average
 before and after.
 Ratios are project / peer (< 1 is faster for seconds, > 1 for tokens/s): of the medians (the
 issue's targets are marked on these) and paired (the median of the per-round ratios, each from
@@ -65,8 +67,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PEER_VENVS_ENV = "PEER_VENVS"
 SIDE_TIMEOUT_S = 900
 
-# (metric, better when (None: a load reading, no ratio), issue 19's target on project / peer or
-# None)
+# (metric, better when (None: no ratio: a load reading, or a number of the project's side
+# only), issue 19's target on project / peer or None)
 TABLE = (
     ("setup_s", "lower", None),
     ("setup_compile_s", "lower", None),
@@ -87,6 +89,7 @@ TABLE = (
     ("decode_tok_s_b32", "higher", 2.0),
     ("decode_tok_s_b1", "higher", None),
     ("sampler_call_tok_s_b32", "higher", None),
+    ("decode_gflop_s_b32", None, None),  # the project's: its decode step's FLOPs x its rate
     ("foreign_cores", None, None),
 )
 
@@ -209,6 +212,8 @@ def summarize(rec: dict, spec: dict = MATCHED) -> dict:
             dt = _steady(full) - _steady(single)
             out[f"decode_tok_s_b{b}"] = b * (G - 1) / dt if dt > 0 else None
             out[f"sampler_call_tok_s_b{b}"] = b * G / _steady(full)
+    if rec.get("decode_flops_per_token") and out.get(f"decode_tok_s_b{B}"):
+        out[f"decode_gflop_s_b{B}"] = rec["decode_flops_per_token"] * out[f"decode_tok_s_b{B}"] / 1e9
     if s.get("decode"):  # the peer's own decode function inside the rollout (a cross-check)
         out["decode_fn_s"] = _steady(s["decode"])
         out["prefill_fn_s"] = _steady(s["prefill"])

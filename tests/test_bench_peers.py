@@ -183,6 +183,34 @@ def test_split_medians_and_ratios_of_recorded_runs():
     assert "hybrid/tunix" in table and "!!" in table and "load average before [9.1]" in table
 
 
+def test_decode_flops_per_token_and_the_rate_they_give():
+    """grpo_matched.decode_flops_per_token: XLA's count for one decode step of the matched
+    hybrid, per row, lies between 2 FLOPs per trunk weight the step multiplies (every expert:
+    the decode path runs them all; the output head; not the input embedding, a gather, nor the
+    MTP module) and 1.25x that (the KDA states, the attention over the cache, norms, the draw
+    are the rest); summarize turns it and the batch-32 rate into decode_gflop_s_b32, a number
+    of the project's side only (no ratio)."""
+    import flax
+    import jax
+
+    from rl import loop
+
+    model = loop.rl_model(grpo_matched.run_config("hybrid"))
+    v = flax.core.meta.unbox(model.abstract_init())
+    weights = sum(leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(v["params"])[0]
+                  if not str(path[0].key).startswith("mtp") and leaf.ndim >= 2
+                  and "embedding" not in str(path[-1].key))
+    got = grpo_matched.decode_flops_per_token(model, v, 32, 96)
+    assert 2 * weights <= got <= 1.25 * 2 * weights, (got, weights)
+    assert grpo_matched.decode_flops_per_token(model, v, 8, 96) == pytest.approx(got, rel=0.05)
+
+    rec = {**RECORDED["hybrid"], "decode_flops_per_token": got}
+    h = grpo_peer.summarize(rec)
+    assert h["decode_gflop_s_b32"] == pytest.approx(got * h["decode_tok_s_b32"] / 1e9)
+    t = grpo_peer.summarize(RECORDED["tunix"])
+    assert "decode_gflop_s_b32" not in t and "decode_gflop_s_b32" not in grpo_peer.ratios(h, t)
+
+
 def test_summary_needs_a_steady_iteration():
     rec = {"side": "tunix", "clock": {"samples": {"iteration": [40.0]}}}
     with pytest.raises(ValueError, match=">= 2 iterations"):
