@@ -24,9 +24,10 @@ advantages, transfers); the train step's compile seconds where it compiles at it
 (`compiled_ahead_s`: the project's update programs compiled on a thread, rl.precompile, which
 the first iteration holds only where it waits); decode tokens/s
 at batch 32 and 1 (B x 63 / (call at 64 new tokens - call at 1), the same definition on both
-sides) and, for the project's sides, the FLOP/s that decode rate sustains at batch 32 (XLA's
-count of its decode step's operations per row, benchmarks/grpo_matched.py:decode_flops_per_token,
-times the rate); the other processes' CPU load during the steady iterations (cores) and the load average
+sides) and the FLOP/s that decode rate sustains at batch 32 (XLA's count of the operations in
+one decode step of the side's model per row, benchmarks/grpo_matched.py:decode_flops_per_token
+and benchmarks/peers/tunix_sampler.py:decode_flops_per_token, times the rate; no ratio: the
+models differ); the other processes' CPU load during the steady iterations (cores) and the load average
 before and after.
 Ratios are project / peer (< 1 is faster for seconds, > 1 for tokens/s): of the medians (the
 issue's targets are marked on these) and paired (the median of the per-round ratios, each from
@@ -67,8 +68,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PEER_VENVS_ENV = "PEER_VENVS"
 SIDE_TIMEOUT_S = 900
 
-# (metric, better when (None: no ratio: a load reading, or a number of the project's side
-# only), issue 19's target on project / peer or None)
+# (metric, better when (None: no ratio: a load reading, or a rate of different models' work),
+# issue 19's target on project / peer or None)
 TABLE = (
     ("setup_s", "lower", None),
     ("setup_compile_s", "lower", None),
@@ -89,7 +90,7 @@ TABLE = (
     ("decode_tok_s_b32", "higher", 2.0),
     ("decode_tok_s_b1", "higher", None),
     ("sampler_call_tok_s_b32", "higher", None),
-    ("decode_gflop_s_b32", None, None),  # the project's: its decode step's FLOPs x its rate
+    ("decode_gflop_s_b32", None, None),  # a side's decode step FLOPs per row x its rate
     ("foreign_cores", None, None),
 )
 

@@ -155,7 +155,7 @@ def main(argv=None) -> int:
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "steps": args.steps}
     rec.update(grpo(clock, MATCHED, args.steps))
     if args.reps:
-        measure(clock, MATCHED, args.reps)
+        rec["decode_flops_per_token"] = measure(clock, MATCHED, args.reps)["decode_flops_per_token"]
     rec.update(load_after=loadavg(), clock=clock.record(), spec=MATCHED)
     emit(rec, args.out)
     return 0

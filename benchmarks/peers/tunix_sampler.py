@@ -113,7 +113,31 @@ def measure(clock: Clock, spec: dict, reps: int, batches=(32, 1)) -> dict:
             if n != B * g:
                 raise RuntimeError(f"{name}: {n} tokens generated, expected {B * g} (an early "
                                    "end-of-sequence would make the work unmatched)")
-    return {"params": param_count(model)}
+    return {"params": param_count(model),
+            "decode_flops_per_token": decode_flops_per_token(
+                model, spec["prompts"] * spec["group"], P + G)}
+
+
+def decode_flops_per_token(model, batch: int, cache_size: int) -> float:
+    """XLA's count of the floating-point operations in one decode step of the Qwen3 model (one
+    token per row, `batch` rows, a cache of `cache_size` positions: the model's own forward
+    over its cache, compiled alone, not run; its cost analysis), per row: the counterpart of
+    benchmarks/grpo_matched.py:decode_flops_per_token, for the decode FLOP/s of the peer table."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(batch, cache_size, jnp.float32)
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    mask = jnp.ones((batch, 1, cache_size), jnp.bool_)
+
+    def step(state, tokens, cache):
+        return nnx.merge(graphdef, state)(tokens, tokens, cache, mask)
+
+    cost = jax.jit(step).lower(state, tokens, cache).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"]) / batch
 
 
 def main(argv=None) -> int:
