@@ -27,8 +27,8 @@ at batch 32 and 1 (B x 63 / (call at 64 new tokens - call at 1), the same defini
 sides) and the FLOP/s that decode rate sustains at batch 32 (XLA's count of the operations in
 one decode step of the side's model per row, benchmarks/grpo_matched.py:decode_flops_per_token
 and benchmarks/peers/tunix_sampler.py:decode_flops_per_token, times the rate; no ratio: the
-models differ); the other processes' CPU load during the steady iterations (cores) and the load average
-before and after.
+models differ); the other processes' CPU load during the steady iterations (cores) and the load
+average before and after.
 Ratios are project / peer (< 1 is faster for seconds, > 1 for tokens/s): of the medians (the
 issue's targets are marked on these) and paired (the median of the per-round ratios, each from
 two processes run back to back).
@@ -213,8 +213,9 @@ def summarize(rec: dict, spec: dict = MATCHED) -> dict:
             dt = _steady(full) - _steady(single)
             out[f"decode_tok_s_b{b}"] = b * (G - 1) / dt if dt > 0 else None
             out[f"sampler_call_tok_s_b{b}"] = b * G / _steady(full)
-    if rec.get("decode_flops_per_token") and out.get(f"decode_tok_s_b{B}"):
-        out[f"decode_gflop_s_b{B}"] = rec["decode_flops_per_token"] * out[f"decode_tok_s_b{B}"] / 1e9
+    rate = out.get(f"decode_tok_s_b{B}")
+    if rec.get("decode_flops_per_token") and rate:
+        out[f"decode_gflop_s_b{B}"] = rec["decode_flops_per_token"] * rate / 1e9
     if s.get("decode"):  # the peer's own decode function inside the rollout (a cross-check)
         out["decode_fn_s"] = _steady(s["decode"])
         out["prefill_fn_s"] = _steady(s["prefill"])

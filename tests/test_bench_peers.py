@@ -187,8 +187,8 @@ def test_decode_flops_per_token_and_the_rate_they_give():
     """grpo_matched.decode_flops_per_token: XLA's count for one decode step of the matched
     hybrid, per row, lies between 2 FLOPs per trunk weight the step multiplies (every expert:
     the decode path runs them all; the output head; not the input embedding, a gather, nor the
-    MTP module) and 1.25x that (the KDA states, the attention over the cache, norms, the draw
-    are the rest); summarize turns a side's count and its batch-32 rate into decode_gflop_s_b32
+    MTP module) and 1.25x that (the KDA states, the attention over the cache and the norms are
+    the rest); summarize turns a side's count and its batch-32 rate into decode_gflop_s_b32
     (no ratio: the two sides' models do different work per token)."""
     import flax
     import jax
