@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.peers import MATCHED, Clock, emit, loadavg
+from benchmarks.peers import MATCHED, Clock, emit, flops_per_row, loadavg
 
 VARIANTS = ("hybrid", "dense")
 
@@ -346,9 +346,8 @@ def decode_flops_per_token(model, variables, batch: int, max_len: int) -> float:
 
     cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    cost = jax.jit(model.decode_step).lower(variables, tokens, cache).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return float(cost["flops"]) / batch
+    return flops_per_row(jax.jit(model.decode_step).lower(variables, tokens, cache).compile(),
+                         batch)
 
 
 def main(argv=None) -> int:

@@ -306,7 +306,6 @@ def fit_step_cost(ks: Sequence[int], costs: Sequence[float]) -> tuple[float, flo
                          f"{ks.tolist()} and {costs.tolist()}")
     if np.unique(ks).size == 1:
         return 0.0, float(max(np.mean(costs) - 1.0, 0.0) / ks[0])
-    slope, intercept = np.polyfit(ks, costs, 1)
-    slope = max(float(slope), 0.0)
+    slope = max(float(np.polyfit(ks, costs, 1)[0]), 0.0)
     overhead = max(float(np.mean(costs - slope * ks)) - 1.0, 0.0)  # refit with the clamped slope
     return overhead, slope

@@ -43,6 +43,14 @@ def emit(record: dict, out: str | None) -> None:
     print(text)
 
 
+def flops_per_row(compiled, batch: int) -> float:
+    """XLA's count of the floating-point operations of a compiled program (its cost analysis,
+    not a run) divided by its `batch` rows: both sides' decode_flops_per_token."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"]) / batch
+
+
 def loadavg() -> list[float]:
     """The 1, 5 and 15 minute load averages."""
     return [round(x, 2) for x in os.getloadavg()]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.peers import MATCHED, Clock, emit, loadavg
+from benchmarks.peers import MATCHED, Clock, emit, flops_per_row, loadavg
 
 
 class IdTokenizer:
@@ -135,9 +135,7 @@ def decode_flops_per_token(model, batch: int, cache_size: int) -> float:
     def step(state, tokens, cache):
         return nnx.merge(graphdef, state)(tokens, tokens, cache, mask)
 
-    cost = jax.jit(step).lower(state, tokens, cache).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return float(cost["flops"]) / batch
+    return flops_per_row(jax.jit(step).lower(state, tokens, cache).compile(), batch)
 
 
 def main(argv=None) -> int:
