@@ -69,7 +69,7 @@ PEER_VENVS_ENV = "PEER_VENVS"
 SIDE_TIMEOUT_S = 900
 
 # (metric, better when (None: no ratio: a load reading, or a rate of different models' work),
-# issue 19's target on project / peer or None)
+# the target on project / peer (DESIGN.md section 5) or None)
 TABLE = (
     ("setup_s", "lower", None),
     ("setup_compile_s", "lower", None),
@@ -263,7 +263,7 @@ def paired_ratios(project_rounds: list, peer_rounds: list) -> dict:
 
 
 def checks(ratio: dict) -> dict:
-    """Issue 19's targets on the ratios: {metric: {"ratio", "target", "met"}}."""
+    """The speed targets (DESIGN.md section 5) on the ratios: {metric: {"ratio", "target", "met"}}."""
     out = {}
     for k, better, target in TABLE:
         if target is None or ratio.get(k) is None:
@@ -305,14 +305,14 @@ def report(result: dict) -> str:
                      " round(s) only")
     if result.get("warm_cache"):
         lines.append("warm persistent compilation cache on both sides (each filled by one untimed "
-                     "run first): issue 19's first-iteration target is on cold runs")
+                     "run first): the first-iteration target is on cold runs")
     records = result.get("records", {})
     allocators = {s: records[s][0].get("allocator", "?") if records.get(s) else "?"
                   for s in variants}
     lines.append(f"allocators: tunix {result.get('peer_malloc', 'system')}, "
                  + ", ".join(f"{s} {a}" for s, a in allocators.items()))
     lines.append(f"load average before {result['load_before']}, after {result['load_after']}; "
-                 "targets (issue 19, on the ratio of medians): iteration and first iteration "
+                 "targets (DESIGN.md section 5, on the ratio of medians): iteration and first iteration "
                  "<= 1x tunix, decode b32 >= 2x; '!!' = not met; paired = median of the "
                  "per-round ratios")
     return "\n".join(lines)

@@ -23,8 +23,8 @@ faults its whole working set in again (196K minor faults, ~0.34 s of one core pe
 jemalloc (Debian's libjemalloc2, installed by scripts/setup.sh) keeps freed pages for reuse:
 with MALLOC_CONF `JEMALLOC_CONF` the matched train step ran 0.83 s instead of 0.93-0.95, its
 compile took 9.6-9.8 s instead of 11.9 (allocation-heavy), the matched GRPO first iteration
-19.5-20.0 s instead of 22.6-23.6 (2 alternating pairs, thirty-fourth session; the same output
-bits). A script's process re-executes itself once at `configure_xla_env` with jemalloc
+19.5-20.0 s instead of 22.6-23.6 (2 alternating pairs at f0dd6f7; the same output bits;
+docs/speed.md). A script's process re-executes itself once at `configure_xla_env` with jemalloc
 preloaded (LD_PRELOAD can only take effect at process start); the re-executed process drops
 LD_PRELOAD and MALLOC_CONF from its environment again, so its children (sandboxed programs,
 workers) start as they would have. Not done under pytest, in interactive sessions and notebooks,

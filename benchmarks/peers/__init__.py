@@ -16,7 +16,7 @@ import os
 import threading
 import time
 
-# The matched GRPO work (issue 19): 8 prompts x 4 samples = 32 rows; each prompt is BOS + 31
+# The matched GRPO work (DESIGN.md section 5): 8 prompts x 4 samples = 32 rows; each prompt is BOS + 31
 # random ids in [3, vocab) (no padding); exactly 64 generated tokens per row (the end-of-sequence
 # id is never sampled); temperature 0.9, no truncation; GRPO with k3 KL 0.04 in the loss against a
 # frozen reference (one reference forward per batch), clip 0.2; AdamW lr 1e-5 (optax.adamw's

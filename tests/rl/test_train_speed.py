@@ -1,5 +1,5 @@
 """The RL train step's speed choices keep its numbers (rl/train_step.py, rl/loop.py,
-rl/pipeline.py; issue 19 item 4).
+rl/pipeline.py).
 
 Covered: old_logp="current" (no separate old-log-prob forward: old = stop_gradient of the step's
 own log-probs) gives the loss, gradients, metrics and the updated parameters of the separate
