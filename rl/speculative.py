@@ -30,15 +30,15 @@ import numpy as np
 
 from model import sharding as shd
 from model.transformer import Model
-from rl.sampler import (
+from rl.draws import (
     SampleOutput,
     SamplingConfig,
-    _hits_stop,
-    _sample,
     argmax_last,
     categorical_last,
+    hits_stop,
     process_logits,
     row_keys,
+    sample_tokens,
 )
 
 
@@ -145,7 +145,7 @@ def generate_speculative_impl(model: Model, cfg: SamplingConfig, variables, prom
                                           chunk=cfg.prefill_chunk)
     last = at_row(logits, lengths - 1)  # [B,V]
     # the first token: the plain sampler's draw for each row (rl.sampler.row_keys)
-    tok, lp = _sample(last, row_keys(rng, jnp.full((B,), -1, jnp.int32)), lengths, cfg,
+    tok, lp = sample_tokens(last, row_keys(rng, jnp.full((B,), -1, jnp.int32)), lengths, cfg,
                       temperature)
     rng, _ = jax.random.split(rng)
     # draft prefill: MTP input at position t is [h_t; emb(x_{t+1})], x_L the token just sampled
@@ -159,7 +159,7 @@ def generate_speculative_impl(model: Model, cfg: SamplingConfig, variables, prom
     W = G + k + 1  # room for k+1 writes past a row's last slot (sliced off below)
     buf = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
     lps = jnp.zeros((B, W), jnp.float32).at[:, 0].set(lp)
-    done = (tok == cfg.eos_id) | _hits_stop(buf, 0, cfg) | (G <= 1)
+    done = (tok == cfg.eos_id) | hits_stop(buf, 0, cfg) | (G <= 1)
     n_gen = jnp.ones((B,), jnp.int32)
     stats = jnp.zeros((k + 2,), jnp.int32)
     pos = jnp.arange(k + 1)
@@ -190,7 +190,7 @@ def generate_speculative_impl(model: Model, cfg: SamplingConfig, variables, prom
             slot = n_gen + j
             buf = buf.at[rows, slot].set(jnp.where(emit, emitted[:, j], buf[rows, slot]))
             lps = lps.at[rows, slot].set(jnp.where(emit, emitted_lp[:, j], lps[rows, slot]))
-            end = (emitted[:, j] == cfg.eos_id) | _hits_stop(buf, slot, cfg) | (slot + 1 >= G)
+            end = (emitted[:, j] == cfg.eos_id) | hits_stop(buf, slot, cfg) | (slot + 1 >= G)
             ended = ended | (emit & end)
             n_new = n_new + emit.astype(jnp.int32)
         cache = model.commit(step_cache, jnp.where(active, 1 + n_acc, 0))
@@ -219,7 +219,7 @@ def generate_speculative_impl(model: Model, cfg: SamplingConfig, variables, prom
 def ended_by_token(buf, n_gen, cfg: SamplingConfig):
     """Whether each row's last token (slot n_gen-1) is EOS or completes a stop sequence."""
     last = n_gen - 1
-    return (buf[jnp.arange(buf.shape[0]), last] == cfg.eos_id) | _hits_stop(buf, last, cfg)
+    return (buf[jnp.arange(buf.shape[0]), last] == cfg.eos_id) | hits_stop(buf, last, cfg)
 
 
 def draft_summary(draft_stats, lengths) -> dict:
