@@ -63,10 +63,11 @@ def test_mtp_loss_scores_token_t_plus_k_plus_2_over_its_own_target_count():
         counts.append(n)
     assert counts == [9, 7]  # hand count: mask entries at positions >= 2 and >= 3
 
-    tc = objectives.target_counts(jnp.asarray(mask), DEPTH)
+    tc = jax.jit(objectives.target_counts, static_argnums=1)(jnp.asarray(mask), DEPTH)
     np.testing.assert_array_equal(np.asarray(tc["mtp"]), counts)
     assert float(tc["next"]) == 10  # next-token targets: mask entries at positions >= 1
-    total, met = objectives.auxiliary_losses(out, jnp.asarray(tokens), jnp.asarray(mask), cfg)
+    aux = jax.jit(lambda o, t, m: objectives.auxiliary_losses(o, t, m, cfg))
+    total, met = aux(out, jnp.asarray(tokens), jnp.asarray(mask))
     for k in range(DEPTH):
         assert float(met[f"mtp_ce_{k + 1}"]) == pytest.approx(want[k], rel=1e-5)
     assert float(met["mtp_ce"]) == pytest.approx(np.mean(want), rel=1e-5)
@@ -112,17 +113,23 @@ def test_mtp_forward_combines_the_embedding_of_token_t_plus_k_plus_1(mtp_model):
     model, variables = mtp_model
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), variables["params"])
     tokens = np.random.default_rng(2).integers(3, model.cfg.vocab_size, size=(B, T)).astype(np.int32)
-    seen = {}
 
-    def record(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        name = context.module.name or ""
-        if context.method_name == "__call__" and name.startswith("mtp_"):
-            seen[name] = (args, out)
-        return out
+    @jax.jit
+    def forward(variables, tokens):  # the output, and each MTP module's inputs and output
+        seen = {}
 
-    with nn.intercept_methods(record):
-        out = model.apply(variables, jnp.asarray(tokens))
+        def record(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            name = context.module.name or ""
+            if context.method_name == "__call__" and name.startswith("mtp_"):
+                seen[name] = (args, out[0] if name.endswith("_block") else out)
+            return out
+
+        with nn.intercept_methods(record):
+            out = model.apply(variables, tokens)
+        return out, seen
+
+    out, seen = forward(variables, jnp.asarray(tokens))
     assert out.mtp_logits.shape == (DEPTH, B, T, model.cfg.vocab_size)
 
     E = p["embed"]["embedding"]  # [V,D]
@@ -141,6 +148,6 @@ def test_mtp_forward_combines_the_embedding_of_token_t_plus_k_plus_1(mtp_model):
                                _rms64(E[ahead], c["e_norm"]["scale"])], axis=-1) \
             @ c["proj"]["kernel"]  # [B,T,D]
         np.testing.assert_allclose(np.asarray(combined), want, rtol=1e-4, atol=1e-4)
-        h_prev = np.asarray(seen[f"mtp_{k}_block"][1][0], np.float64)  # the block's output
+        h_prev = np.asarray(seen[f"mtp_{k}_block"][1], np.float64)  # the block's output
         logits = _rms64(h_prev, p[f"mtp_{k}_norm"]["scale"]) @ head  # [B,T,V]
         np.testing.assert_allclose(np.asarray(out.mtp_logits[k]), logits, rtol=1e-4, atol=1e-4)

@@ -77,7 +77,7 @@ def test_current_old_logp_step_is_sgd_on_the_reference_objective(small_lm):
         per_row = jnp.sum(lp * m, axis=1) / jnp.sum(m, axis=1)  # [N]
         return -jnp.mean(jnp.asarray(adv_rows) * per_row)
 
-    g_ref = jax.grad(reference)(variables["params"])
+    g_ref = jax.jit(jax.grad(reference))(variables["params"])
     step = make_train_step(model, algo, optax.sgd(lr), donate=False, old_logp="current")
     state, met = step(init_train_state(variables, optax.sgd(lr)), batch)
     assert float(met["update_finite"]) == 1.0
@@ -140,15 +140,15 @@ def test_refilled_row_whose_first_token_is_eos_ends_there(small_lm):
     probe = Sampler(model, SamplingConfig(max_new_tokens=n_new, temperature=0.0, eos_id=-1))
     first = np.asarray(probe.generate(variables, prompts, lens, jax.random.key(0)).tokens)[:, 0]
     eos = int(first[3])
-    later = [i for i in range(4) if first[i] != eos]
-    assert later, f"every row starts with the same token {eos}: pick other prompts"
+    others = [i for i in range(4) if first[i] != eos]
+    assert others, f"every row starts with the same token {eos}: pick other prompts"
     cfg = SamplingConfig(max_new_tokens=n_new, temperature=0.0, eos_id=eos)
     sampler = Sampler(model, cfg)
     plain = sampler.generate(variables, prompts, lens, jax.random.key(0))
     refill = sampler.generate(variables, prompts, lens, jax.random.key(0), slots=2)
     lengths, finished = np.asarray(refill.lengths), np.asarray(refill.finished)
     assert lengths[3] == 1 and finished[3] and int(np.asarray(refill.tokens)[3, 0]) == eos
-    assert max(lengths[i] for i in later) > 1
+    assert max(lengths[i] for i in others) > 1
     for f in ("tokens", "mask", "lengths", "finished"):
         np.testing.assert_array_equal(np.asarray(getattr(refill, f)),
                                       np.asarray(getattr(plain, f)), f)
