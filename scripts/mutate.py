@@ -19,8 +19,9 @@ are PATH or lie under the folder PATH; `--list` prints each one's note and its t
   model/objectives.py          mtp.loss_target_shifted, mtp.target_count_shifted
   model/transformer.py         mtp.input_token_shifted, scan.aux_out_of_layer_order
   pallas_kernels/kda/          kda.block_decay_off_by_one, kda.backward_keeps_wrong_pair
-  rl/sampler.py                sampler.temperature_ignored, sampler.temperature_after_truncation,
-                               sampler.top_p_le, sampler.refill_first_token_not_done
+  rl/draws.py                  sampler.temperature_ignored, sampler.temperature_after_truncation,
+                               sampler.top_p_le
+  rl/sampler.py                sampler.refill_first_token_not_done
   rl/losses.py                 losses.old_logp_differentiated,
                                train_step.current_old_logp_differentiated (with rl/train_step.py)
   rl/train_step.py             train_step.guard_checks_loss_only,
@@ -112,11 +113,11 @@ AGENT = "tests/sandbox/test_agent_episode_return.py"
 # Each entry: a bug that once escaped the suite (or that only one slow or indirect test caught)
 # and the tests written to catch it. Entries are grouped by the module they mutate.
 CATALOGUE = (
-    _m("sampler.temperature_ignored", "rl/sampler.py",
+    _m("sampler.temperature_ignored", "rl/draws.py",
        [("logits = logits.astype(jnp.float32) / t", "logits = logits.astype(jnp.float32)")],
        SAMPLING, "sampling ignores the temperature",
        alternatives=[[("z = logits.astype(jnp.float32) / t", "z = logits.astype(jnp.float32)")]]),
-    _m("sampler.temperature_after_truncation", "rl/sampler.py",
+    _m("sampler.temperature_after_truncation", "rl/draws.py",
        [("logits = logits.astype(jnp.float32) / t", "logits = logits.astype(jnp.float32)"),
         ("    return jax.nn.log_softmax(logits, axis=-1)\n",
          "    return jax.nn.log_softmax(logits / t, axis=-1)\n")],
@@ -125,7 +126,7 @@ CATALOGUE = (
                        "z = logits.astype(jnp.float32)\n    keep = truncation_mask(z,"),
                       ("jax.nn.log_softmax(jnp.where(keep, z, -jnp.inf), axis=-1)",
                        "jax.nn.log_softmax(jnp.where(keep, z / t, -jnp.inf), axis=-1)")]]),
-    _m("sampler.top_p_le", "rl/sampler.py", [("cum < cfg.top_p", "cum <= cfg.top_p")],
+    _m("sampler.top_p_le", "rl/draws.py", [("cum < cfg.top_p", "cum <= cfg.top_p")],
        SAMPLING, "top-p keeps the token whose mass-before equals p",
        alternatives=[[("before < top_p", "before <= top_p")]]),
     _m("sampler.refill_first_token_not_done", "rl/sampler.py",
