@@ -71,8 +71,7 @@ from sandbox.result import ExecutionResult, InvalidRequest
 from sandbox.session import SessionError, SessionLimits
 from sandbox.tasks.schema import Task
 
-from .tools import (byte_count, format_error, format_result, format_tool_call,
-                    parse_tool_calls_as)
+from .tools import byte_count, format_error, format_result, format_tool_call, parse_tool_calls_as
 
 DONE_TEXT = "done"  # the final assistant turn of demonstrations (no tool call: episode ends)
 
