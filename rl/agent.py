@@ -423,9 +423,11 @@ class AgentRolloutWorker:
         for tc, cid in zip(m.get("tool_calls", []), parsed.ids):
             if cid:
                 tc["id"] = cid
-        r.messages.append(m)
         r.last_ids = ([tc["id"] for tc in m.get("tool_calls", [])],
                       [c.name for c in parsed.calls])
+        if syntax is None:  # the template writes no tool calls: the turn as sampled
+            m = {"role": "assistant", "content": text}
+        r.messages.append(m)
         r.calls += len(parsed.calls)
         r.ended = ended
 

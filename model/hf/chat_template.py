@@ -170,6 +170,7 @@ class ChatTemplate:
         """The rendered conversation cut into (text, is_assistant) segments, in order (module
         docstring); their concatenation is render(messages, add_generation_prompt=...)."""
         whole = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        self._check_contents(messages, whole)
         out: list[tuple[str, bool]] = []
         pos = 0
         for k, m in enumerate(messages):
@@ -191,6 +192,15 @@ class ChatTemplate:
             out.append((whole[pos:], False))
         return out
 
+    def _check_contents(self, messages: Sequence[dict], text: str) -> None:
+        """Every non-assistant message's content is in the rendering (a template that skips a
+        role, e.g. `tool`, would hide observations from the model)."""
+        for k, m in enumerate(messages):
+            c = m.get("content")
+            if m["role"] != "assistant" and isinstance(c, str) and c and c not in text:
+                raise ChatTemplateError(f"{self.origin} does not render the content of message "
+                                        f"{k} (role {m['role']!r}): {c[:60]!r}")
+
     def continuation(self, messages: Sequence[dict], new: Sequence[dict], *,
                      tools: Sequence[dict] | None = None) -> str:
         """The text the template puts after the last assistant turn of `messages` (from the end
@@ -200,6 +210,7 @@ class ChatTemplate:
             raise ChatTemplateError("continuation: the messages must end with an assistant turn")
         full, _, end = self.assistant_end(messages[:-1], messages[-1], tools)
         after = self.render(list(messages) + list(new), add_generation_prompt=True, tools=tools)
+        self._check_contents(new, after[end:])
         if not after.startswith(full[:end]):
             raise ChatTemplateError(
                 f"{self.origin} is not prefix-stable at message {len(messages)}: adding "
@@ -237,8 +248,9 @@ def turns_to_messages(prompt: str, turns, syntax: str | None, *,
                       system: str | None = None) -> list[dict]:
     """A demonstration's (assistant text, observation or None) pairs (rl.envs.demo_turns, in the
     Hermes protocol of rl/tools.py) as chat messages: each assistant text's tool calls become
-    `tool_calls` (rendered by the template in its own syntax), each observation's
-    `<tool_response>` blocks become `tool` messages answering them."""
+    `tool_calls` (rendered by the template in its own syntax; with syntax None the assistant
+    text stays as written, Hermes tags included), each observation's `<tool_response>` blocks
+    become `tool` messages answering them."""
     from rl.tools import parse_tool_calls, split_responses
 
     msgs: list[dict] = ([{"role": "system", "content": system}] if system else [])
@@ -252,6 +264,8 @@ def turns_to_messages(prompt: str, turns, syntax: str | None, *,
             raise ValueError(f"demonstration turn {i} has malformed tool calls: {parsed.errors}")
         calls = [(c.name, c.arguments) for c in parsed.calls]
         m = assistant_message(parsed.text, calls, n_calls, syntax)
+        if syntax is None:  # a template without a tool-call syntax: the Hermes text as written
+            m = {"role": "assistant", "content": text}
         msgs.append(m)
         if obs is not None:
             ids = [c["id"] for c in m.get("tool_calls", [])]

@@ -4,6 +4,7 @@
                         # with Kimi's special tokens and a Kimi-format chat template
     deepseek_dir(path)  # tokenizer.json (byte-level BPE trained by `tokenizers`) +
                         # tokenizer_config.json with a DeepSeek-V3.1-format chat template
+    qwen_dir(path)      # the same BPE with ChatML specials and a Hermes (<tool_call>) template
 
 The templates are written here in the two families' formats (Kimi: <|im_user|>user<|im_middle|>
 ... <|im_end|>, tool calls in <|tool_calls_section_begin|>, results as `## Return of ID`;
@@ -120,7 +121,41 @@ def kimi_dir(path, vocab: int = 300) -> pathlib.Path:
     return path
 
 
-def deepseek_dir(path, vocab: int = 400) -> pathlib.Path:
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML with Hermes tool calls (Qwen-style): calls as <tool_call> JSON lines in the assistant
+# turn, consecutive tool results grouped in one user turn as <tool_response> blocks, a newline
+# after every <|im_end|>
+QWEN_TEMPLATE = """\
+{%- for m in messages -%}
+{%- if m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<|im_start|>user{%- endif -%}
+{{ '\\n<tool_response>\\n' }}{{ m.content }}{{ '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}<|im_end|>{{ '\\n' }}{%- endif -%}
+{%- elif m.role in ('system', 'user', 'assistant') -%}
+<|im_start|>{{ m.role }}{{ '\\n' }}{{ m.content }}
+{%- for c in m.tool_calls or [] -%}
+{{ '\\n<tool_call>\\n' }}{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}{{ '\\n</tool_call>' }}
+{%- endfor -%}
+<|im_end|>{{ '\\n' }}
+{%- else -%}
+{{ raise_exception('unknown role: ' + m.role) }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant{{ '\\n' }}{%- endif -%}
+"""
+
+
+def qwen_dir(path) -> pathlib.Path:
+    """A Qwen-style checkpoint tokenizer: ChatML specials, a Hermes tool-call template."""
+    path = deepseek_dir(path, specials=QWEN_SPECIALS)
+    cfg = {"add_bos_token": False, "bos_token": None, "eos_token": "<|im_end|>",
+           "pad_token": "<|endoftext|>", "chat_template": QWEN_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=1))
+    return path
+
+
+def deepseek_dir(path, vocab: int = 400, specials=DEEPSEEK_SPECIALS) -> pathlib.Path:
     """A DeepSeek-style checkpoint tokenizer: tokenizer.json (byte-level BPE trained here) +
     tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -130,7 +165,7 @@ def deepseek_dir(path, vocab: int = 400) -> pathlib.Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=DEEPSEEK_SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(CORPUS.splitlines(), trainer)

@@ -8,8 +8,8 @@ conversations, with targets exactly on the assistant's tokens. The byte tokenize
 covered, unchanged, by the other tests under tests/rl. About 30 s (the two episodes).
 """
 
-import sys
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
