@@ -417,14 +417,16 @@ class AgentRolloutWorker:
         from rl.tools import parse_tool_calls_as
 
         syntax = self.tok.tool_syntax
-        parsed = parse_tool_calls_as(text, syntax)
+        parsed = parse_tool_calls_as(text, syntax, self.env_config.max_calls_per_turn)
         m = assistant_message(parsed.text, [(c.name, c.arguments) for c in parsed.calls],
                               r.calls, syntax)
         for tc, cid in zip(m.get("tool_calls", []), parsed.ids):
             if cid:
                 tc["id"] = cid
-        r.last_ids = ([tc["id"] for tc in m.get("tool_calls", [])],
-                      [c.name for c in parsed.calls])
+        # the environment answers the malformed parts first, then the calls in order
+        err = ["error"] * len(parsed.errors)
+        r.last_ids = (err + [tc["id"] for tc in m.get("tool_calls", [])],
+                      err + [c.name for c in parsed.calls])
         if syntax is None:  # the template writes no tool calls: the turn as sampled
             m = {"role": "assistant", "content": text}
         r.messages.append(m)
