@@ -23,7 +23,8 @@ the template's conversation instead: the prompt is its user turn with the genera
 model turn is what the policy sampled up to the template's end-of-turn token (the tokenizer's
 EOS: every turn ends there, no `</tool_call>` stop), tool calls are written in the template's
 syntax (`tokenizer.tool_syntax`, parsed by rl.tools.parse_tool_calls_as) and each observation's
-`<tool_response>` blocks become `tool` messages: the observation segment is the text the
+`<tool_response>` blocks become `tool` messages (special-token strings in them escaped:
+HFTokenizer.escape_specials): the observation segment is the text the
 template puts between the end of the model's turn and the next generation prompt
 (ChatTemplate.continuation). SFT rows render demonstrations through the same template
 (`encode_episode`: model/hf/chat_template.turns_to_messages), the mask on the assistant spans.
@@ -108,7 +109,8 @@ def encode_episode(tokenizer, prompt: str, turns) -> tuple[list[int], list[bool]
     if _template(tokenizer) is not None:
         from model.hf.chat_template import turns_to_messages
 
-        return tokenizer.encode_chat(turns_to_messages(prompt, turns, tokenizer.tool_syntax))
+        return tokenizer.encode_chat(turns_to_messages(prompt, turns, tokenizer.tool_syntax,
+                                                       escape=tokenizer.escape_specials))
     ids = tokenizer.encode(tokenizer.chat_prompt(prompt), bos=True)
     mask = [False] * len(ids)
     for i, (text, obs) in enumerate(turns):
@@ -440,7 +442,7 @@ class AgentRolloutWorker:
         from model.hf.chat_template import tool_messages
         from rl.tools import split_responses
 
-        new = tool_messages(split_responses(observation), *r.last_ids)
+        new = tool_messages(split_responses(observation), *r.last_ids, self.tok.escape_specials)
         text = self.chat.continuation(r.messages, new)
         r.messages += new
         return ([] if r.ended else [self.tok.eos_id]) + self.tok.encode(text)

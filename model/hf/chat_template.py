@@ -237,20 +237,23 @@ def assistant_message(content: str, calls: Sequence[tuple[str, dict]], first_ind
     return m
 
 
-def tool_messages(bodies: Sequence[str], ids: Sequence[str], names: Sequence[str]) -> list[dict]:
+def tool_messages(bodies: Sequence[str], ids: Sequence[str], names: Sequence[str],
+                  escape=None) -> list[dict]:
     """One `tool` message per result body; ids / names of the calls they answer (missing ones,
-    e.g. for a malformed call's error, get "error")."""
-    return [{"role": "tool", "content": b, "tool_call_id": ids[i] if i < len(ids) else "error",
+    e.g. for a malformed call's error, get "error"). escape: applied to each body (a
+    tokenizer's `escape_specials`, so program output cannot write special tokens)."""
+    escape = escape or (lambda b: b)
+    return [{"role": "tool", "content": escape(b), "tool_call_id": ids[i] if i < len(ids) else "error",
              "name": names[i] if i < len(names) else "error"} for i, b in enumerate(bodies)]
 
 
 def turns_to_messages(prompt: str, turns, syntax: str | None, *,
-                      system: str | None = None) -> list[dict]:
+                      system: str | None = None, escape=None) -> list[dict]:
     """A demonstration's (assistant text, observation or None) pairs (rl.envs.demo_turns, in the
     Hermes protocol of rl/tools.py) as chat messages: each assistant text's tool calls become
     `tool_calls` (rendered by the template in its own syntax; with syntax None the assistant
     text stays as written, Hermes tags included), each observation's `<tool_response>` blocks
-    become `tool` messages answering them."""
+    become `tool` messages answering them (`escape`d: see tool_messages)."""
     from rl.tools import parse_tool_calls, split_responses
 
     msgs: list[dict] = ([{"role": "system", "content": system}] if system else [])
@@ -269,6 +272,6 @@ def turns_to_messages(prompt: str, turns, syntax: str | None, *,
         msgs.append(m)
         if obs is not None:
             ids = [c["id"] for c in m.get("tool_calls", [])]
-            msgs += tool_messages(split_responses(obs), ids, [n for n, _ in calls])
+            msgs += tool_messages(split_responses(obs), ids, [n for n, _ in calls], escape)
         n_calls += len(calls)
     return msgs

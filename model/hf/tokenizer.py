@@ -36,6 +36,8 @@ vocab_size), so the sampler, SFT and RL code take it unchanged:
   - `encode_chat(messages)` / `chat_segments(messages)`: token ids and the assistant mask of a
     whole conversation (model/hf/chat_template.py), each segment tokenized on its own, exactly
     as a rollout produces them (prompt, sampled turn, observation, ...).
+  - `escape_specials(text)`: special-token strings written as plain text (`&lt;|im_end|>`), for
+    text from outside the model (tool results).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 from collections.abc import Sequence
 
 from .chat_template import ChatTemplate, ChatTemplateError
@@ -114,6 +117,9 @@ class _TokenizersBackend:
     def token_id(self, s: str) -> int | None:
         return self.tok.token_to_id(s)
 
+    def special_strings(self) -> list[str]:
+        return [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
+
 
 class _TiktokenBackend:
     def __init__(self, path: str, added: dict[int, str], pattern: str):
@@ -159,6 +165,9 @@ class _TiktokenBackend:
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode(ids, errors="replace")
 
+    def special_strings(self) -> list[str]:
+        return list(self.specials)
+
     def token_id(self, s: str) -> int | None:
         if s in self.specials:
             return self.specials[s]
@@ -178,6 +187,8 @@ class HFTokenizer:
                  add_bos: bool, template_source: str | None, template_origin: str):
         self._b, self.name = backend, name
         self.vocab_size = backend.vocab_size
+        names = sorted((s for s in backend.special_strings() if s), key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, names))) if names else None
 
         def tid(s, field):
             if s is None:
@@ -229,6 +240,16 @@ class HFTokenizer:
         if stop_at_eos and self.eos_id in ids:
             ids = ids[: ids.index(self.eos_id)]
         return self._b.decode([i for i in ids if 0 <= i < self.vocab_size])
+
+    def escape_specials(self, text: str) -> str:
+        """`text` with every special-token string's first character written as an HTML entity
+        ("<" as "&lt;", as rl/tools.py escapes its tags; "[" as "&#91;"), so that text from
+        outside the model (program output) tokenizes as plain text and cannot close a turn or
+        forge one."""
+        def esc(m):
+            c = m.group()[0]
+            return ("&lt;" if c == "<" else f"&#{ord(c)};") + m.group()[1:]
+        return self._special_re.sub(esc, text) if self._special_re is not None else text
 
     def chat_prompt(self, prompt: str) -> str:
         return self._tpl().render([{"role": "user", "content": prompt}],
