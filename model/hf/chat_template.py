@@ -197,7 +197,7 @@ class ChatTemplate:
         role, e.g. `tool`, would hide observations from the model)."""
         for k, m in enumerate(messages):
             c = m.get("content")
-            if m["role"] != "assistant" and isinstance(c, str) and c and c not in text:
+            if m["role"] != "assistant" and isinstance(c, str) and c.strip() not in text:
                 raise ChatTemplateError(f"{self.origin} does not render the content of message "
                                         f"{k} (role {m['role']!r}): {c[:60]!r}")
 

@@ -224,7 +224,6 @@ class HFTokenizer:
         self.add_bos = add_bos or bool(
             template_source is not None and bos is not None
             and self.chat_prompt(_PROBE_USER).startswith(bos))
-        self.stop_ids = tuple(sorted({i for i in (self.eos_id, eos_token_id) if i is not None}))
         if self.template is not None:
             self._check_one_turn()
 
@@ -291,19 +290,13 @@ class HFTokenizer:
         at = text.rfind(_PROBE_ANSWER)
         if at == -1:
             raise ChatTemplateError(f"{t.origin} does not render an assistant message's content")
-        tail = self._b.encode(text[at + len(_PROBE_ANSWER):])
-        for i in tail:
+        specials = set(self._b.special_strings())
+        for i in self._b.encode(text[at + len(_PROBE_ANSWER):]):
             s = self._b.decode([i])
-            if self._is_special(s, i):
+            if s in specials:
                 return s
         raise ChatTemplateError(f"{t.origin}: no special token closes an assistant turn (after "
                                 f"the content it renders {text[at + len(_PROBE_ANSWER):]!r})")
-
-    def _is_special(self, s: str, i: int) -> bool:
-        if isinstance(self._b, _TiktokenBackend):
-            return s in self._b.specials
-        added = self._b.tok.get_added_tokens_decoder()
-        return i in added and added[i].special
 
     def _check_one_turn(self) -> None:
         """One user turn renders as chat_prompt + answer + end-of-turn (+ whitespace)."""
