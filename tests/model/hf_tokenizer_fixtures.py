@@ -170,10 +170,13 @@ def deepseek_dir(path, vocab: int = 400, specials=DEEPSEEK_SPECIALS) -> pathlib.
                                   show_progress=False)
     tok.train_from_iterator(CORPUS.splitlines(), trainer)
     tok.save(str(path / "tokenizer.json"))
+    def added(s):  # how DeepSeek's tokenizer_config.json writes its special tokens
+        return {"__type": "AddedToken", "content": s, "lstrip": False, "normalized": True,
+                "rstrip": False, "single_word": False}
     cfg = {"add_bos_token": True, "add_eos_token": False,
-           "bos_token": {"content": "<｜begin▁of▁sentence｜>", "special": True},
-           "eos_token": {"content": "<｜end▁of▁sentence｜>", "special": True},
-           "pad_token": {"content": "<｜end▁of▁sentence｜>", "special": True},
+           "bos_token": added("<｜begin▁of▁sentence｜>"),
+           "eos_token": added("<｜end▁of▁sentence｜>"),
+           "pad_token": added("<｜end▁of▁sentence｜>"),
            "chat_template": DEEPSEEK_TEMPLATE, "tokenizer_class": "LlamaTokenizerFast"}
     (path / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=1))
     return path

@@ -1,7 +1,8 @@
 """Hermes-syntax chat templates (Qwen-style ChatML, model/hf/chat_template.py) and templates
 without a tool-call syntax: masks with the newline a template writes after each end-of-turn,
 tool results grouped in one turn, the rollout's observation segment (`continuation`) equal to
-the SFT rendering's, and a template that does not render a role refused. About 1 s.
+the SFT rendering's, a template that does not render a role refused, and (where
+transformers is installed) rendering and ids equal to its apply_chat_template. About 1 s.
 """
 
 import pytest
@@ -69,3 +70,23 @@ def test_template_without_tool_syntax_keeps_the_hermes_text(tmp_path):
     with pytest.raises(ChatTemplateError, match=r"does not render the content of message 2 "
                                                 r"\(role 'tool'\)"):
         tok.encode_chat(msgs)
+
+
+@pytest.mark.parametrize("make", ["deepseek_dir", "qwen_dir"])
+def test_rendering_and_ids_equal_transformers(make, tmp_path):
+    """Runs where `transformers` is installed: the same directory through its
+    PreTrainedTokenizerFast gives the same rendered text and token ids (apply_chat_template)."""
+    transformers = pytest.importorskip("transformers")
+    import hf_tokenizer_fixtures as fx
+
+    d = getattr(fx, make)(tmp_path)
+    ours = load_tokenizer(str(d))
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(d))
+    conv = [{"role": "system", "content": "S."}] + turns_to_messages("List it.", TURNS,
+                                                                     ours.tool_syntax)
+    for msgs, gen in [(conv, False), (conv[:2], True), (conv[:5], True)]:
+        text = ours.template.render(msgs, add_generation_prompt=gen)
+        assert text == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        ids = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert ours.encode(text, bos=True) == list(ids)
