@@ -10,7 +10,10 @@ is about 50 tokens per turn shorter, and a tag is one prediction instead of 11-1
 Chat template (plain text and short, so a byte model can learn it cheaply):
     "Q: {prompt}\nA: "   then the completion, then EOS.
 `load_tokenizer(path)` wraps a HuggingFace `tokenizer.json` or a sentencepiece `.model` file in the
-same interface (pip install .[tokenizers]).
+same interface (pip install .[tokenizers]). `load_tokenizer(checkpoint_dir)` reads a released
+checkpoint's tokenizer files and chat template (model/hf/tokenizer.py, pip install .[hf]): its
+`chat_prompt` is the template's, and SFT rows, RL prompts and agent episodes go through that
+template (rl/agent.py).
 """
 
 from __future__ import annotations
@@ -91,13 +94,18 @@ class _Wrapped:
 
 def load_tokenizer(path: str | None = None):
     """None or "byte" -> ByteTokenizer; "byte_tools" -> ByteTokenizer with the tool-call tags as
-    special ids (TOOL_TAGS); *.json -> HuggingFace tokenizers; *.model -> sentencepiece."""
+    special ids (TOOL_TAGS); *.json -> HuggingFace tokenizers; *.model -> sentencepiece; a
+    directory -> a checkpoint's tokenizer and chat template (model.hf.tokenizer.load_tokenizer)."""
     if path is None or path == "byte":
         return ByteTokenizer()
     if path == "byte_tools":
         return ByteTokenizer(TOOL_TAGS)
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
+    if os.path.isdir(path):
+        from model.hf.tokenizer import load_tokenizer as load_checkpoint_tokenizer
+
+        return load_checkpoint_tokenizer(path)
     if path.endswith(".json"):
         try:
             from tokenizers import Tokenizer

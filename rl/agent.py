@@ -18,6 +18,17 @@ tokens as context, never as targets), and `sampler_logp` holds the sampler's log
 The same rendering gives SFT rows (`encode_episode`), so demonstrations and rollouts agree
 token for token.
 
+With a checkpoint's tokenizer (model/hf/tokenizer.py, one with a chat `template`) the episode is
+the template's conversation instead: the prompt is its user turn with the generation prompt, a
+model turn is what the policy sampled up to the template's end-of-turn token (the tokenizer's
+EOS: every turn ends there, no `</tool_call>` stop), tool calls are written in the template's
+syntax (`tokenizer.tool_syntax`, parsed by rl.tools.parse_tool_calls_as) and each observation's
+`<tool_response>` blocks become `tool` messages (special-token strings in them escaped:
+HFTokenizer.escape_specials): the observation segment is the text the
+template puts between the end of the model's turn and the next generation prompt
+(ChatTemplate.continuation). SFT rows render demonstrations through the same template
+(`encode_episode`: model/hf/chat_template.turns_to_messages), the mask on the assistant spans.
+
 Batching: a turn is one sampler call over the rows of a half, stopping each row at
 `</tool_call>` or EOS. With `cache_turns` (the default; without speculative decoding) each half
 keeps its decode cache (KDA state and conv window, DSA latent rows) between turns, and a turn
@@ -62,22 +73,44 @@ from rl.sampler import Sampler, SamplingConfig
 TOOL_CALL_END = "</tool_call>"
 
 
+def _template(tokenizer):
+    """The tokenizer's chat template (a checkpoint tokenizer's), None for the byte tokenizers."""
+    return getattr(tokenizer, "template", None)
+
+
 def observation_segment(observation: str) -> str:
     """The text between a tool-call turn and the next model turn: the observation on its own
     line, then the assistant prefix of the chat template."""
     return f"\n{observation}{ASSISTANT}"
 
 
-def template_overhead(max_turns: int) -> int:
+def template_overhead(max_turns: int, tokenizer=None) -> int:
     """Tokens (bytes) the chat template adds to an episode beyond the prompt, the model's turns
-    and the observations that SessionEnv counts: BOS, "Q: ", "\\nA: ", and 5 per observation."""
-    return 1 + 3 + len(ASSISTANT) + max_turns * (1 + len(ASSISTANT))
+    and the observations that SessionEnv counts: BOS, "Q: ", "\\nA: ", and 5 per observation.
+    With a checkpoint tokenizer's template: the tokens of a conversation of max_turns tool turns
+    with empty contents (an upper bound: SessionEnv already counts the observations'
+    `<tool_response>` tags), plus 8 per turn for tool-call ids and headers."""
+    if _template(tokenizer) is None:
+        return 1 + 3 + len(ASSISTANT) + max_turns * (1 + len(ASSISTANT))
+    msgs = [{"role": "user", "content": ""}]
+    for _ in range(max_turns):
+        msgs += [{"role": "assistant", "content": ""}, {"role": "tool", "content": "",
+                                                         "tool_call_id": "error",
+                                                         "name": "error"}]
+    msgs.append({"role": "assistant", "content": ""})
+    return len(tokenizer.encode_chat(msgs)[0]) + 8 * (max_turns + 1)
 
 
 def encode_episode(tokenizer, prompt: str, turns) -> tuple[list[int], list[bool]]:
     """An episode's token ids and target mask (True on the model's tokens). turns: (assistant
     text, observation or None) pairs as rl.envs.demo_turns gives them; the turn with observation
-    None is the last and ends with EOS."""
+    None is the last and ends with EOS. A checkpoint tokenizer renders them through its chat
+    template (module docstring)."""
+    if _template(tokenizer) is not None:
+        from model.hf.chat_template import turns_to_messages
+
+        return tokenizer.encode_chat(turns_to_messages(prompt, turns, tokenizer.tool_syntax,
+                                                       escape=tokenizer.escape_specials))
     ids = tokenizer.encode(tokenizer.chat_prompt(prompt), bos=True)
     mask = [False] * len(ids)
     for i, (text, obs) in enumerate(turns):
@@ -131,6 +164,10 @@ class _Row:
     failed: bool = False
     info: dict | None = None
     turns: int = 0
+    messages: list | None = None  # the chat so far (checkpoint templates only)
+    calls: int = 0  # tool calls so far (their ids, checkpoint templates only)
+    last_ids: tuple = ((), ())  # (ids, names) of the last turn's calls (checkpoint templates only)
+    ended: bool = True  # the last model turn ended at EOS
 
 
 class _Done:
@@ -159,7 +196,8 @@ class AgentRolloutWorker:
                  width: int, env_config: EnvConfig | None = None, mesh=None, rules=None,
                  cache_turns: bool = True):
         stop = tuple(tokenizer.encode(TOOL_CALL_END))
-        if stop not in sampling.stop_sequences:
+        self.chat = _template(tokenizer)
+        if self.chat is None and stop not in sampling.stop_sequences:
             sampling = dataclasses.replace(sampling,
                                            stop_sequences=sampling.stop_sequences + (stop,))
         if sampling.eos_id != tokenizer.eos_id:
@@ -167,7 +205,7 @@ class AgentRolloutWorker:
                              f"{tokenizer.eos_id}: the last turn ends at EOS")
         self.context = width - sampling.max_new_tokens
         cfg = env_config or EnvConfig()
-        cap = self.context - template_overhead(cfg.max_turns)
+        cap = self.context - template_overhead(cfg.max_turns, tokenizer)
         if cap < 16:
             raise ValueError(f"width {width} leaves no room for an episode after "
                              f"{sampling.max_new_tokens} turn tokens and the chat template")
@@ -224,7 +262,8 @@ class AgentRolloutWorker:
         from rl.envs import reset_batch
 
         envs = [SessionEnv([t], executor=self.executor, config=self.env_config,
-                           count_tokens=self.count_tokens) for t in tasks]
+                           count_tokens=self.count_tokens,
+                           tool_syntax=getattr(self.tok, "tool_syntax", None)) for t in tasks]
         prompts = reset_batch(envs, [0] * len(envs))
         rows = []
         for env, task, p in zip(envs, tasks, prompts):
@@ -232,7 +271,8 @@ class AgentRolloutWorker:
             if len(ids) > self.context:
                 raise ValueError(f"task {task.id}: prompt of {len(ids)} tokens exceeds the "
                                  f"context width {self.context}")
-            rows.append(_Row(env, task, ids, [False] * len(ids), [0.0] * len(ids), len(ids)))
+            rows.append(_Row(env, task, ids, [False] * len(ids), [0.0] * len(ids), len(ids),
+                             messages=[{"role": "user", "content": p}] if self.chat else None))
         return rows
 
     def _padding_row(self, task) -> _Row:
@@ -289,7 +329,10 @@ class AgentRolloutWorker:
             r.target += [True] * len(gen)
             r.logp += lp
             r.turns += 1
-            r.pending = r.env.submit_step(self.tok.decode(gen))
+            text = self.tok.decode(gen)
+            if self.chat is not None:
+                self._record_turn(r, text, bool(gen) and gen[-1] == self.tok.eos_id)
+            r.pending = r.env.submit_step(text)
         return prefilled
 
     def _agree(self, value) -> int:
@@ -360,13 +403,49 @@ class AgentRolloutWorker:
                 r.failed = bool(res.info.get("sandbox_error"))
                 r.reward = float(res.info.get("episode_return", res.reward))
                 continue
-            seg = self.tok.encode(observation_segment(res.observation))
+            seg = (self._chat_observation(r, res.observation) if self.chat is not None
+                   else self.tok.encode(observation_segment(res.observation)))
             if len(r.ids) + len(seg) > self.context:  # cannot happen with the env's token cap
                 raise RuntimeError(f"episode of task {r.task.id} outgrew its context "
                                    f"({len(r.ids) + len(seg)} > {self.context})")
             r.ids += seg
             r.target += [False] * len(seg)
             r.logp += [0.0] * len(seg)
+
+    def _record_turn(self, r: _Row, text: str, ended: bool) -> None:
+        """The model's turn as an assistant message of the row's chat (its calls in the
+        template's syntax; ids as the model wrote them, else numbered like demonstrations)."""
+        from model.hf.chat_template import assistant_message
+        from rl.tools import parse_tool_calls_as
+
+        syntax = self.tok.tool_syntax
+        parsed = parse_tool_calls_as(text, syntax, self.env_config.max_calls_per_turn)
+        m = assistant_message(parsed.text, [(c.name, c.arguments) for c in parsed.calls],
+                              r.calls, syntax)
+        for tc, cid in zip(m.get("tool_calls", []), parsed.ids):
+            if cid:
+                tc["id"] = cid
+        # the environment answers the malformed parts first, then the calls in order
+        err = ["error"] * len(parsed.errors)
+        r.last_ids = (err + [tc["id"] for tc in m.get("tool_calls", [])],
+                      err + [c.name for c in parsed.calls])
+        if syntax is None:  # the template writes no tool calls: the turn as sampled
+            m = {"role": "assistant", "content": text}
+        r.messages.append(m)
+        r.calls += len(parsed.calls)
+        r.ended = ended
+
+    def _chat_observation(self, r: _Row, observation: str) -> list[int]:
+        """The observation segment through the chat template: the `<tool_response>` blocks as
+        tool messages, from the end of the model's turn (its EOS first, as context, when the
+        turn was cut at max_new_tokens) to the next generation prompt."""
+        from model.hf.chat_template import tool_messages
+        from rl.tools import split_responses
+
+        new = tool_messages(split_responses(observation), *r.last_ids, self.tok.escape_specials)
+        text = self.chat.continuation(r.messages, new)
+        r.messages += new
+        return ([] if r.ended else [self.tok.eos_id]) + self.tok.encode(text)
 
     def _group(self, rows: list[_Row], G: int, n_tasks: int, gen_s: float,
                overlap: float) -> ScoredGroup:

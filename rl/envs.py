@@ -71,7 +71,7 @@ from sandbox.result import ExecutionResult, InvalidRequest
 from sandbox.session import SessionError, SessionLimits
 from sandbox.tasks.schema import Task
 
-from .tools import byte_count, format_error, format_result, format_tool_call, parse_tool_calls
+from .tools import byte_count, format_error, format_result, format_tool_call, parse_tool_calls_as
 
 DONE_TEXT = "done"  # the final assistant turn of demonstrations (no tool call: episode ends)
 
@@ -188,11 +188,14 @@ class SessionEnv:
     optional) or a callable seed -> Task.
     executor: a SandboxPool or SandboxClient (anything with `session()`); None: the default pool.
     count_tokens: tokens of a text (default: UTF-8 bytes, the byte tokenizer's count).
+    tool_syntax: how the model writes tool calls (rl.tools.parse_tool_calls_as: None / "hermes",
+    "kimi", "deepseek"; a checkpoint tokenizer's chat template decides it).
     """
 
     def __init__(self, tasks: Sequence[Task] | Callable[[int], Task], executor=None,
                  config: EnvConfig | None = None, tools: Sequence[Tool] | None = None,
-                 count_tokens: Callable[[str], int] = byte_count) -> None:
+                 count_tokens: Callable[[str], int] = byte_count,
+                 tool_syntax: str | None = None) -> None:
         if executor is None:
             from sandbox.pool import default_pool
 
@@ -206,6 +209,8 @@ class SessionEnv:
         if len(self.tools) != len(tools):
             raise EnvError(f"tool names must be unique, got {[t.name for t in tools]}")
         self.count_tokens = count_tokens
+        parse_tool_calls_as("", tool_syntax)  # an unknown syntax fails here
+        self.tool_syntax = tool_syntax
         self.session = None
         self.task: Task | None = None
         self._next_seed = 0
@@ -287,7 +292,7 @@ class SessionEnv:
             out.set_running_or_notify_cancel()
             self.turn += 1
             self.tokens += self.count_tokens(action)
-            parsed = parse_tool_calls(action, max_calls=c.max_calls_per_turn)
+            parsed = parse_tool_calls_as(action, self.tool_syntax, c.max_calls_per_turn)
             info: dict[str, Any] = {"task_id": self.task.id, "turn": self.turn, "calls": [],
                                     "errors": list(parsed.errors)}
             turn = _Turn(self, out, info, parsed)

@@ -27,8 +27,18 @@ text (more than 10% control or undecodable characters, and more than 4) is repla
 output, N characters not shown]`; the protocol's own tags inside output are escaped (`&lt;tool_call>`), so a program
 cannot forge a response or a call in the transcript.
 
-Not covered: the chat template around turns (the rollout engine's, e.g. model/tokenizer.py's
-"Q: ... A: "), streaming parses of partial text.
+Other syntaxes (`parse_tool_calls_as(text, syntax)`, the names of model/hf/chat_template.py):
+"hermes" is `parse_tool_calls`; "kimi" parses `<|tool_calls_section_begin|>` sections of
+`<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>`
+calls (the id is kept in `ParsedTurn.ids`); "deepseek" parses `<｜tool▁calls▁begin｜>` sections
+of `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>` calls (and V3's
+`function<｜tool▁sep｜>NAME` + fenced json). Their errors are the Hermes ones (JSON, arguments,
+`max_calls`), plus an unterminated section or call, a marker outside its place, and a Kimi id
+not of the form `functions.NAME:IDX`. `split_responses` takes an observation's
+`<tool_response>` blocks apart (the bodies a chat template renders as `tool` messages).
+
+Not covered: the chat template around turns (model/tokenizer.py's "Q: ... A: ", or a
+checkpoint's template: model/hf/chat_template.py), streaming parses of partial text.
 """
 
 from __future__ import annotations
@@ -66,6 +76,7 @@ class ParsedTurn:
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     text: str = ""
+    ids: list[str] = field(default_factory=list)  # the calls' ids where the syntax has them
 
     @property
     def is_final(self) -> bool:
@@ -139,6 +150,139 @@ def parse_tool_calls(text: str, max_calls: int | None = None) -> ParsedTurn:
     out.text = "".join(rest).strip()
     if "tool_call" in out.text:
         out.errors.append(f"\"tool_call\" outside a well-formed {CALL_OPEN}...{CALL_CLOSE}")
+    return out
+
+
+# ---- other syntaxes -------------------------------------------------------------------------
+
+_KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+         "<|tool_call_end|>", "<|tool_call_argument_begin|>")
+_DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+             "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+_KIMI_ID = re.compile(r"functions\.([A-Za-z0-9_\-.]+):(\d+)")
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
+
+
+def _split_kimi(head: str, body: str) -> tuple[str, str, str] | str:
+    m = _KIMI_ID.fullmatch(head.strip())
+    if not m:
+        return f"tool call id {head.strip()[:40]!r} is not of the form functions.NAME:INDEX"
+    return m.group(1), body, head.strip()
+
+
+def _split_deepseek(head: str, body: str) -> tuple[str, str, str] | str:
+    name = head.strip()
+    if name == "function":  # V3: function<sep>NAME\n```json\n{...}\n```
+        name, _, body = body.partition("\n")
+        m = _FENCE.search(body)
+        if not m:
+            return "tool call arguments are not in a ```json fence"
+        body = m.group(1)
+    if not name.strip():
+        return "tool call needs a name before its separator"
+    return name.strip(), body, ""
+
+
+def _parse_named(name: str, body: str) -> ToolCall | str:
+    """A call whose name and arguments come apart (Kimi, DeepSeek): the arguments' checks of
+    _parse_body."""
+    try:
+        args = json.loads(body) if body.strip() else {}
+    except ValueError as e:
+        return f"tool call {name!r}: arguments are not valid JSON ({getattr(e, 'msg', e)})"
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return f"tool call {name!r}: arguments are a string that is not a JSON object"
+    if not isinstance(args, dict):
+        return f"tool call {name!r}: arguments must be an object, got {type(args).__name__}"
+    return ToolCall(name, args)
+
+
+def _parse_sections(text: str, markers, split, max_calls: int | None) -> ParsedTurn:
+    sec_open, sec_close, call_open, call_close, sep = markers
+    out = ParsedTurn()
+    rest: list[str] = []
+    pos = 0
+    while True:
+        i = text.find(sec_open, pos)
+        if i == -1:
+            rest.append(text[pos:])
+            break
+        rest.append(text[pos:i])
+        j = text.find(sec_close, i)
+        if j == -1:
+            out.errors.append(f"unterminated {sec_open} (no {sec_close} after it)")
+            break
+        section, pos = text[i + len(sec_open):j], j + len(sec_close)
+        k = 0
+        while True:
+            a = section.find(call_open, k)
+            if a == -1:
+                if section[k:].strip():
+                    out.errors.append(f"text inside {sec_open} outside a call")
+                break
+            if section[k:a].strip():
+                out.errors.append(f"text inside {sec_open} outside a call")
+            b = section.find(call_close, a)
+            if b == -1:
+                out.errors.append(f"unterminated {call_open} (no {call_close} after it)")
+                break
+            call, k = section[a + len(call_open):b], b + len(call_close)
+            if sep not in call:
+                out.errors.append(f"tool call without {sep}")
+                continue
+            head, _, body = call.partition(sep)
+            got = split(head, body)
+            if isinstance(got, str):
+                out.errors.append(got)
+                continue
+            name, body, cid = got
+            parsed = _parse_named(name, body)
+            if isinstance(parsed, str):
+                out.errors.append(parsed)
+            elif max_calls is not None and len(out.calls) >= max_calls:
+                out.errors.append(f"at most {max_calls} tool call(s) per turn: the call to "
+                                  f"{parsed.name!r} was not run")
+            else:
+                out.calls.append(parsed)
+                out.ids.append(cid)
+    out.text = "".join(rest).strip()
+    stray = [m for m in markers if m in out.text]
+    if stray:
+        out.errors.append(f"{stray[0]} outside a well-formed {sec_open}...{sec_close}")
+    return out
+
+
+def parse_tool_calls_as(text: str, syntax: str | None, max_calls: int | None = None) -> ParsedTurn:
+    """parse_tool_calls for a chat template's tool-call syntax ("hermes" or None: the Hermes
+    tags; "kimi"; "deepseek"; see the module docstring)."""
+    if syntax in (None, "hermes"):
+        return parse_tool_calls(text, max_calls)
+    if syntax == "kimi":
+        return _parse_sections(text, _KIMI, _split_kimi, max_calls)
+    if syntax == "deepseek":
+        return _parse_sections(text, _DEEPSEEK, _split_deepseek, max_calls)
+    raise ValueError(f"unknown tool-call syntax {syntax!r}: expected hermes, kimi or deepseek")
+
+
+def split_responses(observation: str) -> list[str]:
+    """The bodies of an observation's `<tool_response>` blocks, in order (wrap_response's
+    inverse; the tags inside bodies are escaped, so the split is unambiguous)."""
+    out, pos = [], 0
+    head, tail = RESPONSE_OPEN + "\n", "\n" + RESPONSE_CLOSE
+    while True:
+        i = observation.find(head, pos)
+        if i == -1:
+            break
+        j = observation.find(tail, i + len(head))
+        if j == -1:
+            raise ValueError(f"observation has an unterminated {RESPONSE_OPEN}")
+        out.append(observation[i + len(head):j])
+        pos = j + len(tail)
+    if not out:
+        raise ValueError(f"observation has no {RESPONSE_OPEN} block: {observation[:80]!r}")
     return out
 
 
