@@ -6,10 +6,6 @@ transformers is installed) rendering and ids equal to its apply_chat_template. A
 """
 
 import pytest
-
-pytest.importorskip("tokenizers")
-pytest.importorskip("jinja2")
-
 from hf_tokenizer_fixtures import deepseek_dir, qwen_dir  # noqa: E402
 
 from model.hf.chat_template import ChatTemplateError, turns_to_messages  # noqa: E402
@@ -73,11 +69,12 @@ def test_template_without_tool_syntax_keeps_the_hermes_text(tmp_path):
 
 
 @pytest.mark.parametrize("make", ["deepseek_dir", "qwen_dir"])
+@pytest.mark.hf_reference
 def test_rendering_and_ids_equal_transformers(make, tmp_path):
     """Runs where `transformers` is installed: the same directory through its
     PreTrainedTokenizerFast gives the same rendered text and token ids (apply_chat_template)."""
-    transformers = pytest.importorskip("transformers")
     import hf_tokenizer_fixtures as fx
+    import transformers
 
     d = getattr(fx, make)(tmp_path)
     ours = load_tokenizer(str(d))

@@ -12,11 +12,6 @@ corrupt files. About 2 s in all.
 import json
 
 import pytest
-
-pytest.importorskip("tokenizers")
-pytest.importorskip("jinja2")
-pytest.importorskip("tiktoken")
-
 from hf_tokenizer_fixtures import deepseek_dir, kimi_dir  # noqa: E402
 
 from model import tokenizer as base_tokenizer  # noqa: E402

@@ -16,10 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("tokenizers")
-pytest.importorskip("jinja2")
-pytest.importorskip("tiktoken")
-
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "model"))
 from hf_tokenizer_fixtures import deepseek_dir, kimi_dir  # noqa: E402
 
