@@ -80,7 +80,7 @@ SEED = 0
 MAX_SOLUTION_RUNS = 3
 SOLUTION_OUTPUT_LIMIT = 4 << 20  # what the host parses per solution run (json.loads)
 CHECK_OUTPUT_LIMIT = 8 << 20
-_HARNESS_VERSION = 1
+_HARNESS_VERSION = 2
 
 with open(plaindata.__file__, encoding="utf-8") as _f:
     _PLAIN_SRC = _f.read()
@@ -98,9 +98,17 @@ def _kimi_solution(SOLUTION, ENTRY, CALLS):
     with open(".kimi_nonce") as f:
         nonce = f.read().strip()
     _ko.unlink(".kimi_nonce")
+    # the records get stdout's pipe to themselves: the solution's fd 1 (print, threads) goes to
+    # /dev/null, so its output can neither split a record nor fill the output limit
+    out = _ko.dup(1)
+    null = _ko.open("/dev/null", _ko.O_WRONLY)
+    _ko.dup2(null, 1)
+    _ko.close(null)
 
     def emit(obj):
-        _write(1, ("\n" + nonce + " " + _json(obj) + "\n").encode())
+        data = ("\n" + nonce + " " + _json(obj) + "\n").encode()
+        while data:
+            data = data[_write(out, data):]
 
     def err(e):
         name = _type_name(type(e))
@@ -131,7 +139,7 @@ def _kimi_solution(SOLUTION, ENTRY, CALLS):
             continue
         rec = {"event": "call", "i": i, "time_s": _round(_perf() - t0, 6)}
         try:
-            rec["result"] = encode(r)
+            rec["result"] = encode_result(r)
         except Exception as e:
             rec["bad"] = err(e)
         try:
@@ -145,7 +153,9 @@ def _kimi_solution(SOLUTION, ENTRY, CALLS):
 '''
 
 _CHECK_HARNESS = r'''
-import builtins as _kb, os as _ko, time as _kt
+import builtins as _kb, os as _ko, time as _kt, _signal as _ks
+
+MAX_COLLECTED = 100000
 
 class _KimiMissing(BaseException):
     """A call the solution run has no result for (the verdict asks for another round)."""
@@ -167,7 +177,10 @@ def _kimi_pending_type():
         ns["__%s__" % op] = same
     return type("Pending", (), ns)
 
-def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEED_RANDOM):
+class _KimiStop(BaseException):
+    """collect mode: a case ran past CASE_S or listed more than MAX_COLLECTED calls."""
+
+def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEED_RANDOM, CASE_S):
     _write, _perf = _ko.write, _kt.perf_counter
 
     def emit(obj):
@@ -233,12 +246,18 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEE
             return replay(recs[n], args, kwargs)
         needed.append(payload)
         if collecting:
+            if len(needed) > MAX_COLLECTED:
+                raise _KimiStop()
             return PENDING
         st["missing"] = True
         raise _KimiMissing()
 
     def _start(i):
         st["missing"], st["time"] = False, 0.0
+        if collecting:
+            # a case that loops on placeholder results (`while n != 1: n = candidate(n)`) is
+            # cut after CASE_S; the calls it listed so far stay listed
+            _ks.setitimer(_ks.ITIMER_REAL, CASE_S)
 
     def _case(i, ok, e):
         incomplete = st["missing"]
@@ -248,8 +267,13 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEE
                   "no recorded result for a call of this case" if incomplete else err(e)),
               "time_s": round(st["time"], 6)})
 
+    def _alarm(signum, frame):
+        raise _KimiStop()
+
     g = {"__name__": "__check__", "__builtins__": _kb}
-    if not collecting:
+    if collecting:
+        _ks.signal(_ks.SIGALRM, _alarm)
+    else:
         emit({"event": "cases", "n": N_CASES})
     try:
         if PROMPT:
@@ -265,6 +289,8 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEE
     except BaseException as e:
         if not collecting:
             emit({"event": "check_error", "error": err(e)})
+    if collecting:
+        _ks.setitimer(_ks.ITIMER_REAL, 0)
     emit({"event": "needed", "calls": needed})
     emit({"event": "done"})
 '''
@@ -308,7 +334,8 @@ def transform_test(test: str, mode: str) -> tuple[str, int, bool]:
             new.append(stmt)
             continue
         if mode == "collect":
-            new.append(ast.Try(body=[_Strip().visit(stmt)],
+            new.append(ast.Try(body=[_call_stmt("__kimi_start", [ast.Constant(n)]),
+                                     _Strip().visit(stmt)],
                                handlers=[ast.ExceptHandler(any_exc, None, [ast.Pass()])],
                                orelse=[], finalbody=[]))
         else:
@@ -344,15 +371,23 @@ def solution_program(solution: str, entry: str, calls: list) -> str:
             f"\n_kimi_solution({solution!r}, {entry!r}, {_data_expr(calls)})\n")
 
 
-def check_program(prompt: str, test: str, entry: str, known: list, mode: str, nonce: str) -> str:
+def collect_case_s(timeout_s: float, n_cases: int) -> float:
+    """How long one case of a collect run may take: half the run's timeout shared by its cases,
+    at least 0.2 s (a case that loops on placeholders is cut there, never the whole run)."""
+    return max(0.2, timeout_s / (2 * max(1, n_cases)))
+
+
+def check_program(prompt: str, test: str, entry: str, known: list, mode: str, nonce: str,
+                  timeout_s: float = 10.0) -> str:
     """The checker: the task's prompt definitions and test (rewritten by transform_test) with the
     entry point replaced by a replayer of `known` ([key, record] pairs); mode "collect" or
-    "verdict". Raises SyntaxError or ValueError if the test does not parse."""
+    "verdict" (collect: each case cut after collect_case_s(timeout_s, cases)). Raises
+    SyntaxError or ValueError if the test does not parse."""
     src, n, has_check = transform_test(test, mode)
     seed_random = "random" in prompt or "random" in test
     return (_PLAIN_SRC + _CHECK_HARNESS + f"\nSEED = {SEED}\n" +
             f"_kimi_check({prompt!r}, {src!r}, {entry!r}, {_data_expr(known)}, {mode!r}, {nonce!r}, "
-            f"{n}, {has_check}, {seed_random})\n")
+            f"{n}, {has_check}, {seed_random}, {collect_case_s(timeout_s, n)!r})\n")
 
 
 def _no_constant(name: str):
@@ -668,7 +703,7 @@ class Job:
             if calls is None:
                 nonce = secrets.token_hex(16)
                 prog = check_program(self.prompt, self.task.test, self.task.entry_point, [],
-                                     "collect", nonce)
+                                     "collect", nonce, self.task.timeout_s)
                 self._then(self._submit_check(prog), self._on_collect, nonce)
             else:
                 self._solve(calls)
@@ -773,6 +808,10 @@ class Job:
             if ce is not None:
                 problem = ("check_error", ce.get("error"))
         sol = [r for kind, r in self.runs if kind == "solution"]
+        checkers = [(kind, r) for kind, r in self.runs if kind != "solution"]
+        checker_stopped = next(((kind, r.status) for kind, r in checkers
+                                if r.status in ("timeout", "memory", "output_limit",
+                                                "sandbox_error")), None)
         sol_bad = next((r.status for r in sol if r.status != "ok"), None)
         passed = sum(c["passed"] for c in cases)
         all_ok = (done and problem is None and n > 0 and passed == n and sol_bad is None
@@ -784,8 +823,13 @@ class Job:
             status = "invalid_task"
         elif sol_bad is not None and sol_bad not in ("ok", "error"):
             status = sol_bad
-        elif any(r.status == "sandbox_error" for kind, r in self.runs if kind != "solution"):
+        elif checker_stopped is not None:
+            # the test's own run (collect or verdict) was stopped: no verdict on the completion,
+            # so it is not its failure (RL drops sandbox_error samples) and never reused
             status = "sandbox_error"
+            if problem is None or problem[0] != "checker_stopped":
+                problem = ("checker_stopped", f"the test's {checker_stopped[0]} run ended with "
+                           f"{checker_stopped[1]}" + (f" ({problem[1]})" if problem else ""))
         else:
             status = "fail"
         last = sol[-1] if sol else None
@@ -793,7 +837,8 @@ class Job:
                    "n_cases": n, "n_passed": passed, "completed": done,
                    "sandbox_status": last.status if last else None,
                    "exit_code": last.exit_code if last else None,
-                   "check_status": verdict.status if verdict is not None else None,
+                   "check_status": (verdict.status if verdict is not None else
+                                    checkers[-1][1].status if checkers else None),
                    "runs": [kind for kind, _ in self.runs],
                    "wall_s": sum(r.wall_s for _, r in self.runs)}
         if problem is not None:
