@@ -16,7 +16,7 @@ finite float; every other value is an object with exactly one key:
   {"int": "<hex>"}  {"float": "nan" | "inf" | "-inf"}  {"complex": [re, im]}
   {"bytes": "<hex>"}  {"tuple": [...]}  {"dict": [[k, v], ...]}  {"set": [...]}
   {"frozenset": [...]}  and, for return values only (below), {"counter": [[k, v], ...]}
-  {"odict": [[k, v], ...]}  {"iter": [...]}  {"range": [start, stop, step]}
+  {"odict": [[k, v], ...]}  {"iter": [...]}
 Set elements are sorted by the text of their encoded form, so equal sets encode equally
 (`key_of` relies on it).
 
@@ -39,15 +39,16 @@ exact conversion exists that `==` in the judging process sees the same way:
   - an iterator of a builtin kind (a generator, map, filter, zip, enumerate, reversed, the
     iterators of list/tuple/str/range/set/dict) is drained (at most MAX_NODES values) and travels
     as {"iter": [...]}, rebuilt as an iterator over a list: `tuple(r)`, `list(r)`, `sorted(r)`
-    and `next(r)` see the same values, `r == [..]` is False as it would be; a range travels as
-    {"range": [start, stop, step]} and is rebuilt as that range.
+    and `next(r)` see the same values, `r == [..]` is False as it would be.
   The classes are recognised by identity (`type(x) is C`; collections' classes are looked up in
   sys.modules, never imported). Converted values lose their repr and extra attributes (`str()` of
   a namedtuple is a tuple's, `.x` does not exist): that can fail a test, never pass one wrongly.
   The process that ran the completion is untrusted anyway (it can forge its records, see
   sandbox/python_tests.py): what decides is that only plain JSON reaches the judge.
 
-Not covered: any other type (functions, user classes, numpy arrays, dict views, deques); a dict
+Not covered: any other type (functions, user classes, numpy arrays, dict views, deques, ranges:
+a range is not an iterator and stays refused, so `list(candidate(n))` over a returned range fails
+with a message); a dict
 key or set element of an unhashable type cannot occur in a real dict or set anyway.
 
 This file is also embedded verbatim into the programs that run inside the sandbox, so it uses
@@ -56,12 +57,12 @@ no import at all at module level and defines nothing beyond functions and consta
 
 _INF = float("inf")
 
-MAX_DEPTH = 500  # the judging process decodes and compares recursively (recursion limit 1000)
+MAX_DEPTH = 300  # encode/decode take two frames a level; the judge compares recursively too
 MAX_NODES = 1_000_000
 MAX_CHARS = 64 << 20
 _SAFE_INT = 1 << 53
 _TAGS = ("int", "float", "complex", "bytes", "tuple", "dict", "set", "frozenset", "counter",
-         "odict", "iter", "range")
+         "odict", "iter")
 # special methods a subclass may define and still be converted by encode_result: none of them
 # changes how a built value compares, hashes, iterates, indexes, measures or converts
 INERT_DUNDERS = frozenset({
@@ -90,16 +91,22 @@ class PlainDataError(ValueError):
 def encode(value):
     """The JSON-able form of `value`; raises PlainDataError for anything not covered."""
     budget = [MAX_NODES, MAX_CHARS]
-    return _enc(value, 0, budget)
+    try:
+        return _enc(value, 0, budget)
+    except RecursionError:
+        raise PlainDataError("nested too deeply for this interpreter's stack") from None
 
 
 def encode_result(value):
     """encode(), also converting what `encode` refuses when the conversion is exact (subclasses
-    without behaviour, Counter, OrderedDict, defaultdict, builtin iterators, range: the module
+    without behaviour, Counter, OrderedDict, defaultdict, builtin iterators: the module
     docstring). For return values in the process that ran the completion only: draining an
     iterator runs its code."""
     budget = [MAX_NODES, MAX_CHARS]
-    return _enc(value, 0, budget, True)
+    try:
+        return _enc(value, 0, budget, True)
+    except RecursionError:
+        raise PlainDataError("nested too deeply for this interpreter's stack") from None
 
 
 def _enc(x, depth, budget, loose=False):
@@ -157,9 +164,6 @@ def _items(pairs, depth, budget, loose):
 
 def _enc_converted(x, t, depth, budget):
     """encode_result's conversions (module docstring); PlainDataError when none applies."""
-    if t is range:
-        return {"range": [range.__dict__["start"].__get__(x), range.__dict__["stop"].__get__(x),
-                          range.__dict__["step"].__get__(x)]}
     for it in _ITER_TYPES:
         if t is it:
             out = []
@@ -275,7 +279,10 @@ def dumps(value):
 
 def decode(enc):
     """The value for a JSON-able form made by `encode`; raises PlainDataError otherwise."""
-    return _dec(enc, 0)
+    try:
+        return _dec(enc, 0)
+    except RecursionError:
+        raise PlainDataError("nested too deeply for this interpreter's stack") from None
 
 
 def _dec(e, depth):
@@ -320,10 +327,6 @@ def _dec(e, depth):
         return tuple(_dec(v, depth + 1) for v in p)
     if tag == "iter":
         return iter([_dec(v, depth + 1) for v in p])
-    if tag == "range":
-        if len(p) != 3 or any(type(v) is not int for v in p) or p[2] == 0:
-            raise PlainDataError("a range is [start, stop, step] of plain ints, step != 0")
-        return range(p[0], p[1], p[2])
     if tag in ("dict", "counter", "odict"):
         out = {}
         for kv in p:

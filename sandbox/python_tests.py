@@ -90,25 +90,42 @@ with open(plaindata.__file__, encoding="utf-8") as _f:
 # test is rewritten on the host (transform_test), so neither json nor ast is imported in the
 # sandbox. The host reads the output with json.loads (never ast.literal_eval: on a program's
 # output that would cost 0.5 GB and 6 s per MiB).
+# Records are lines on stdout, which the solution's own output (threads included) shares. A
+# write of at most PIPE_BUF (4096) bytes to a pipe is atomic, so every record goes out as lines
+# of at most 4000 bytes, each starting and ending with a newline: a small record as
+# "<nonce> <json>", a larger one as parts "<nonce>~<seq>~<k>~<n> <part of the json>" that the
+# host joins (parse_events). Output written at the same time lands between lines, never inside.
+_EMIT = r'''
+def _kimi_emitter(nonce):
+    _write, _json, seq = _ko.write, to_json, [0]
+
+    def write_all(data):
+        while data:
+            data = data[_write(1, data):]
+
+    def emit(obj):
+        text = _json(obj)
+        if len(text) <= _KIMI_PART:
+            write_all(("\n" + nonce + " " + text + "\n").encode())
+            return
+        seq[0] += 1
+        n = (len(text) + _KIMI_PART - 1) // _KIMI_PART
+        for k in range(n):
+            write_all(("\n%s~%d~%d~%d %s\n" % (nonce, seq[0], k, n,
+                       text[k * _KIMI_PART:(k + 1) * _KIMI_PART])).encode())
+    return emit
+'''
+_PART = 3900  # json characters (ASCII) per record line: with the tag, under PIPE_BUF
+
 _SOLUTION_HARNESS = r'''
 import os as _ko, time as _kt
 
 def _kimi_solution(SOLUTION, ENTRY, CALLS):
-    _write, _perf, _round, _json = _ko.write, _kt.perf_counter, round, to_json
+    _perf, _round = _kt.perf_counter, round
     with open(".kimi_nonce") as f:
         nonce = f.read().strip()
     _ko.unlink(".kimi_nonce")
-    # the records get stdout's pipe to themselves: the solution's fd 1 (print, threads) goes to
-    # /dev/null, so its output can neither split a record nor fill the output limit
-    out = _ko.dup(1)
-    null = _ko.open("/dev/null", _ko.O_WRONLY)
-    _ko.dup2(null, 1)
-    _ko.close(null)
-
-    def emit(obj):
-        data = ("\n" + nonce + " " + _json(obj) + "\n").encode()
-        while data:
-            data = data[_write(out, data):]
+    emit = _kimi_emitter(nonce)
 
     def err(e):
         name = _type_name(type(e))
@@ -181,10 +198,8 @@ class _KimiStop(BaseException):
     """collect mode: a case ran past CASE_S or listed more than MAX_COLLECTED calls."""
 
 def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEED_RANDOM, CASE_S):
-    _write, _perf = _ko.write, _kt.perf_counter
-
-    def emit(obj):
-        _write(1, ("\n" + NONCE + " " + to_json(obj) + "\n").encode())
+    _perf = _kt.perf_counter
+    emit = _kimi_emitter(NONCE)
 
     def err(e):
         return (type(e).__name__ + ": " + str(e))[:500]
@@ -367,7 +382,7 @@ def _data_expr(obj: Any) -> str:
 def solution_program(solution: str, entry: str, calls: list) -> str:
     """The program run where the completion runs: the solution, then its entry point on `calls`
     (encoded with plaindata.encode_call); no test code, no expected value."""
-    return (_PLAIN_SRC + _SOLUTION_HARNESS +
+    return (_PLAIN_SRC + _SOLUTION_HARNESS + _EMIT + f"_KIMI_PART = {_PART}\n" +
             f"\n_kimi_solution({solution!r}, {entry!r}, {_data_expr(calls)})\n")
 
 
@@ -385,7 +400,7 @@ def check_program(prompt: str, test: str, entry: str, known: list, mode: str, no
     SyntaxError or ValueError if the test does not parse."""
     src, n, has_check = transform_test(test, mode)
     seed_random = "random" in prompt or "random" in test
-    return (_PLAIN_SRC + _CHECK_HARNESS + f"\nSEED = {SEED}\n" +
+    return (_PLAIN_SRC + _CHECK_HARNESS + _EMIT + f"_KIMI_PART = {_PART}\nSEED = {SEED}\n" +
             f"_kimi_check({prompt!r}, {src!r}, {entry!r}, {_data_expr(known)}, {mode!r}, {nonce!r}, "
             f"{n}, {has_check}, {seed_random}, {collect_case_s(timeout_s, n)!r})\n")
 
@@ -395,18 +410,37 @@ def _no_constant(name: str):
 
 
 def parse_events(stdout: str, nonce: str) -> list[dict]:
-    """The nonce-tagged JSON records of a harness's stdout. Lines the program forged or broke
+    """The nonce-tagged JSON records of a harness's stdout (a record in parts is joined when its
+    last part arrives, see _EMIT). Lines the program forged or broke
     (not JSON, NaN/Infinity, non-finite numbers, nesting deeper than plaindata allows) are
     dropped, never raised."""
-    out, tag = [], nonce + " "
+    out, tag, ptag = [], nonce + " ", nonce + "~"
+    parts: dict[int, tuple[int, dict[int, str]]] = {}
     for line in stdout.splitlines():
         if line.startswith(tag):
-            try:
-                ev = json.loads(line[len(tag):], parse_constant=_no_constant)
-            except (ValueError, RecursionError):
+            text = line[len(tag):]
+        elif line.startswith(ptag):
+            head, _, part = line.partition(" ")
+            fields = head[len(ptag):].split("~")
+            if len(fields) != 3 or not all(f.isdigit() and len(f) < 10 for f in fields):
                 continue
-            if isinstance(ev, dict) and _jsonish(ev, plaindata.MAX_DEPTH + 8):
-                out.append(ev)
+            seq, k, n = (int(f) for f in fields)
+            have = parts.setdefault(seq, (n, {}))
+            if have[0] != n or not 0 <= k < n or k in have[1]:
+                continue  # the first of a part counts, as the first record of a call does
+            have[1][k] = part
+            if len(have[1]) < n:
+                continue
+            text = "".join(have[1][i] for i in range(n))
+            parts[seq] = (n, {})  # joined once; a later copy of the same seq starts afresh
+        else:
+            continue
+        try:
+            ev = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(ev, dict) and _jsonish(ev, plaindata.MAX_DEPTH + 8):
+            out.append(ev)
     return out
 
 
