@@ -270,8 +270,8 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEE
     def _start(i):
         st["missing"], st["time"] = False, 0.0
         if collecting:
-            # a case that loops on placeholder results (`while n != 1: n = candidate(n)`) is
-            # cut after CASE_S; the calls it listed so far stay listed
+            # a statement that loops on placeholder results (`while n != 1: n = candidate(n)`)
+            # is cut after CASE_S; the calls it listed so far stay listed
             _ks.setitimer(_ks.ITIMER_REAL, CASE_S)
 
     def _case(i, ok, e):
@@ -293,7 +293,7 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEE
     try:
         if PROMPT:
             exec(compile(PROMPT, "prompt.py", "exec"), g)
-        g["__kimi_start"], g["__kimi_case"] = _start, _case
+        g["__kimi_start"], g["__kimi_case"], g["__kimi_Stop"] = _start, _case, _KimiStop
         g[ENTRY] = candidate
         if SEED_RANDOM:
             import random
@@ -338,7 +338,8 @@ def transform_test(test: str, mode: str) -> tuple[str, int, bool]:
     """The test rewritten for the checker (host side: parsing only). Each case (a top-level
     statement of `check`, or of the module, that contains an assert) is wrapped to report itself
     (mode "verdict"), or has its asserts reduced to evaluating their expressions with errors
-    swallowed (mode "collect"). Returns (source, number of cases, whether it defines check).
+    swallowed (mode "collect", where every top-level statement is also cut after its share of
+    the timeout: the placeholder results can make a loop endless). Returns (source, number of cases, whether it defines check).
     Raises SyntaxError or ValueError if the test does not parse."""
     tree = parse_python(test)
     check, host = _check_and_host(tree)
@@ -346,6 +347,11 @@ def transform_test(test: str, mode: str) -> tuple[str, int, bool]:
     any_exc = ast.Name("BaseException", ast.Load())
     for stmt in host:
         if not _is_case(stmt):
+            if mode == "collect":  # timed too: `while n != 1: n = candidate(n)` holds no assert
+                stop = ast.Name("__kimi_Stop", ast.Load())
+                stmt = ast.Try(body=[_call_stmt("__kimi_start", [ast.Constant(-1)]), stmt],
+                               handlers=[ast.ExceptHandler(stop, None, [ast.Pass()])],
+                               orelse=[], finalbody=[])
             new.append(stmt)
             continue
         if mode == "collect":
@@ -374,9 +380,23 @@ def _data_expr(obj: Any) -> str:
     """Source text of a JSON-like value for a harness: a Python literal when small; else one
     string literal parsed by json at run time (compiling a large literal takes hundreds of MB)."""
     text = ascii(obj)
-    if len(text) <= _LITERAL_MAX:
+    if len(text) <= _LITERAL_MAX and _depth(obj) < 150:  # the parser nests at most 200 brackets
         return text
     return f"__import__('json').loads({plaindata.to_json(obj)!r})"
+
+
+def _depth(obj: Any) -> int:
+    """How deeply lists and dicts nest in a JSON-like value (without recursion)."""
+    best, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if type(o) is list:
+            best = max(best, d)
+            stack.extend((v, d + 1) for v in o)
+        elif type(o) is dict:
+            best = max(best, d)
+            stack.extend((v, d + 1) for v in o.values())
+    return best
 
 
 def solution_program(solution: str, entry: str, calls: list) -> str:
@@ -386,23 +406,25 @@ def solution_program(solution: str, entry: str, calls: list) -> str:
             f"\n_kimi_solution({solution!r}, {entry!r}, {_data_expr(calls)})\n")
 
 
-def collect_case_s(timeout_s: float, n_cases: int) -> float:
-    """How long one case of a collect run may take: half the run's timeout shared by its cases,
-    at least 0.2 s (a case that loops on placeholders is cut there, never the whole run)."""
-    return max(0.2, timeout_s / (2 * max(1, n_cases)))
+def collect_case_s(timeout_s: float, n_statements: int) -> float:
+    """How long one top-level statement of a collect run may take: half the run's timeout shared
+    by the statements, at least 0.2 s (a statement that loops on placeholders is cut there,
+    never the whole run)."""
+    return max(0.2, timeout_s / (2 * max(1, n_statements)))
 
 
 def check_program(prompt: str, test: str, entry: str, known: list, mode: str, nonce: str,
                   timeout_s: float = 10.0) -> str:
     """The checker: the task's prompt definitions and test (rewritten by transform_test) with the
     entry point replaced by a replayer of `known` ([key, record] pairs); mode "collect" or
-    "verdict" (collect: each case cut after collect_case_s(timeout_s, cases)). Raises
+    "verdict" (collect: each top-level statement cut after collect_case_s). Raises
     SyntaxError or ValueError if the test does not parse."""
     src, n, has_check = transform_test(test, mode)
+    n_statements = len(_check_and_host(parse_python(test))[1]) if mode == "collect" else 1
     seed_random = "random" in prompt or "random" in test
     return (_PLAIN_SRC + _CHECK_HARNESS + _EMIT + f"_KIMI_PART = {_PART}\nSEED = {SEED}\n" +
             f"_kimi_check({prompt!r}, {src!r}, {entry!r}, {_data_expr(known)}, {mode!r}, {nonce!r}, "
-            f"{n}, {has_check}, {seed_random}, {collect_case_s(timeout_s, n)!r})\n")
+            f"{n}, {has_check}, {seed_random}, {collect_case_s(timeout_s, n_statements)!r})\n")
 
 
 def _no_constant(name: str):
