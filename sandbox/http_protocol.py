@@ -26,6 +26,7 @@ WebSockets (no upgrade is served), TLS.
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -70,17 +71,19 @@ def guarded_protocol(limits: ConnectionLimits, counters: dict[str, int]) -> type
     oversized_heads, refused_connections, evicted_unauthenticated, malformed_requests
     incremented."""
 
+    opened = itertools.count()
+
     class GuardedHttpProtocol(HttpToolsProtocol):
         _head_timer = None
         _head_bytes = 0
         _reject: tuple[int, str] | None = None
         _authed = False
         _auth_header = b""
-        _opened = 0.0
+        _opened = 0  # the order connections opened in (uvloop's clock is too coarse for it)
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._opened = self.loop.time()
+            self._opened = next(opened)
             if len(self.connections) > limits.max_connections and not self._evict_one():
                 counters["refused_connections"] = counters.get("refused_connections", 0) + 1
                 transport.write(raw_json_response(
