@@ -5,9 +5,11 @@ Runs of one verification (each a fresh sandbox through the executor):
   solution  the solution (prompt + completion, see verifiers.build_solution) is executed and its
             entry point called on a list of argument tuples. It sees only those arguments: no
             test code and no expected value is in its program, files or environment. Each call's
-            result comes back as plain data (sandbox/plaindata.py: exact builtin types, no method
-            of the returned object is ever called), tagged with a nonce the harness reads from a
-            file and deletes before the solution runs.
+            result comes back as plain data (sandbox/plaindata.py encode_result: exact builtin
+            types, or an exact conversion of a namedtuple, Counter, OrderedDict, defaultdict or
+            builtin iterator; no method of a returned object of any other type is called),
+            tagged with a nonce the harness reads from a file and deletes before the solution
+            runs.
   verdict   the task's ORIGINAL test runs in a fresh sandbox (isolated interpreter `python3 -I -S
             -B`, program not readable by path, empty working directory), after the prompt's own
             definitions when the test uses any (checker_prompt), with the entry point
@@ -18,8 +20,19 @@ Runs of one verification (each a fresh sandbox through the executor):
             on builtin values in a process no completion code ever touched.
   collect   (only when the arguments cannot be read off the test statically) the test runs in a
             checker sandbox with asserts reduced to evaluating their expressions and every call
-            answered by a placeholder, to list the arguments the verdict will ask for. Its result
-            depends on the task only and is cached (COLLECT_CACHE).
+            answered by a placeholder, to list the arguments the verdict will ask for. Each
+            top-level statement is cut after collect_case_s (a loop on placeholder results never
+            ends by itself). Its result depends on the task only and is cached (COLLECT_CACHE).
+
+Records travel as lines on stdout, each written by one write of at most 4000 bytes (a pipe
+write under PIPE_BUF is atomic; larger records go in numbered parts joined by parse_events), so
+whatever the solution prints meanwhile, from any thread, lands between records, never inside.
+
+A run of the test itself (collect or verdict) stopped by a timeout, the memory limit, the output
+limit or a sandbox error gives no verdict on the completion: status "sandbox_error" with
+error_kind "checker_stopped" (RL drops such samples; `reusable` refuses them). A solution run
+that did not end "ok" or "error" fails even when its records were all written (a run that timed
+out after its last record is not a pass).
 
 Arguments are read statically when every call of the entry point is a direct sub-expression of a
 top-level assert of `check` (or of the test module, or of an assert's message) with constant

@@ -8,8 +8,9 @@ Scoring methods: this module is the one list of them (each is a `_start_<name>` 
 optional field check, and one `register_scoring` line; a task names its method in `Task.family`,
 fields in sandbox/tasks/schema.py; `check_task` refuses an unknown method or missing fields):
 
-  python_tests  HumanEval/MBPP unit tests. The solution is prompt + completion (or the completion's
-                fenced code block when it defines the entry point itself). It runs in one sandbox
+  python_tests  HumanEval/MBPP unit tests. The solution is prompt + completion (or the whole
+                prompt, then the completion's code when that defines the entry point itself:
+                build_solution; which fenced block is the code: extract_code). It runs in one sandbox
                 on the arguments the test will call it with (no test code, no expected value
                 there); its results cross as plain data (sandbox/plaindata.py) to a fresh,
                 isolated sandbox where the ORIGINAL test runs against a replay of them, each
