@@ -64,6 +64,7 @@ from concurrent.futures import Future
 
 from . import python_tests
 from .backend import Executor
+from .pyparse import parse as parse_python
 from .result import ExecutionResult
 from .tasks.schema import Task, TaskFormatError
 
@@ -283,14 +284,36 @@ def build_solution(task: Task, completion: str) -> str:
     """The program a python_tests completion stands for: the code extract_code picks (the block
     that defines the entry point, see its rules) after the whole prompt when the prompt is code
     (its helpers, imports and constants stay; the prompt's own stub of the entry point is
-    redefined by the completion's), or the prompt followed by the completion's body. A prompt
-    that is prose (`meta.prompt_is_text`, or not parseable) is left out."""
+    redefined by the completion's), or the prompt followed by the completion's body: the text
+    before the first fence when the prompt continued by it parses (a body closed by a stray
+    fence, prose or an example after it), else the block extract_code picks. A prompt that is
+    prose (`meta.prompt_is_text`, or not parseable) is left out."""
     code = extract_code(completion, "python", task.entry_point)
     if not python_tests.prompt_is_code(task):
         return code
     if defines(code, task.entry_point):
         return task.prompt.rstrip("\n") + "\n\n\n" + code
+    head = _before_first_fence(completion)
+    if head.strip() and _parses(task.prompt + head):
+        # the prompt continued, then a stray closing fence (and prose or an example after it)
+        return task.prompt + head
     return task.prompt + code
+
+
+def _before_first_fence(text: str) -> str:
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if _FENCE_OPEN.match(line.rstrip("\r")):
+            return "\n".join(lines[:i]) + "\n"
+    return ""
+
+
+def _parses(src: str) -> bool:
+    try:
+        parse_python(src)
+        return True
+    except (SyntaxError, ValueError):
+        return False
 
 
 def _start_python_tests(task: Task, completion: str, ctx: Verifier) -> Pending:

@@ -109,6 +109,10 @@ def test_fenced_restatements_keep_the_prompts_helpers(verifier):
     res = verifier.verify_batch(tasks, comps)
     bad = [(t.id, c[-120:], d) for t, c, (s, d) in zip(tasks, comps, res) if s != 1.0]
     assert not bad, bad
+    # a body closed by a stray fence, prose after it: the body is the answer
+    t = HE["HumanEval/50"]
+    s, d = verifier.verify(t, t.canonical_solution + "```\nThis shifts every letter back by 5.\n")
+    assert s == 1.0, d
     # the program keeps the prompt's helper and runs the completion's definition last
     sol = build_solution(HE["HumanEval/38"], restated(HE["HumanEval/38"]))
     assert sol.index("def encode_cyclic(") < sol.rindex("def decode_cyclic(") and sol.count("def decode_cyclic(") == 2
