@@ -193,6 +193,10 @@ CATALOGUE = (
          "if len(self.connections) > limits.max_connections:")],
        ("tests/sandbox/test_sandbox_http_limits.py::test_unauthenticated_connections_cannot_lock_out_authenticated_ones",),
        "stalled unauthenticated connections fill the connection cap: authenticated clients get 503"),
+    _m("checker.records_over_pipe_buf", "sandbox/python_tests.py",
+       [("if len(text) <= _KIMI_PART:", "if True:")],
+       ("tests/sandbox/test_scoring_false_negatives.py::test_solution_threads_writing_to_stdout_cannot_break_records",),
+       "a record over PIPE_BUF goes out in one write, so a solution thread's output splits it"),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
 
