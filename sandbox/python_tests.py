@@ -28,9 +28,14 @@ Records travel as lines on stdout, each written by one write of at most 4000 byt
 write under PIPE_BUF is atomic; larger records go in numbered parts joined by parse_events), so
 whatever the solution prints meanwhile, from any thread, lands between records, never inside.
 
-A run of the test itself (collect or verdict) stopped by a timeout, the memory limit, the output
-limit or a sandbox error gives no verdict on the completion: status "sandbox_error" with
-error_kind "checker_stopped" (RL drops such samples; `reusable` refuses them). A solution run
+A run of the test itself stopped by a timeout, the memory limit, the output limit or a sandbox
+error gives no verdict on the completion when the completion had no part in it: a collect run
+(it never sees the completion), or a verdict whose probe, the same verdict run again without any
+of the completion's results, is stopped too (the test hangs by itself). Then the status is
+"sandbox_error" with error_kind "checker_stopped" (RL drops such samples; `reusable` refuses
+them). A verdict stopped only with the completion's values (a wrong answer can make a test loop
+long: `for _ in range(candidate(n))`) counts against the completion ("fail", never reused), so a
+completion cannot turn its 0 into a dropped sample. A solution run
 that did not end "ok" or "error" fails even when its records were all written (a run that timed
 out after its last record is not a pass).
 
@@ -676,6 +681,7 @@ class _LRU:
 
 
 COLLECT_CACHE = _LRU(4096)
+_STOPPED = ("timeout", "memory", "output_limit")  # checker run statuses that leave no verdict
 
 _REC_KEYS = {"result", "after", "time_s", "raised", "msg", "bad"}
 
@@ -840,7 +846,20 @@ class Job:
         new = self._schedule(needed if isinstance(needed, list) else [])
         if new and self.solution_runs < MAX_SOLUTION_RUNS:
             return self._solve(new)
+        if r.status in _STOPPED and not any(kind == "probe" for kind, _ in self.runs):
+            # stopped: by the test alone, or by what the completion's values made it do? The same
+            # verdict without any result (every call missing, so no value of the completion
+            # is used) tells: if it is stopped too, the test is at fault
+            nonce = secrets.token_hex(16)
+            prog = check_program(self.prompt, self.task.test, self.task.entry_point, [],
+                                 "verdict", nonce)
+            self._then(self._submit_check(prog), self._on_probe, events, r)
+            return
         self._finish(events, r)
+
+    def _on_probe(self, probe: ExecutionResult, events: list, verdict: ExecutionResult) -> None:
+        self.runs.append(("probe", probe))
+        self._finish(events, verdict)
 
     def _schedule(self, needed: list) -> list:
         """Calls the verdict missed that no solution run has tried yet (a tried call that left no
@@ -877,10 +896,13 @@ class Job:
             if ce is not None:
                 problem = ("check_error", ce.get("error"))
         sol = [r for kind, r in self.runs if kind == "solution"]
-        checkers = [(kind, r) for kind, r in self.runs if kind != "solution"]
+        checkers = [(kind, r) for kind, r in self.runs if kind in ("collect", "verdict")]
+        # a stopped collect run never saw the completion; a stopped verdict is the test's fault
+        # only when its probe (the verdict without any of the completion's values) stopped too
+        probe_stopped = any(kind == "probe" and r.status in _STOPPED for kind, r in self.runs)
         checker_stopped = next(((kind, r.status) for kind, r in checkers
-                                if r.status in ("timeout", "memory", "output_limit",
-                                                "sandbox_error")), None)
+                                if r.status == "sandbox_error" or (r.status in _STOPPED and (
+                                    kind == "collect" or probe_stopped))), None)
         sol_bad = next((r.status for r in sol if r.status != "ok"), None)
         passed = sum(c["passed"] for c in cases)
         all_ok = (done and problem is None and n > 0 and passed == n and sol_bad is None

@@ -197,6 +197,10 @@ CATALOGUE = (
        [("if len(text) <= _KIMI_PART:", "if True:")],
        ("tests/sandbox/test_scoring_false_negatives.py::test_solution_threads_writing_to_stdout_cannot_break_records",),
        "a record over PIPE_BUF goes out in one write, so a solution thread's output splits it"),
+    _m("checker.verdict_stop_always_dropped", "sandbox/python_tests.py",
+       [('kind == "collect" or probe_stopped', "True")],
+       ("tests/sandbox/test_scoring_false_negatives.py::test_a_checker_side_timeout_is_no_verdict_and_never_reused",),
+       "a verdict stopped by the completion's own values becomes a dropped sandbox_error, not a 0"),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
 

@@ -195,14 +195,23 @@ def test_a_test_that_loops_on_results_is_judged(verifier):
 
 
 def test_a_checker_side_timeout_is_no_verdict_and_never_reused(pool):
-    """A test that hangs by itself (outside any case, so nothing cuts it): no verdict on the
-    completion (sandbox_error, which RL drops), and an identical completion is scored again."""
-    t = _task("while True:\n    pass\nassert candidate(1) == 1\n", timeout_s=1)
+    """A test that hangs by itself: no verdict on the completion (sandbox_error, which RL
+    drops), and an identical completion is scored again. A test that runs long only because of
+    the completion's value is that completion's failure (it cannot escape its 0 that way)."""
     v = Verifier(pool, reuse=8)
+    hangs = _task("while True:\n    pass\nassert candidate(1) == 1\n", timeout_s=1)
     for _ in range(2):
-        s, d = v.verify(t, "def f(x):\n    return x\n")
+        s, d = v.verify(hangs, "def f(x):\n    return x\n")
         assert s == 0.0 and d["status"] == "sandbox_error" and d["error_kind"] == "checker_stopped", d
-        assert d["check_status"] == "timeout" and "reused" not in d, d
+        assert d["check_status"] == "timeout" and "reused" not in d and "probe" in d["runs"], d
+    assert v.reused == 0
+    loops = _task("def check(candidate):\n    for _ in range(candidate(1)):\n        pass\n"
+                  "    assert candidate(2) == 4\n", timeout_s=1)
+    assert v.verify(loops, "def f(x):\n    return x * x\n")[0] == 1.0
+    for _ in range(2):
+        s, d = v.verify(loops, "def f(x):\n    return 10 ** 15\n")
+        assert s == 0.0 and d["status"] == "fail" and d["check_status"] == "timeout", d
+        assert "reused" not in d and d["runs"][-1] == "probe", d
     assert v.reused == 0
 
 
