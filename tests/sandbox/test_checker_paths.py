@@ -5,7 +5,7 @@ expected, a duplicated call record forged from inside the solution, a terminal t
 failed, and set arguments whose iteration order differs between processes.
 
 The mutations of scripts/mutate.py named `checker.*` break each path the way described and
-these tests catch them. About 8 s on 2 busy cores (two-worker pool)."""
+these tests catch them. About 5 s on 2 busy cores (two-worker pool)."""
 
 import pytest
 
