@@ -9,7 +9,11 @@ socket for ever), and its protocol errors are plain text. `GuardedHttpProtocol` 
   their first byte, else 408 (JSON) and close; the body's deadline is the ASGI guard's
   (sandbox/server.py), which can still answer with a status;
 - header size cap (`max_header_bytes`, 431);
-- connection cap (`max_connections`: a connection over it gets 503 with Retry-After and is closed);
+- connection cap (`max_connections`): a connection over it first makes room by closing the
+  oldest open connection that has not authenticated (no complete request head carrying the
+  token, or, without a token, no complete request head at all); only when every open connection
+  has, it gets 503 with Retry-After and is closed. So clients that connect and stall (each could
+  otherwise hold its socket for `request_timeout_s`) cannot lock authenticated clients out;
 - JSON bodies for every error uvicorn answers itself (malformed request line, header or
   Content-Length: 400).
 
@@ -21,6 +25,8 @@ WebSockets (no upgrade is served), TLS.
 
 from __future__ import annotations
 
+import hmac
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -35,6 +41,16 @@ class ConnectionLimits:
     request_timeout_s: float
     max_header_bytes: int
     max_connections: int
+    token: bytes | None = None  # the bearer token a request head must carry to authenticate
+
+
+def bearer_ok(authorization: bytes, token: bytes | None) -> bool:
+    """True when an Authorization header value carries `token` as a bearer token (always, without
+    a token)."""
+    if token is None:
+        return True
+    scheme, _, given = authorization.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token)
 
 
 class _HeadTooLarge(Exception):
@@ -52,16 +68,23 @@ def raw_json_response(status: int, message: str, extra_headers: tuple[tuple[byte
 
 def guarded_protocol(limits: ConnectionLimits, counters: dict[str, int]) -> type[HttpToolsProtocol]:
     """A protocol class bound to `limits`; `counters` (a dict) gets header_timeouts,
-    oversized_heads, refused_connections, malformed_requests incremented."""
+    oversized_heads, refused_connections, evicted_unauthenticated, malformed_requests
+    incremented."""
+
+    opened = itertools.count()
 
     class GuardedHttpProtocol(HttpToolsProtocol):
         _head_timer = None
         _head_bytes = 0
         _reject: tuple[int, str] | None = None
+        _authed = False
+        _auth_header = b""
+        _opened = 0  # the order connections opened in (uvloop's clock is too coarse for it)
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
+            self._opened = next(opened)
+            if len(self.connections) > limits.max_connections and not self._evict_one():
                 counters["refused_connections"] = counters.get("refused_connections", 0) + 1
                 transport.write(raw_json_response(
                     503, f"too many open connections (over {limits.max_connections}); retry later",
@@ -71,6 +94,24 @@ def guarded_protocol(limits: ConnectionLimits, counters: dict[str, int]) -> type
             # idle until the first byte: the keep-alive timer (cancelled by data_received)
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+        def _evict_one(self) -> bool:
+            """Closes the oldest other connection that has not authenticated; False if none."""
+            victim = None
+            for c in self.connections:
+                if c is not self and not getattr(c, "_authed", True) and \
+                        not c.transport.is_closing() and (victim is None or c._opened < victim._opened):
+                    victim = c
+            if victim is None:
+                return False
+            counters["evicted_unauthenticated"] = counters.get("evicted_unauthenticated", 0) + 1
+            victim._cancel_head_timer()
+            victim.transport.write(raw_json_response(
+                503, "connection closed to make room: it had not sent an authenticated request "
+                "while the server was at its connection cap", ((b"retry-after", b"1"),)))
+            victim.transport.close()
+            self.connections.discard(victim)  # (connection_lost discards it again, harmlessly)
+            return True
 
         def connection_lost(self, exc) -> None:
             self._cancel_head_timer()
@@ -112,10 +153,15 @@ def guarded_protocol(limits: ConnectionLimits, counters: dict[str, int]) -> type
 
         def on_header(self, name: bytes, value: bytes) -> None:
             self._count(len(name) + len(value) + 4)
+            if name.lower() == b"authorization":
+                self._auth_header = value
             super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self._cancel_head_timer()
+            if not self._authed and bearer_ok(self._auth_header, limits.token):
+                self._authed = True
+            self._auth_header = b""
             super().on_headers_complete()
 
         def send_400_response(self, msg: str) -> None:

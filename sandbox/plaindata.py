@@ -15,7 +15,8 @@ integer is an int (written only for |x| < 2**53); a JSON number with a fraction 
 finite float; every other value is an object with exactly one key:
   {"int": "<hex>"}  {"float": "nan" | "inf" | "-inf"}  {"complex": [re, im]}
   {"bytes": "<hex>"}  {"tuple": [...]}  {"dict": [[k, v], ...]}  {"set": [...]}
-  {"frozenset": [...]}
+  {"frozenset": [...]}  and, for return values only (below), {"counter": [[k, v], ...]}
+  {"odict": [[k, v], ...]}  {"iter": [...]}
 Set elements are sorted by the text of their encoded form, so equal sets encode equally
 (`key_of` relies on it).
 
@@ -25,7 +26,29 @@ writer that needs no import (the sandbox harnesses use it: importing `json` cost
 
 A call is encoded as [[args...], [[name, value], ...]] with keyword arguments sorted by name.
 
-Not covered: any other type (functions, generators, ranges, user classes, numpy arrays); a dict
+Return values (`encode_result`, used only where the completion ran) are also accepted when an
+exact conversion exists that `==` in the judging process sees the same way:
+  - a subclass of a covered type whose classes (every one between it and the builtin) define no
+    special method beyond INERT_DUNDERS (a namedtuple, a typing.NamedTuple, `class D(dict):
+    pass`) becomes the builtin value (read through the builtin's own methods); a subclass that
+    overrides `__eq__`, `__hash__`, `__iter__`, `__len__`, ... is still refused;
+  - collections.Counter and collections.OrderedDict travel as {"counter": [[k, v], ...]} and
+    {"odict": [[k, v], ...]} and are rebuilt as those stdlib classes (OrderedDict equality is
+    order-sensitive, Counter's treats a missing key as 0); collections.defaultdict becomes a dict
+    (its default factory cannot cross: a test reading a missing key fails, never passes wrongly);
+  - an iterator of a builtin kind (a generator, map, filter, zip, enumerate, reversed, the
+    iterators of list/tuple/str/range/set/dict) is drained (at most MAX_NODES values) and travels
+    as {"iter": [...]}, rebuilt as an iterator over a list: `tuple(r)`, `list(r)`, `sorted(r)`
+    and `next(r)` see the same values, `r == [..]` is False as it would be.
+  The classes are recognised by identity (`type(x) is C`; collections' classes are looked up in
+  sys.modules, never imported). Converted values lose their repr and extra attributes (`str()` of
+  a namedtuple is a tuple's, `.x` does not exist): that can fail a test, never pass one wrongly.
+  The process that ran the completion is untrusted anyway (it can forge its records, see
+  sandbox/python_tests.py): what decides is that only plain JSON reaches the judge.
+
+Not covered: any other type (functions, user classes, numpy arrays, dict views, deques, ranges:
+a range is not an iterator and stays refused, so `list(candidate(n))` over a returned range fails
+with a message); a dict
 key or set element of an unhashable type cannot occur in a real dict or set anyway.
 
 This file is also embedded verbatim into the programs that run inside the sandbox, so it uses
@@ -34,11 +57,31 @@ no import at all at module level and defines nothing beyond functions and consta
 
 _INF = float("inf")
 
-MAX_DEPTH = 100
+MAX_DEPTH = 300  # encode/decode take two frames a level; the judge compares recursively too
 MAX_NODES = 1_000_000
 MAX_CHARS = 64 << 20
 _SAFE_INT = 1 << 53
-_TAGS = ("int", "float", "complex", "bytes", "tuple", "dict", "set", "frozenset")
+_TAGS = ("int", "float", "complex", "bytes", "tuple", "dict", "set", "frozenset", "counter",
+         "odict", "iter")
+# special methods a subclass may define and still be converted by encode_result: none of them
+# changes how a built value compares, hashes, iterates, indexes, measures or converts
+INERT_DUNDERS = frozenset({
+    "__module__", "__qualname__", "__doc__", "__slots__", "__dict__", "__weakref__", "__new__",
+    "__init__", "__repr__", "__getnewargs__", "__match_args__", "__annotations__",
+    "__orig_bases__", "__firstlineno__", "__static_attributes__", "__type_params__"})
+_BASES = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _builtin_iterator_types():
+    def gen():
+        yield
+    samples = [gen(), map(len, ()), filter(None, ()), zip(), enumerate(()), reversed([]),
+               iter([]), iter(()), iter(""), iter("\xe9"), iter(range(0)), iter(range(1 << 70)),
+               iter(set()), iter({}), iter({}.values()), iter({}.items()), reversed(range(0))]
+    return tuple({type(x): None for x in samples})
+
+
+_ITER_TYPES = _builtin_iterator_types()
 
 
 class PlainDataError(ValueError):
@@ -48,10 +91,25 @@ class PlainDataError(ValueError):
 def encode(value):
     """The JSON-able form of `value`; raises PlainDataError for anything not covered."""
     budget = [MAX_NODES, MAX_CHARS]
-    return _enc(value, 0, budget)
+    try:
+        return _enc(value, 0, budget)
+    except RecursionError:
+        raise PlainDataError("nested too deeply for this interpreter's stack") from None
 
 
-def _enc(x, depth, budget):
+def encode_result(value):
+    """encode(), also converting what `encode` refuses when the conversion is exact (subclasses
+    without behaviour, Counter, OrderedDict, defaultdict, builtin iterators: the module
+    docstring). For return values in the process that ran the completion only: draining an
+    iterator runs its code."""
+    budget = [MAX_NODES, MAX_CHARS]
+    try:
+        return _enc(value, 0, budget, True)
+    except RecursionError:
+        raise PlainDataError("nested too deeply for this interpreter's stack") from None
+
+
+def _enc(x, depth, budget, loose=False):
     if depth > MAX_DEPTH:
         raise PlainDataError(f"nested deeper than {MAX_DEPTH} (or cyclic)")
     budget[0] -= 1
@@ -86,17 +144,75 @@ def _enc(x, depth, budget):
     if t is complex:
         return {"complex": [_enc(x.real, depth + 1, budget), _enc(x.imag, depth + 1, budget)]}
     if t is list:
-        return [_enc(v, depth + 1, budget) for v in list.__iter__(x)]
+        return [_enc(v, depth + 1, budget, loose) for v in list.__iter__(x)]
     if t is tuple:
-        return {"tuple": [_enc(v, depth + 1, budget) for v in tuple.__iter__(x)]}
+        return {"tuple": [_enc(v, depth + 1, budget, loose) for v in tuple.__iter__(x)]}
     if t is dict:
-        return {"dict": [[_enc(k, depth + 1, budget), _enc(v, depth + 1, budget)]
-                         for k, v in dict.items(x)]}
+        return {"dict": _items(dict.items(x), depth, budget, loose)}
     if t is set or t is frozenset:
-        items = [_enc(v, depth + 1, budget) for v in t.__iter__(x)]
+        items = [_enc(v, depth + 1, budget, loose) for v in t.__iter__(x)]
         items.sort(key=_text)
         return {t.__name__: items}
+    if loose:
+        return _enc_converted(x, t, depth, budget)
     raise PlainDataError(f"a value of type {_type_name(t)} is not plain data")
+
+
+def _items(pairs, depth, budget, loose):
+    return [[_enc(k, depth + 1, budget, loose), _enc(v, depth + 1, budget, loose)] for k, v in pairs]
+
+
+def _enc_converted(x, t, depth, budget):
+    """encode_result's conversions (module docstring); PlainDataError when none applies."""
+    for it in _ITER_TYPES:
+        if t is it:
+            out = []
+            for v in x:
+                out.append(_enc(v, depth + 1, budget, True))
+            return {"iter": out}
+    coll = __import__("sys").modules.get("collections")
+    if coll is not None:
+        known = [(getattr(coll, n, None), n) for n in ("Counter", "OrderedDict", "defaultdict")]
+        for cls, name in known:
+            if t is cls:
+                pairs = dict.items(x) if name != "OrderedDict" else cls.items(x)
+                tag = {"Counter": "counter", "OrderedDict": "odict"}.get(name, "dict")
+                return {tag: _items(list(pairs), depth, budget, True)}
+    base = _inert_subclass_of(t)
+    if base is None:
+        raise PlainDataError(f"a value of type {_type_name(t)} is not plain data (a subclass "
+                             "that defines special methods, or an unknown type)")
+    if base is dict:
+        plain = dict(dict.items(x))
+    elif base is complex:
+        plain = complex(complex.__dict__["real"].__get__(x), complex.__dict__["imag"].__get__(x))
+    elif base in (list, tuple, set, frozenset):
+        plain = base(base.__iter__(x))
+    else:  # int, float, str, bytes: the builtin's own constructor copies the value
+        plain = base.__new__(base, x)
+    return _enc(plain, depth, budget, True)
+
+
+def _inert_subclass_of(t):
+    """The covered builtin `t` derives from when every class between them defines only
+    INERT_DUNDERS among its special methods and no class has a custom metaclass; else None."""
+    if type(t) is not type:
+        return None
+    mro = type.__dict__["__mro__"].__get__(t)
+    if len(mro) < 3 or mro[-1] is not object:
+        return None
+    base = mro[-2]
+    if not any(base is b for b in _BASES):
+        return None
+    for c in mro[:-2]:
+        if type(c) is not type:
+            return None
+        for k in type.__dict__["__dict__"].__get__(c):
+            if type(k) is not str:
+                return None
+            if k[:2] == "__" and k[-2:] == "__" and k not in INERT_DUNDERS:
+                return None
+    return base
 
 
 def _type_name(t):
@@ -163,7 +279,10 @@ def dumps(value):
 
 def decode(enc):
     """The value for a JSON-able form made by `encode`; raises PlainDataError otherwise."""
-    return _dec(enc, 0)
+    try:
+        return _dec(enc, 0)
+    except RecursionError:
+        raise PlainDataError("nested too deeply for this interpreter's stack") from None
 
 
 def _dec(e, depth):
@@ -206,13 +325,18 @@ def _dec(e, depth):
         return complex(re, im)
     if tag == "tuple":
         return tuple(_dec(v, depth + 1) for v in p)
-    if tag == "dict":
+    if tag == "iter":
+        return iter([_dec(v, depth + 1) for v in p])
+    if tag in ("dict", "counter", "odict"):
         out = {}
         for kv in p:
             if type(kv) is not list or len(kv) != 2:
                 raise PlainDataError("dict items must be [key, value] pairs")
             out[_hashable(_dec(kv[0], depth + 1))] = _dec(kv[1], depth + 1)
-        return out
+        if tag == "dict":
+            return out
+        coll = __import__("collections")
+        return coll.Counter(out) if tag == "counter" else coll.OrderedDict(out)
     if tag in ("set", "frozenset"):
         items = [_hashable(_dec(v, depth + 1)) for v in p]
         return set(items) if tag == "set" else frozenset(items)

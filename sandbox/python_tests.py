@@ -5,9 +5,11 @@ Runs of one verification (each a fresh sandbox through the executor):
   solution  the solution (prompt + completion, see verifiers.build_solution) is executed and its
             entry point called on a list of argument tuples. It sees only those arguments: no
             test code and no expected value is in its program, files or environment. Each call's
-            result comes back as plain data (sandbox/plaindata.py: exact builtin types, no method
-            of the returned object is ever called), tagged with a nonce the harness reads from a
-            file and deletes before the solution runs.
+            result comes back as plain data (sandbox/plaindata.py encode_result: exact builtin
+            types, or an exact conversion of a namedtuple, Counter, OrderedDict, defaultdict or
+            builtin iterator; no method of a returned object of any other type is called),
+            tagged with a nonce the harness reads from a file and deletes before the solution
+            runs.
   verdict   the task's ORIGINAL test runs in a fresh sandbox (isolated interpreter `python3 -I -S
             -B`, program not readable by path, empty working directory), after the prompt's own
             definitions when the test uses any (checker_prompt), with the entry point
@@ -18,8 +20,24 @@ Runs of one verification (each a fresh sandbox through the executor):
             on builtin values in a process no completion code ever touched.
   collect   (only when the arguments cannot be read off the test statically) the test runs in a
             checker sandbox with asserts reduced to evaluating their expressions and every call
-            answered by a placeholder, to list the arguments the verdict will ask for. Its result
-            depends on the task only and is cached (COLLECT_CACHE).
+            answered by a placeholder, to list the arguments the verdict will ask for. Each
+            top-level statement is cut after collect_case_s (a loop on placeholder results never
+            ends by itself). Its result depends on the task only and is cached (COLLECT_CACHE).
+
+Records travel as lines on stdout, each written by one write of at most 4000 bytes (a pipe
+write under PIPE_BUF is atomic; larger records go in numbered parts joined by parse_events), so
+whatever the solution prints meanwhile, from any thread, lands between records, never inside.
+
+A run of the test itself stopped by a timeout, the memory limit, the output limit or a sandbox
+error gives no verdict on the completion when the completion had no part in it: a collect run
+(it never sees the completion), or a verdict whose probe, the same verdict run again without any
+of the completion's results, is stopped too (the test hangs by itself). Then the status is
+"sandbox_error" with error_kind "checker_stopped" (RL drops such samples; `reusable` refuses
+them). A verdict stopped only with the completion's values (a wrong answer can make a test loop
+long: `for _ in range(candidate(n))`) counts against the completion ("fail", never reused), so a
+completion cannot turn its 0 into a dropped sample. A solution run
+that did not end "ok" or "error" fails even when its records were all written (a run that timed
+out after its last record is not a pass).
 
 Arguments are read statically when every call of the entry point is a direct sub-expression of a
 top-level assert of `check` (or of the test module, or of an assert's message) with constant
@@ -80,7 +98,7 @@ SEED = 0
 MAX_SOLUTION_RUNS = 3
 SOLUTION_OUTPUT_LIMIT = 4 << 20  # what the host parses per solution run (json.loads)
 CHECK_OUTPUT_LIMIT = 8 << 20
-_HARNESS_VERSION = 1
+_HARNESS_VERSION = 2
 
 with open(plaindata.__file__, encoding="utf-8") as _f:
     _PLAIN_SRC = _f.read()
@@ -90,17 +108,42 @@ with open(plaindata.__file__, encoding="utf-8") as _f:
 # test is rewritten on the host (transform_test), so neither json nor ast is imported in the
 # sandbox. The host reads the output with json.loads (never ast.literal_eval: on a program's
 # output that would cost 0.5 GB and 6 s per MiB).
+# Records are lines on stdout, which the solution's own output (threads included) shares. A
+# write of at most PIPE_BUF (4096) bytes to a pipe is atomic, so every record goes out as lines
+# of at most 4000 bytes, each starting and ending with a newline: a small record as
+# "<nonce> <json>", a larger one as parts "<nonce>~<seq>~<k>~<n> <part of the json>" that the
+# host joins (parse_events). Output written at the same time lands between lines, never inside.
+_EMIT = r'''
+def _kimi_emitter(nonce):
+    _write, _json, seq = _ko.write, to_json, [0]
+
+    def write_all(data):
+        while data:
+            data = data[_write(1, data):]
+
+    def emit(obj):
+        text = _json(obj)
+        if len(text) <= _KIMI_PART:
+            write_all(("\n" + nonce + " " + text + "\n").encode())
+            return
+        seq[0] += 1
+        n = (len(text) + _KIMI_PART - 1) // _KIMI_PART
+        for k in range(n):
+            write_all(("\n%s~%d~%d~%d %s\n" % (nonce, seq[0], k, n,
+                       text[k * _KIMI_PART:(k + 1) * _KIMI_PART])).encode())
+    return emit
+'''
+_PART = 3900  # json characters (ASCII) per record line: with the tag, under PIPE_BUF
+
 _SOLUTION_HARNESS = r'''
 import os as _ko, time as _kt
 
 def _kimi_solution(SOLUTION, ENTRY, CALLS):
-    _write, _perf, _round, _json = _ko.write, _kt.perf_counter, round, to_json
+    _perf, _round = _kt.perf_counter, round
     with open(".kimi_nonce") as f:
         nonce = f.read().strip()
     _ko.unlink(".kimi_nonce")
-
-    def emit(obj):
-        _write(1, ("\n" + nonce + " " + _json(obj) + "\n").encode())
+    emit = _kimi_emitter(nonce)
 
     def err(e):
         name = _type_name(type(e))
@@ -131,7 +174,7 @@ def _kimi_solution(SOLUTION, ENTRY, CALLS):
             continue
         rec = {"event": "call", "i": i, "time_s": _round(_perf() - t0, 6)}
         try:
-            rec["result"] = encode(r)
+            rec["result"] = encode_result(r)
         except Exception as e:
             rec["bad"] = err(e)
         try:
@@ -145,7 +188,9 @@ def _kimi_solution(SOLUTION, ENTRY, CALLS):
 '''
 
 _CHECK_HARNESS = r'''
-import builtins as _kb, os as _ko, time as _kt
+import builtins as _kb, os as _ko, time as _kt, _signal as _ks
+
+MAX_COLLECTED = 100000
 
 class _KimiMissing(BaseException):
     """A call the solution run has no result for (the verdict asks for another round)."""
@@ -167,11 +212,12 @@ def _kimi_pending_type():
         ns["__%s__" % op] = same
     return type("Pending", (), ns)
 
-def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEED_RANDOM):
-    _write, _perf = _ko.write, _kt.perf_counter
+class _KimiStop(BaseException):
+    """collect mode: a case ran past CASE_S or listed more than MAX_COLLECTED calls."""
 
-    def emit(obj):
-        _write(1, ("\n" + NONCE + " " + to_json(obj) + "\n").encode())
+def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEED_RANDOM, CASE_S):
+    _perf = _kt.perf_counter
+    emit = _kimi_emitter(NONCE)
 
     def err(e):
         return (type(e).__name__ + ": " + str(e))[:500]
@@ -233,12 +279,18 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEE
             return replay(recs[n], args, kwargs)
         needed.append(payload)
         if collecting:
+            if len(needed) > MAX_COLLECTED:
+                raise _KimiStop()
             return PENDING
         st["missing"] = True
         raise _KimiMissing()
 
     def _start(i):
         st["missing"], st["time"] = False, 0.0
+        if collecting:
+            # a statement that loops on placeholder results (`while n != 1: n = candidate(n)`)
+            # is cut after CASE_S; the calls it listed so far stay listed
+            _ks.setitimer(_ks.ITIMER_REAL, CASE_S)
 
     def _case(i, ok, e):
         incomplete = st["missing"]
@@ -248,13 +300,18 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEE
                   "no recorded result for a call of this case" if incomplete else err(e)),
               "time_s": round(st["time"], 6)})
 
+    def _alarm(signum, frame):
+        raise _KimiStop()
+
     g = {"__name__": "__check__", "__builtins__": _kb}
-    if not collecting:
+    if collecting:
+        _ks.signal(_ks.SIGALRM, _alarm)
+    else:
         emit({"event": "cases", "n": N_CASES})
     try:
         if PROMPT:
             exec(compile(PROMPT, "prompt.py", "exec"), g)
-        g["__kimi_start"], g["__kimi_case"] = _start, _case
+        g["__kimi_start"], g["__kimi_case"], g["__kimi_Stop"] = _start, _case, _KimiStop
         g[ENTRY] = candidate
         if SEED_RANDOM:
             import random
@@ -265,6 +322,8 @@ def _kimi_check(PROMPT, TEST, ENTRY, KNOWN, MODE, NONCE, N_CASES, HAS_CHECK, SEE
     except BaseException as e:
         if not collecting:
             emit({"event": "check_error", "error": err(e)})
+    if collecting:
+        _ks.setitimer(_ks.ITIMER_REAL, 0)
     emit({"event": "needed", "calls": needed})
     emit({"event": "done"})
 '''
@@ -297,7 +356,8 @@ def transform_test(test: str, mode: str) -> tuple[str, int, bool]:
     """The test rewritten for the checker (host side: parsing only). Each case (a top-level
     statement of `check`, or of the module, that contains an assert) is wrapped to report itself
     (mode "verdict"), or has its asserts reduced to evaluating their expressions with errors
-    swallowed (mode "collect"). Returns (source, number of cases, whether it defines check).
+    swallowed (mode "collect", where every top-level statement is also cut after its share of
+    the timeout: the placeholder results can make a loop endless). Returns (source, number of cases, whether it defines check).
     Raises SyntaxError or ValueError if the test does not parse."""
     tree = parse_python(test)
     check, host = _check_and_host(tree)
@@ -305,10 +365,16 @@ def transform_test(test: str, mode: str) -> tuple[str, int, bool]:
     any_exc = ast.Name("BaseException", ast.Load())
     for stmt in host:
         if not _is_case(stmt):
+            if mode == "collect":  # timed too: `while n != 1: n = candidate(n)` holds no assert
+                stop = ast.Name("__kimi_Stop", ast.Load())
+                stmt = ast.Try(body=[_call_stmt("__kimi_start", [ast.Constant(-1)]), stmt],
+                               handlers=[ast.ExceptHandler(stop, None, [ast.Pass()])],
+                               orelse=[], finalbody=[])
             new.append(stmt)
             continue
         if mode == "collect":
-            new.append(ast.Try(body=[_Strip().visit(stmt)],
+            new.append(ast.Try(body=[_call_stmt("__kimi_start", [ast.Constant(n)]),
+                                     _Strip().visit(stmt)],
                                handlers=[ast.ExceptHandler(any_exc, None, [ast.Pass()])],
                                orelse=[], finalbody=[]))
         else:
@@ -332,27 +398,51 @@ def _data_expr(obj: Any) -> str:
     """Source text of a JSON-like value for a harness: a Python literal when small; else one
     string literal parsed by json at run time (compiling a large literal takes hundreds of MB)."""
     text = ascii(obj)
-    if len(text) <= _LITERAL_MAX:
+    if len(text) <= _LITERAL_MAX and _depth(obj) < 150:  # the parser nests at most 200 brackets
         return text
     return f"__import__('json').loads({plaindata.to_json(obj)!r})"
+
+
+def _depth(obj: Any) -> int:
+    """How deeply lists and dicts nest in a JSON-like value (without recursion)."""
+    best, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if type(o) is list:
+            best = max(best, d)
+            stack.extend((v, d + 1) for v in o)
+        elif type(o) is dict:
+            best = max(best, d)
+            stack.extend((v, d + 1) for v in o.values())
+    return best
 
 
 def solution_program(solution: str, entry: str, calls: list) -> str:
     """The program run where the completion runs: the solution, then its entry point on `calls`
     (encoded with plaindata.encode_call); no test code, no expected value."""
-    return (_PLAIN_SRC + _SOLUTION_HARNESS +
+    return (_PLAIN_SRC + _SOLUTION_HARNESS + _EMIT + f"_KIMI_PART = {_PART}\n" +
             f"\n_kimi_solution({solution!r}, {entry!r}, {_data_expr(calls)})\n")
 
 
-def check_program(prompt: str, test: str, entry: str, known: list, mode: str, nonce: str) -> str:
+def collect_case_s(timeout_s: float, n_statements: int) -> float:
+    """How long one top-level statement of a collect run may take: half the run's timeout shared
+    by the statements, at least 0.2 s (a statement that loops on placeholders is cut there,
+    never the whole run)."""
+    return max(0.2, timeout_s / (2 * max(1, n_statements)))
+
+
+def check_program(prompt: str, test: str, entry: str, known: list, mode: str, nonce: str,
+                  timeout_s: float = 10.0) -> str:
     """The checker: the task's prompt definitions and test (rewritten by transform_test) with the
     entry point replaced by a replayer of `known` ([key, record] pairs); mode "collect" or
-    "verdict". Raises SyntaxError or ValueError if the test does not parse."""
+    "verdict" (collect: each top-level statement cut after collect_case_s). Raises
+    SyntaxError or ValueError if the test does not parse."""
     src, n, has_check = transform_test(test, mode)
+    n_statements = len(_check_and_host(parse_python(test))[1]) if mode == "collect" else 1
     seed_random = "random" in prompt or "random" in test
-    return (_PLAIN_SRC + _CHECK_HARNESS + f"\nSEED = {SEED}\n" +
+    return (_PLAIN_SRC + _CHECK_HARNESS + _EMIT + f"_KIMI_PART = {_PART}\nSEED = {SEED}\n" +
             f"_kimi_check({prompt!r}, {src!r}, {entry!r}, {_data_expr(known)}, {mode!r}, {nonce!r}, "
-            f"{n}, {has_check}, {seed_random})\n")
+            f"{n}, {has_check}, {seed_random}, {collect_case_s(timeout_s, n_statements)!r})\n")
 
 
 def _no_constant(name: str):
@@ -360,18 +450,37 @@ def _no_constant(name: str):
 
 
 def parse_events(stdout: str, nonce: str) -> list[dict]:
-    """The nonce-tagged JSON records of a harness's stdout. Lines the program forged or broke
+    """The nonce-tagged JSON records of a harness's stdout (a record in parts is joined when its
+    last part arrives, see _EMIT). Lines the program forged or broke
     (not JSON, NaN/Infinity, non-finite numbers, nesting deeper than plaindata allows) are
     dropped, never raised."""
-    out, tag = [], nonce + " "
+    out, tag, ptag = [], nonce + " ", nonce + "~"
+    parts: dict[int, tuple[int, dict[int, str]]] = {}
     for line in stdout.splitlines():
         if line.startswith(tag):
-            try:
-                ev = json.loads(line[len(tag):], parse_constant=_no_constant)
-            except (ValueError, RecursionError):
+            text = line[len(tag):]
+        elif line.startswith(ptag):
+            head, _, part = line.partition(" ")
+            fields = head[len(ptag):].split("~")
+            if len(fields) != 3 or not all(f.isdigit() and len(f) < 10 for f in fields):
                 continue
-            if isinstance(ev, dict) and _jsonish(ev, plaindata.MAX_DEPTH + 8):
-                out.append(ev)
+            seq, k, n = (int(f) for f in fields)
+            have = parts.setdefault(seq, (n, {}))
+            if have[0] != n or not 0 <= k < n or k in have[1]:
+                continue  # the first of a part counts, as the first record of a call does
+            have[1][k] = part
+            if len(have[1]) < n:
+                continue
+            text = "".join(have[1][i] for i in range(n))
+            parts[seq] = (n, {})  # joined once; a later copy of the same seq starts afresh
+        else:
+            continue
+        try:
+            ev = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(ev, dict) and _jsonish(ev, plaindata.MAX_DEPTH + 8):
+            out.append(ev)
     return out
 
 
@@ -572,6 +681,7 @@ class _LRU:
 
 
 COLLECT_CACHE = _LRU(4096)
+_STOPPED = ("timeout", "memory", "output_limit")  # checker run statuses that leave no verdict
 
 _REC_KEYS = {"result", "after", "time_s", "raised", "msg", "bad"}
 
@@ -668,7 +778,7 @@ class Job:
             if calls is None:
                 nonce = secrets.token_hex(16)
                 prog = check_program(self.prompt, self.task.test, self.task.entry_point, [],
-                                     "collect", nonce)
+                                     "collect", nonce, self.task.timeout_s)
                 self._then(self._submit_check(prog), self._on_collect, nonce)
             else:
                 self._solve(calls)
@@ -736,7 +846,20 @@ class Job:
         new = self._schedule(needed if isinstance(needed, list) else [])
         if new and self.solution_runs < MAX_SOLUTION_RUNS:
             return self._solve(new)
+        if r.status in _STOPPED and not any(kind == "probe" for kind, _ in self.runs):
+            # stopped: by the test alone, or by what the completion's values made it do? The same
+            # verdict without any result (every call missing, so no value of the completion
+            # is used) tells: if it is stopped too, the test is at fault
+            nonce = secrets.token_hex(16)
+            prog = check_program(self.prompt, self.task.test, self.task.entry_point, [],
+                                 "verdict", nonce)
+            self._then(self._submit_check(prog), self._on_probe, events, r)
+            return
         self._finish(events, r)
+
+    def _on_probe(self, probe: ExecutionResult, events: list, verdict: ExecutionResult) -> None:
+        self.runs.append(("probe", probe))
+        self._finish(events, verdict)
 
     def _schedule(self, needed: list) -> list:
         """Calls the verdict missed that no solution run has tried yet (a tried call that left no
@@ -773,6 +896,13 @@ class Job:
             if ce is not None:
                 problem = ("check_error", ce.get("error"))
         sol = [r for kind, r in self.runs if kind == "solution"]
+        checkers = [(kind, r) for kind, r in self.runs if kind in ("collect", "verdict")]
+        # a stopped collect run never saw the completion; a stopped verdict is the test's fault
+        # only when its probe (the verdict without any of the completion's values) stopped too
+        probe_stopped = any(kind == "probe" and r.status in _STOPPED for kind, r in self.runs)
+        checker_stopped = next(((kind, r.status) for kind, r in checkers
+                                if r.status == "sandbox_error" or (r.status in _STOPPED and (
+                                    kind == "collect" or probe_stopped))), None)
         sol_bad = next((r.status for r in sol if r.status != "ok"), None)
         passed = sum(c["passed"] for c in cases)
         all_ok = (done and problem is None and n > 0 and passed == n and sol_bad is None
@@ -784,8 +914,13 @@ class Job:
             status = "invalid_task"
         elif sol_bad is not None and sol_bad not in ("ok", "error"):
             status = sol_bad
-        elif any(r.status == "sandbox_error" for kind, r in self.runs if kind != "solution"):
+        elif checker_stopped is not None:
+            # the test's own run (collect or verdict) was stopped: no verdict on the completion,
+            # so it is not its failure (RL drops sandbox_error samples) and never reused
             status = "sandbox_error"
+            if problem is None or problem[0] != "checker_stopped":
+                problem = ("checker_stopped", f"the test's {checker_stopped[0]} run ended with "
+                           f"{checker_stopped[1]}" + (f" ({problem[1]})" if problem else ""))
         else:
             status = "fail"
         last = sol[-1] if sol else None
@@ -793,7 +928,8 @@ class Job:
                    "n_cases": n, "n_passed": passed, "completed": done,
                    "sandbox_status": last.status if last else None,
                    "exit_code": last.exit_code if last else None,
-                   "check_status": verdict.status if verdict is not None else None,
+                   "check_status": (verdict.status if verdict is not None else
+                                    checkers[-1][1].status if checkers else None),
                    "runs": [kind for kind, _ in self.runs],
                    "wall_s": sum(r.wall_s for _, r in self.runs)}
         if problem is not None:

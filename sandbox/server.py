@@ -45,7 +45,8 @@ Behaviour under load and abuse (ServerConfig fields; each a command-line flag):
     chunked body), all of it within `request_timeout_s` (408); the request line and headers too
     (408, sandbox/http_protocol.py), at most `max_header_bytes` (431).
   - connections: idle ones closed after `idle_timeout_s` (from open, and between requests); at
-    most `max_connections` open (503).
+    most `max_connections` open: at the cap a new connection closes the oldest one that has not
+    authenticated (sandbox/http_protocol.py), and gets 503 only when every open one has.
   - output: stdout and stderr each at most `max_output_bytes` per run, every fetched file too
     (the caller's output_limit_bytes / collect_limit_bytes may be lower; a higher one is lowered
     to the cap and the result's message says so), at most `max_fetch_files` files (422 beyond)
@@ -64,7 +65,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import hmac
 import ipaddress
 import json
 import math
@@ -98,7 +98,7 @@ from .http_models import (
     note_output_cap,
     result_to_sf,
 )
-from .http_protocol import ConnectionLimits, guarded_protocol
+from .http_protocol import ConnectionLimits, bearer_ok, guarded_protocol
 from .pool import SandboxPool
 from .result import ExecutionResult, InvalidRequest, check_rel_path, normalize_request
 
@@ -226,8 +226,7 @@ class Guard:
         headers = dict(scope["headers"])
         if self._token is not None and path not in OPEN_PATHS:
             auth = headers.get(b"authorization", b"")
-            scheme, _, given = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self._token):
+            if not bearer_ok(auth, self._token):
                 st.bump("unauthorized")
                 return await error_response(
                     401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
@@ -312,6 +311,9 @@ def _parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON (UTF-8): {e}") from e
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply to parse: send a flat request "
+                       "object (the fields documented for this endpoint)") from None
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -618,7 +620,9 @@ class SandboxServer:
             check_bind(bound, None, False)
         self.port = self.sock.getsockname()[1]
         protocol = guarded_protocol(ConnectionLimits(config.request_timeout_s, config.max_header_bytes,
-                                                     config.max_connections), self.state.counters)
+                                                     config.max_connections,
+                                                     config.token.encode() if config.token else None),
+                                    self.state.counters)
         self.sessions: set[str] = set()  # ids opened through this server; closed by stop()
         self._uv = uvicorn.Server(uvicorn.Config(
             build_app(pool, config, self.state, self.sessions), http=protocol, lifespan="off", loop="auto",

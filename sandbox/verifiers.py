@@ -8,8 +8,9 @@ Scoring methods: this module is the one list of them (each is a `_start_<name>` 
 optional field check, and one `register_scoring` line; a task names its method in `Task.family`,
 fields in sandbox/tasks/schema.py; `check_task` refuses an unknown method or missing fields):
 
-  python_tests  HumanEval/MBPP unit tests. The solution is prompt + completion (or the completion's
-                fenced code block when it defines the entry point itself). It runs in one sandbox
+  python_tests  HumanEval/MBPP unit tests. The solution is prompt + completion (or the whole
+                prompt, then the completion's code when that defines the entry point itself:
+                build_solution; which fenced block is the code: extract_code). It runs in one sandbox
                 on the arguments the test will call it with (no test code, no expected value
                 there); its results cross as plain data (sandbox/plaindata.py) to a fresh,
                 isolated sandbox where the ORIGINAL test runs against a replay of them, each
@@ -55,6 +56,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import threading
 from collections.abc import Callable, Iterable
@@ -62,30 +64,95 @@ from concurrent.futures import Future
 
 from . import python_tests
 from .backend import Executor
+from .pyparse import parse as parse_python
 from .result import ExecutionResult
 from .tasks.schema import Task, TaskFormatError
 
 # --------------------------------------------------------------------------------------------
 # helpers
 
-_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
-_PY_LANGS = {"", "python", "py", "python3"}
-_SH_LANGS = {"", "bash", "sh", "shell", "console", "zsh"}
+_FENCE_OPEN = re.compile(r"[ \t]*(`{3,}|~{3,})[ \t]*(.*?)[ \t]*\Z")
+_PY_TAG = re.compile(r"(py|python|ipython)[0-9.]*\Z")
+_SH_TAGS = {"bash", "sh", "shell", "console", "zsh", "ksh", "dash", "shell-session",
+            "shellsession", "shellscript", "terminal"}
 
 
-def extract_code(completion: str, language: str = "python") -> str:
-    """The last fenced code block in `language` (or unlabeled); the text itself if none."""
-    langs = _PY_LANGS if language == "python" else _SH_LANGS
-    blocks = [(lang.lower(), body) for lang, body in _FENCE_RE.findall(completion)]
-    matching = [b for lang, b in blocks if lang in langs]
-    if matching:
-        return matching[-1]
-    if "```" in completion:
-        # an unterminated fence: take what follows it
-        tail = completion.split("```")[-1]
-        first_nl = tail.find("\n")
-        return tail[first_nl + 1:] if first_nl >= 0 else tail
-    return completion
+def fence_tag(info: str) -> str:
+    """The language of a fence's info string: "python", "bash", "" (none) or the first word
+    lowercased. `python3`, `py3`, `Py`, `{.python}`, `python title="x"` are all "python"."""
+    word = re.split(r"[\s,{}]+", info.strip().lower().lstrip("{.").strip())[0] if info.strip() else ""
+    word = word.lstrip(".")
+    if _PY_TAG.match(word):
+        return "python"
+    if word in _SH_TAGS:
+        return "bash"
+    return word
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(tag, body) of every fenced block, in order (fence rules: extract_code)."""
+    blocks, lines, i = [], text.split("\n"), 0
+    while i < len(lines):
+        m = _FENCE_OPEN.match(lines[i].rstrip("\r"))
+        if m is None or (m.group(1)[0] == "`" and "`" in m.group(2)):
+            i += 1
+            continue
+        fence, body, j = m.group(1), [], i + 1
+        indent = len(lines[i]) - len(lines[i].lstrip(" "))
+        while j < len(lines):
+            closing = lines[j].strip()
+            if closing and set(closing) == {fence[0]} and len(closing) >= len(fence):
+                break
+            line = lines[j]
+            body.append(line[min(indent, len(line) - len(line.lstrip(" "))):])
+            j += 1
+        blocks.append((fence_tag(m.group(2)), "\n".join(body) + ("\n" if j < len(lines) else "")))
+        i = j + 1
+    return blocks
+
+
+def defines(code: str, name: str) -> bool:
+    """True if `code` defines `name` at top level (`def name(` or `async def name(`)."""
+    return bool(name) and re.search(rf"^(?:async[ \t]+)?def[ \t]+{re.escape(name)}[ \t]*\(",
+                                    code, re.M) is not None
+
+
+def extract_code(completion: str, language: str = "python", entry_point: str = "") -> str:
+    """The code a completion gives, the way a careful grader reads it.
+
+    Fences: a line that starts (after any indentation) with three or more backticks or tildes
+    opens a block (its indentation is removed from the block's lines, as Markdown does); its
+    info string's first word is the tag (fence_tag: `py`, `python3`, `py3`,
+    `{.python}` are python; `sh`, `shell`, `console`, `zsh` are bash); the block ends at a line
+    holding only the same character, at least as many times, or at the end of the text (an
+    unterminated block runs to the end). Text outside blocks is never code when there is a block.
+
+    Which block: the blocks tagged with `language` are the candidates; if none is, the untagged
+    ones are (a block tagged with another language or `text`/`output` never is, unless below).
+      python with an entry point: the last candidate that defines it at top level; else the last
+        block of any tag that defines it; else the first candidate (a fenced function body);
+      python without one (stdio programs): the last candidate (a trailing output or usage block
+        is usually untagged or tagged otherwise; the final program wins over drafts);
+      bash: every bash-tagged block, joined in order (steps given in several blocks); without
+        one, the first untagged block (later ones are usually output).
+    No candidate: the first block whatever its tag. No fence at all: the whole completion."""
+    blocks = fenced_blocks(completion)
+    if not blocks:
+        return completion
+    want = "python" if language == "python" else "bash"
+    cands = [b for t, b in blocks if t == want] or [b for t, b in blocks if t == ""]
+    if language == "python" and entry_point:
+        hits = [b for b in cands if defines(b, entry_point)] or \
+            [b for _, b in blocks if defines(b, entry_point)]
+        if hits:
+            return hits[-1]
+        return cands[0] if cands else blocks[0][1]
+    if not cands:
+        return blocks[0][1]
+    if language == "python":
+        return cands[-1]
+    tagged = [b for t, b in blocks if t == want]
+    return "\n".join(tagged) if tagged else cands[0]
 
 
 def normalize_output(text: str, compare: str = "lines") -> list[str]:
@@ -106,6 +173,9 @@ def normalize_output(text: str, compare: str = "lines") -> list[str]:
 
 
 def _tokens_equal(a: list[str], b: list[str], tol: float | None) -> bool:
+    """Token-wise equality; with `tol`, numeric tokens within an absolute or relative tolerance.
+    A non-finite value (inf, -inf, nan, or a literal that overflows to inf such as 1e999) matches
+    only an infinity of the same sign (inf == Infinity); NaN only its own text."""
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
@@ -117,7 +187,12 @@ def _tokens_equal(a: list[str], b: list[str], tol: float | None) -> bool:
             fx, fy = float(x), float(y)
         except ValueError:
             return False
-        if not (abs(fx - fy) <= tol or abs(fx - fy) <= tol * max(abs(fx), abs(fy))):
+        if not (math.isfinite(fx) and math.isfinite(fy)):
+            if math.isinf(fx) and fx == fy:
+                continue
+            return False
+        d = abs(fx - fy)
+        if not (d <= tol or d <= tol * max(abs(fx), abs(fy))):
             return False
     return True
 
@@ -205,21 +280,40 @@ def check_task(task: Task) -> None:
 # --------------------------------------------------------------------------------------------
 # python unit tests
 
-def _import_lines(src: str) -> str:
-    return "\n".join(ln for ln in src.splitlines() if re.match(r"\s*(import|from)\s+\w", ln)
-                     and not ln.startswith((" ", "\t")))
-
-
 def build_solution(task: Task, completion: str) -> str:
-    """prompt + completion, or the completion's own code when it defines the entry point."""
-    code = extract_code(completion, "python")
-    defines = bool(task.entry_point) and re.search(
-        rf"^\s*def\s+{re.escape(task.entry_point)}\s*\(", code, re.M) is not None
+    """The program a python_tests completion stands for: the code extract_code picks (the block
+    that defines the entry point, see its rules) after the whole prompt when the prompt is code
+    (its helpers, imports and constants stay; the prompt's own stub of the entry point is
+    redefined by the completion's), or the prompt followed by the completion's body: the text
+    before the first fence when the prompt continued by it parses (a body closed by a stray
+    fence, prose or an example after it), else the block extract_code picks. A prompt that is
+    prose (`meta.prompt_is_text`, or not parseable) is left out."""
+    code = extract_code(completion, "python", task.entry_point)
     if not python_tests.prompt_is_code(task):
         return code
-    if defines and "```" in completion:
-        return _import_lines(task.prompt) + "\n" + code
+    if defines(code, task.entry_point):
+        return task.prompt.rstrip("\n") + "\n\n\n" + code
+    head = _before_first_fence(completion)
+    if head.strip() and _parses(task.prompt + head):
+        # the prompt continued, then a stray closing fence (and prose or an example after it)
+        return task.prompt + head
     return task.prompt + code
+
+
+def _before_first_fence(text: str) -> str:
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if _FENCE_OPEN.match(line.rstrip("\r")):
+            return "\n".join(lines[:i]) + "\n"
+    return ""
+
+
+def _parses(src: str) -> bool:
+    try:
+        parse_python(src)
+        return True
+    except (SyntaxError, ValueError):
+        return False
 
 
 def _start_python_tests(task: Task, completion: str, ctx: Verifier) -> Pending:

@@ -158,3 +158,41 @@ def test_to_json_writes_what_json_dumps_writes():
     for bad in (float("nan"), (1,), {1: 2}, b"x"):
         with pytest.raises(pd.PlainDataError):
             pd.to_json(bad)
+
+
+def test_encode_result_converts_exactly_and_only_what_is_exact():
+    import collections
+    import typing
+
+    class P(typing.NamedTuple):
+        x: int
+        y: int
+
+    c = collections.Counter("abca")
+    od = collections.OrderedDict([("b", 1), ("a", 2)])
+    od.move_to_end("b")  # the linked order, not the dict's storage order, is the value
+    back = pd.decode(pd.encode_result(c))
+    assert type(back) is collections.Counter and back == c
+    back = pd.decode(pd.encode_result(od))
+    assert type(back) is collections.OrderedDict and list(back.items()) == [("a", 2), ("b", 1)]
+    assert pd.decode(pd.encode_result(P(1, 2))) == (1, 2) and type(pd.decode(pd.encode_result(P(1, 2)))) is tuple
+    it = pd.decode(pd.encode_result(x * x for x in range(3)))
+    assert tuple(it) == (0, 1, 4) and tuple(it) == ()  # an iterator, exhausted like the original
+    assert pd.decode(pd.encode_result(collections.defaultdict(int, a=1))) == {"a": 1}
+    assert pd.decode(pd.encode_result([{"k": map(str, [1])}])) != [{"k": ["1"]}]  # not a list
+
+    class EqDict(dict):
+        def __eq__(self, other):
+            return True
+        __hash__ = None
+
+    class Quiet(collections.Counter):
+        def __eq__(self, other):
+            return True
+
+    for bad in (EqDict(a=1), Quiet("a"), range(3), iter(collections.deque([1]))):
+        with pytest.raises(pd.PlainDataError):
+            pd.encode_result(bad)
+    for strict_refused in (c, od, P(1, 2), (x for x in ()), collections.defaultdict(int)):
+        with pytest.raises(pd.PlainDataError):
+            pd.encode(strict_refused)  # arguments and everything but results stay strict

@@ -288,3 +288,44 @@ def test_health_reports_slots_that_are_down():
             assert st == 503 and "pool unavailable" in body["message"]
         finally:
             srv.stop()
+
+
+def test_unauthenticated_connections_cannot_lock_out_authenticated_ones(pool, secret_token):
+    """With a token, connections that never send an authenticated request head are the ones
+    closed at the connection cap: a client with the token is served while the cap is full of
+    stalled unauthenticated connections (each would otherwise hold its socket for the request
+    timeout), and a stalled one learns why (503 JSON)."""
+    srv = SandboxServer(pool, token=secret_token, max_connections=6, request_timeout_s=20.0,
+                        idle_timeout_s=20.0).serve_in_thread()
+    stalled = []
+    try:
+        for _ in range(6):  # the cap, all half a request line, one of them a wrong token
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=20)
+            s.sendall(b"POST /run_code HTT")
+            stalled.append(s)
+        wrong = socket.create_connection(("127.0.0.1", srv.port), timeout=20)
+        wrong.sendall(post_bytes(b'{"code": "print(1)"}', extra=b"Authorization: Bearer nope\r\n"))
+        assert read_response(wrong)[0] == 401
+        wait_for(lambda: srv.state.counters.get("evicted_unauthenticated", 0) >= 1)
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=20)
+        s.sendall(b"GET /stats HTTP/1.1\r\nHost: t\r\n")  # the cap is full again
+        stalled.append(s)
+        with SandboxClient(srv.url, max_concurrency=1, token=secret_token, retries=0) as c:
+            for _ in range(3):
+                r = c.run("print('served')")
+                assert r.status == "ok" and r.stdout == "served\n", r
+        assert srv.state.counters.get("refused_connections", 0) == 0, srv.state.counters
+        assert srv.state.counters["evicted_unauthenticated"] >= 2, srv.state.counters
+        status, _, body = read_response(stalled[0])  # the oldest stalled one made room first
+        assert status == 503 and "authenticated" in body["message"], body
+    finally:
+        for s in stalled:
+            s.close()
+        srv.stop()
+
+
+def test_deeply_nested_json_body_is_a_400(server):
+    body = b'{"code": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"  # under the test server's body cap
+    status, _, resp = raw(server.port, post_bytes(body))
+    assert status == 400 and "nested too deeply" in resp["message"], resp
+    assert_serving(server)
