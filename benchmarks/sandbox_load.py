@@ -1,4 +1,4 @@
-"""Load test of the pool with adversarial programs mixed in (issue 13): nothing lost, nothing
+"""Load test of the pool with adversarial programs mixed in: nothing lost, nothing
 misattributed, every slot clean and up afterwards.
 
     python -m benchmarks.sandbox_load --runs 3000 --adversarial 0.01      # standalone

@@ -168,9 +168,10 @@ CATALOGUE = (
          'ok = r.status in ("ok", "timeout") and outputs_match(')],
        VERIFIERS, "a stdio case that times out after correct output counts as passed"),
     _m("verifiers.no_relative_tolerance", "sandbox/verifiers.py",
-       [("if not (abs(fx - fy) <= tol or abs(fx - fy) <= tol * max(abs(fx), abs(fy))):",
-         "if not abs(fx - fy) <= tol:")],
-       VERIFIERS, "float_tol only absolute"),
+       [("if not (d <= tol or d <= tol * max(abs(fx), abs(fy))):", "if not d <= tol:")],
+       VERIFIERS, "float_tol only absolute",
+       alternatives=[[("if not (abs(fx - fy) <= tol or abs(fx - fy) <= tol * max(abs(fx), abs(fy))):",
+                       "if not abs(fx - fy) <= tol:")]]),
     _m("train_step.guard_checks_loss_only", "rl/train_step.py",
        [("gnorm = optax.tree.norm(p_grads)\n        finite = jnp.isfinite(gnorm) & "
          "jnp.isfinite(loss)",

@@ -22,7 +22,7 @@ _ORDINALS = ("second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|elevent
              "nineteenth|twentieth|thirtieth|fortieth|(?:twenty|thirty|forty)-[a-z]+")
 # what follows a session or run number used as a name (punctuation, a parenthesis, the line's
 # end, or a preposition), not a count ("runs 3 commands", "sessions 8 per worker")
-_AFTER = r"(?=[,.;:)']|\s+\(|\s*$|\s+(?:on|at|in|and|of|to)\b)"
+_AFTER = r"(?=[,;:)']|\.(?!\d)|\s+\(|\s*$|\s+(?:on|at|in|and|of|to)\b)"
 PATTERNS = {
     "a work session by ordinal": re.compile(rf"\b(?:{_ORDINALS})[ -]sessions?\b", re.I),
     "work sessions by number": re.compile(r"\bsessions? \d+(?:\s*[-–]\s*\d+)?" + _AFTER, re.I | re.M),
@@ -53,7 +53,8 @@ def test_the_patterns_find_history_and_leave_the_software_alone():
                                      "an issue number", "a numbered run", "a numbered run",
                                      "a numbered run"], found
     assert history_marks("a sandbox session runs 3 commands; the first session of an episode; "
-                         "run 2 processes; --runs 3000; `--run 2` profiles; sessions 8 per worker"
+                         "run 2 processes; --runs 3000; they run 24.0 episodes per second; `--run 2` profiles; "
+                         "sessions 8 per worker"
                          ) == []
 
 

@@ -1,4 +1,4 @@
-"""Limits that judge programs fairly (issue 13, part 3): memory is the memory cgroup's call (no
+"""Limits that judge programs fairly: memory is the memory cgroup's call (no
 address-space limit behind it, so threads and pools of ordinary size run at the default 512 MB),
 a CPU quota per sandbox, a memory peak that is the run's own, and caller mistakes that raise
 InvalidRequest at submit time instead of coming back as sandbox_error.

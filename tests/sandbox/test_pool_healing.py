@@ -1,4 +1,4 @@
-"""A pool that heals (issue 13, part 2): nothing a program leaves in /work reaches the next run
+"""A pool that heals: nothing a program leaves in /work reaches the next run
 (each run gets a fresh tmpfs), a FIFO never stalls a later sequence step, a slot whose reset
 fails is replaced (never reused), and `health()` reports slots that are down.
 

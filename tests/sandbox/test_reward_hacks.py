@@ -1,4 +1,4 @@
-"""Reward hacks (issue 13, part 1): completions that try to be paid without computing the right
+"""Reward hacks: completions that try to be paid without computing the right
 values score 0 on HumanEval tasks, generated code tasks, terminal tasks (python and bash checks),
 stdio tasks and user task files, next to the correct completions of the same tasks scoring 1.
 After each group the pool's next runs are ok in an empty working directory.

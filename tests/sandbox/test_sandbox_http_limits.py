@@ -1,4 +1,4 @@
-"""The HTTP server under load and abuse: each finding of issue 13 about the old server, as the
+"""The HTTP server under load and abuse: each abuse the server must withstand, as the
 attack and the right answer, then a check that the server still runs code correctly.
 
 Covered: connection bursts (no drops; 429 with Retry-After when the queue is full; the client

@@ -1,4 +1,4 @@
-"""The sandbox package's import graph has no cycle (issue 15: task domains and scoring methods
+"""The sandbox package's import graph has no cycle (task domains and scoring methods
 each in one place; the Task record knows no scoring method, so schema <-> verifiers is gone).
 
 Edges: every `import` / `from ... import` statement of a module, at any depth (a function-level

@@ -1,4 +1,4 @@
-"""rl.envs.SessionEnv over real sandbox sessions (issue 16 parts 2 and 4): episodes solved and
+"""rl.envs.SessionEnv over real sandbox sessions: episodes solved and
 failed as the check says; malformed calls, unknown tools, bad arguments, a hang, a 10 MB flood
 and binary output each become an observation and the episode goes on; the caps on turns and
 tokens end it cleanly (truncated, still checked); the format penalty; many envs stepped at once

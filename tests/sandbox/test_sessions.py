@@ -1,4 +1,4 @@
-"""Sessions (sandbox/session.py, issue 16 part 1): one episode's private working directory kept
+"""Sessions (sandbox/session.py): one episode's private working directory kept
 across commands. Covered: files persist and stay private (another session sees neither files nor
 processes, and runs as another uid), nothing survives a command or a close, each limit (commands,
 wall time, disk, inodes, task runs, one command at a time, idle timeout, the cap on open
