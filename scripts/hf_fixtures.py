@@ -161,7 +161,7 @@ def big(out: str) -> None:
     cfg = kimi_linear_config(
         vocab_size=32000, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=256,
         num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
-        num_local_experts=64, num_experts_per_tok=8, n_group=1, topk_group=1,
+        num_local_experts=48, num_experts_per_tok=8, n_group=1, topk_group=1,
         kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
         linear_head_dim=64, linear_num_heads=16,
         layer_types=["linear_attention" if (i + 1) % 4 else "full_attention"

@@ -1,9 +1,9 @@
 """Released checkpoints in and out: transformers' layouts <-> this model's (ModelConfig, variables).
 
-    from model.hf import import_hf, export_hf
+    from model.hf import export_hf, import_hf, token_ids
     cfg, variables = import_hf("Kimi-Linear-48B-A3B-Instruct")          # config.json + safetensors
     cfg, variables = import_hf(d, dtype="bfloat16", scan_layers=True, mesh=mesh)  # onto a mesh
-    export_hf(cfg, variables, "out")          # loads with transformers' from_pretrained
+    export_hf(cfg, variables, "out", extra=token_ids(d))   # loads with from_pretrained
 
 Covered: `model_type` "kimi_linear" (KDA + NoPE MLA + sigmoid-routed MoE with shared experts and
 group-limited routing, dense first layers; model/hf/kimi_linear.py lists how each part maps
@@ -27,7 +27,7 @@ weights, `glm5_next`; tied embeddings (this model scales a tied head by d_model*
 MXFP4 expert export (export_hf writes bf16/f32 experts). docs/checkpoints.md has the list.
 """
 
-from model.hf.convert import FAMILIES, export_hf, hf_config, import_hf
+from model.hf.convert import FAMILIES, export_hf, hf_config, import_hf, token_ids
 from model.hf.safetensors_io import CheckpointError
 
-__all__ = ["FAMILIES", "CheckpointError", "export_hf", "hf_config", "import_hf"]
+__all__ = ["FAMILIES", "CheckpointError", "export_hf", "hf_config", "import_hf", "token_ids"]

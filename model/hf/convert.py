@@ -149,12 +149,17 @@ def _hf_dtype(arr_dtype, dtype: str | None):
     return np.dtype(jnp.dtype(dtype))
 
 
+TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
 def export_hf(cfg: ModelConfig, variables, out_dir: str, *, dtype: str | None = None,
-              max_shard_bytes: int = 5 << 30) -> dict:
+              max_shard_bytes: int = 5 << 30, extra: dict | None = None) -> dict:
     """Write (cfg, variables) as a checkpoint directory of cfg's family (config.json,
     model.safetensors or model-0000i-of-0000n.safetensors + index), loadable by transformers'
     from_pretrained. dtype: the tensors' dtype ("float32" | "bfloat16"; None: each variable's
-    own). Streams one recipe's tensors at a time (a scanned span's copy is sliced on its
+    own). extra: config.json fields to add that the ModelConfig does not hold, only the
+    token ids (TOKEN_FIELDS, e.g. `token_ids(hf_dir)` of the imported checkpoint; default None).
+    Streams one recipe's tensors at a time (a scanned span's copy is sliced on its
     device). The directory must not hold safetensors files already; nothing is written when
     the config cannot be expressed (CheckpointError naming the field). Returns {"files",
     "tensors", "bytes", "dir"}."""
@@ -162,6 +167,11 @@ def export_hf(cfg: ModelConfig, variables, out_dir: str, *, dtype: str | None = 
 
     fam = _family_of(cfg)
     hf_cfg = fam.from_config(cfg)
+    for k, val in (extra or {}).items():
+        if k not in TOKEN_FIELDS:
+            raise CheckpointError(f"export_hf extra={{{k!r}: ...}}: only {TOKEN_FIELDS} may be "
+                                  "added; the rest of config.json follows from the ModelConfig")
+        hf_cfg[k] = val
     flat_cfg = cfg.replace(scan_layers=False)
     recipes = fam.recipes(flat_cfg)
     if os.path.isdir(out_dir) and any(f.endswith(".safetensors") for f in os.listdir(out_dir)):
@@ -216,6 +226,12 @@ def export_hf(cfg: ModelConfig, variables, out_dir: str, *, dtype: str | None = 
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump(hf_cfg, f, indent=2)
     return {"files": len(shards), "tensors": len(plan), "bytes": total, "dir": out_dir}
+
+
+def token_ids(hf_dir: str) -> dict:
+    """The token-id fields (TOKEN_FIELDS) of a checkpoint's config.json, for export_hf(extra=)."""
+    raw, _ = read_config(hf_dir)
+    return {k: raw[k] for k in TOKEN_FIELDS if k in raw}
 
 
 def _family_of(cfg: ModelConfig):

@@ -213,6 +213,8 @@ def from_config(cfg: ModelConfig) -> dict:
         "linear_head_dim": k.head_dim, "linear_num_heads": k.num_heads,
         "linear_conv_kernel_dim": k.conv_size,
         "dtype": "bfloat16" if cfg.param_dtype == "bfloat16" else "float32",
+        # token ids are the tokenizer's business, not the ModelConfig's (export_hf's `extra`)
+        "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
     }
 
 
