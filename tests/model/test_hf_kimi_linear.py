@@ -185,3 +185,82 @@ def test_corrupt_safetensors_header(tmp_path, mutate, match):
         f.write(mutate(raw))
     with pytest.raises(CheckpointError, match=f"model.safetensors: .*{match}"):
         import_hf(d)
+
+
+# --------------------------------------------------------------------------- scripts/convert.py
+def _convert(*argv):
+    import importlib
+    import sys
+
+    scripts = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+    sys.path.insert(0, os.path.abspath(scripts))
+    try:
+        convert = importlib.import_module("convert")
+    finally:
+        sys.path.pop(0)
+    return convert.main(list(argv))
+
+
+def test_convert_dry_run_and_bad_input_write_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _convert("--from_hf", FIXTURE, "--out", str(out), "--dry_run") == 0
+    assert json.loads(capsys.readouterr().out)["tensors"] == 139 and not out.exists()
+    bad = _copy(tmp_path, tensors=_without(KDA_Q))
+    assert _convert("--from_hf", bad, "--out", str(out)) == 1
+    assert f"missing tensor '{KDA_Q}'" in capsys.readouterr().err and not out.exists()
+    assert _convert("--from_hf", bad, "--out", str(out), "--dry_run") == 1 and not out.exists()
+
+
+def test_convert_both_ways(tmp_path, capsys, ref):
+    own, hf = str(tmp_path / "own"), str(tmp_path / "hf")
+    assert _convert("--from_hf", FIXTURE, "--out", own) == 0
+    assert _convert("--to_hf", own, "--out", hf, "--like", FIXTURE) == 0
+    raw = json.loads(open(os.path.join(hf, "config.json")).read())
+    assert (raw["pad_token_id"], raw["bos_token_id"], raw["eos_token_id"]) == (0, 1, 2)
+    # the project's export holds the experts as bf16 (model.interchange): logits move a little
+    cfg, v = import_hf(hf)
+    logits = np.asarray(Model(cfg).apply(v, jnp.asarray(ref["ids"])).logits)
+    assert np.abs(logits - ref["logits"]).max() <= 5e-3
+
+
+# --------------------------------------------------------------------------- the new options
+@pytest.mark.parametrize("moe,match", [
+    (dict(n_group=3), "moe.n_group"),
+    (dict(n_group=2, topk_group=3), "moe.topk_group"),
+    (dict(n_group=2, router="softmax"), "moe.n_group"),
+])
+def test_group_routing_config_is_validated(imported, moe, match):
+    import dataclasses
+
+    from model.config import ConfigError
+
+    cfg, _ = imported
+    with pytest.raises(ConfigError, match=match):
+        cfg.replace(moe=dataclasses.replace(cfg.moe, **moe))
+
+
+def test_mla_without_indexer_or_q_lora_is_validated(imported):
+    import dataclasses
+
+    from model.config import ConfigError
+
+    cfg, _ = imported
+    with pytest.raises(ConfigError, match="dsa.q_lora_rank"):  # the indexer reads the q latent
+        cfg.replace(dsa=dataclasses.replace(cfg.dsa, indexer=True, index_n_heads=2,
+                                            index_head_dim=8, index_topk=4))
+    with pytest.raises(ConfigError, match="dsa.indexer_loss_weight"):
+        cfg.replace(dsa=dataclasses.replace(cfg.dsa, indexer_loss_weight=0.1))
+
+
+def test_group_limited_route_picks_within_the_best_groups():
+    from model.layers.moe import route
+
+    # groups {0,1} (top-2 sum 0.9+0.1) and {2,3} (0.6+0.5): experts 2 and 3, although 0 is best
+    scores = jnp.array([[0.9, 0.1, 0.6, 0.5]])
+    logits = jnp.log(scores / (1 - scores))
+    _, idx, _ = route(logits, jnp.zeros(4), router="sigmoid", top_k=2, norm_topk_prob=True,
+                      scaling=1.0, n_group=2, topk_group=1)
+    assert sorted(idx[0].tolist()) == [2, 3]
+    _, idx, _ = route(logits, jnp.zeros(4), router="sigmoid", top_k=2, norm_topk_prob=True,
+                      scaling=1.0)
+    assert sorted(idx[0].tolist()) == [0, 2]
