@@ -59,13 +59,30 @@ def kimi_linear_config(**over):
     return KimiLinearConfig(**kw)
 
 
-FAMILIES = {"kimi_linear": kimi_linear_config}
+def deepseek_v32_config(**over):
+    from transformers import DeepseekV32Config
+
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, index_n_heads=8, index_head_dim=16, index_topk=8,
+        first_k_dense_replace=1, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    kw.update(over)
+    return DeepseekV32Config(**kw)
+
+
+FAMILIES = {"kimi_linear": kimi_linear_config, "deepseek_v32": deepseek_v32_config}
 
 
 def _model_class(family: str):
-    from transformers import KimiLinearForCausalLM
+    from transformers import DeepseekV32ForCausalLM, KimiLinearForCausalLM
 
-    return {"kimi_linear": KimiLinearForCausalLM}[family]
+    return {"kimi_linear": KimiLinearForCausalLM, "deepseek_v32": DeepseekV32ForCausalLM}[family]
 
 
 def randomise(model: torch.nn.Module, seed: int, std: float = 0.06) -> None:
@@ -108,8 +125,10 @@ def greedy(model, prompt: np.ndarray, n: int) -> np.ndarray:
     return seq[:, prompt.shape[1]:]
 
 
-def write(out: str) -> None:
+def write(out: str, only: str | None = None) -> None:
     for family, make_config in FAMILIES.items():
+        if only and family != only:
+            continue
         torch.manual_seed(SEED)
         cfg = make_config()
         model = _model_class(family)._from_config(cfg, attn_implementation="eager",
@@ -179,6 +198,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
     w.add_argument("--out", default="tests/model/hf_fixtures")
+    w.add_argument("--family", choices=sorted(FAMILIES), default=None, help="default: all")
     v = sub.add_parser("verify")
     v.add_argument("--family", choices=sorted(FAMILIES), required=True)
     v.add_argument("--dir", required=True)
@@ -187,7 +207,7 @@ def main(argv=None) -> int:
     b.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.cmd == "write":
-        write(a.out)
+        write(a.out, a.family)
     elif a.cmd == "verify":
         return verify(a.family, a.dir, a.fixture)
     else:

@@ -35,6 +35,8 @@ from typing import Any
 from model.config import ModelConfig
 from model.hf.recipes import (Recipe, concat_convs, concat_linears, copy, linear, mla_kv_b,
                               reshaped, stacked_linears)
+from model.hf.common import bad as _bad
+from model.hf.common import check_fields, dense_prefix, period
 from model.hf.safetensors_io import CheckpointError
 
 MODEL_TYPE = "kimi_linear"
@@ -46,13 +48,7 @@ ALIASES = {"model_max_length": "max_position_embeddings", "moe_renormalize": "no
            "num_experts_per_token": "num_experts_per_tok",
            "num_shared_experts": "n_shared_experts"}
 # fields that do not change the forward pass (ids, bookkeeping, training-only, derived)
-IGNORED = {"architectures", "auto_map", "dtype", "torch_dtype", "transformers_version",
-           "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
-           "output_router_logits", "attention_dropout", "head_dim", "qk_head_dim",
-           "router_aux_loss_coef", "model_type", "rope_theta", "use_grouped_topk",
-           "moe_layer_freq", "tokenizer_class", "output_attentions", "output_hidden_states",
-           "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "tie_encoder_decoder",
-           "problem_type", "id2label", "label2id", "generation_config"}
+IGNORED = {"head_dim", "qk_head_dim", "rope_theta"}  # derived, or unused (NoPE)
 # field -> the only value honoured (anything else stops the import)
 REQUIRED = {"hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
             "pretraining_tp": 1, "num_nextn_predict_layers": 0, "mla_use_nope": True,
@@ -69,27 +65,15 @@ LATENT_NORM_EPS = 1e-6  # KimiLinearRMSNorm's default, used for q_a / kv_a_layer
 KINDS = {"linear_attention": "K", "full_attention": "D"}
 
 
-def _bad(field: str, value: Any, why: str) -> CheckpointError:
-    return CheckpointError(f"config.json: {field}={value!r}: {why}")
-
-
 def canonical(raw: dict) -> dict:
     """config.json with saved aliases renamed, every field checked (module docstring)."""
-    out = {}
-    for k, v in raw.items():
-        name = ALIASES.get(k, k)
-        if name in REQUIRED:
-            if v != REQUIRED[name] and not (name == "use_grouped_topk" and v is False
-                                            and raw.get("num_expert_group", 1) == 1):
-                raise _bad(k, v, f"not supported by this import (only {REQUIRED[name]!r})")
-            continue
-        if name in IGNORED:
-            continue
-        if name not in USED:
-            raise _bad(k, v, "unknown field for model_type kimi_linear: the import cannot "
-                             "tell whether it changes the model, so it stops")
-        out[name] = v
-    return out
+    return check_fields(raw, MODEL_TYPE, aliases=ALIASES, ignored=IGNORED, required=REQUIRED,
+                        used=USED, exempt=_grouped_topk_off_without_groups)
+
+
+def _grouped_topk_off_without_groups(name: str, value, raw: dict) -> bool:
+    # use_grouped_topk false with one group selects the same experts as true
+    return name == "use_grouped_topk" and value is False and raw.get("num_expert_group", 1) == 1
 
 
 def _layer_types(c: dict) -> list[str]:
@@ -109,14 +93,6 @@ def _layer_types(c: dict) -> list[str]:
     return types
 
 
-def _period(s: str) -> str:
-    """The shortest p such that s is s[:p] tiled (ModelConfig.layer_pattern)."""
-    for p in range(1, len(s) + 1):
-        if all(s[i] == s[i % p] for i in range(len(s))):
-            return s[:p]
-    return s
-
-
 def to_config(raw: dict, *, dtype: str = "float32", param_dtype: str = "float32"
               ) -> ModelConfig:
     """ModelConfig of a kimi_linear config.json (dict), validated."""
@@ -131,19 +107,12 @@ def to_config(raw: dict, *, dtype: str = "float32", param_dtype: str = "float32"
     if c.get("num_key_value_heads", H) not in (None, H):
         raise _bad("num_key_value_heads", c["num_key_value_heads"],
                    f"must equal num_attention_heads={H} (MLA)")
-    mlp = c.get("mlp_layer_types")
-    if mlp is None:
-        k = c.get("first_k_dense_replace", 1)
-        mlp = ["dense" if i < k else "sparse" for i in range(n)]
-    dense = sum(1 for t in mlp if t == "dense")
-    if len(mlp) != n or mlp != ["dense"] * dense + ["sparse"] * (n - dense):
-        raise _bad("mlp_layer_types", mlp, "only dense layers first, then sparse ones, are "
-                   "supported (moe.first_dense_layers)")
+    dense = dense_prefix(c, n, default_first_k=1)
     E = c.get("num_local_experts", 256)
     d = dict(
         vocab_size=c.get("vocab_size", 163840), d_model=c.get("hidden_size", 2304),
         num_layers=n,
-        layer_pattern=_period("".join(KINDS[t] for t in _layer_types(c))),
+        layer_pattern=period("".join(KINDS[t] for t in _layer_types(c))),
         kda=dict(num_heads=lac.get("num_heads", c.get("linear_num_heads", 32)),
                  head_dim=lac.get("head_dim", c.get("linear_head_dim", 128)),
                  conv_size=lac.get("short_conv_kernel_size", c.get("linear_conv_kernel_dim", 4))),
