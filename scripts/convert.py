@@ -46,9 +46,9 @@ def from_hf(src: str, out: str, dtype: str, dry_run: bool) -> dict:
 
     if dry_run:
         cfg = hfc.hf_config(src, dtype=dtype)
-        _, fam = hfc.read_config(src)
+        raw, fam = hfc.read_config(src)
         ckpt = Checkpoint(src)
-        hfc.check_checkpoint(ckpt, fam.recipes(cfg))
+        hfc.check_checkpoint(ckpt, fam.recipes(cfg), hfc._fp8_block(fam, raw))
         return {"dry_run": True, "model": cfg.name, "layer_pattern": cfg.layer_pattern,
                 "num_layers": cfg.num_layers, "tensors": len(ckpt.tensors),
                 "bytes": sum(t.nbytes for t in ckpt.tensors.values()), "out": out}

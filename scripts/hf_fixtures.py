@@ -88,9 +88,10 @@ def _model_class(family: str):
 def randomise(model: torch.nn.Module, seed: int, std: float = 0.06) -> None:
     """Every parameter and buffer drawn at random (module docstring says why)."""
     g = torch.Generator().manual_seed(seed)
+    saved = set(model.state_dict())  # not the non-persistent buffers (rotary inv_freq)
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if not p.is_floating_point():
+            if not p.is_floating_point() or name not in saved:
                 continue
             r = torch.randn(p.shape, generator=g, dtype=torch.float32)
             leaf = name.rsplit(".", 1)[-1]

@@ -15,12 +15,14 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import NamedSharding, PartitionSpec
 
 from model.config import ModelConfig
-from model.hf import kimi_linear
+from model.hf import deepseek_v32, kimi_linear
 from model.hf.safetensors_io import (DTYPES, INDEX_FILE, Checkpoint, CheckpointError,
                                      write_file)
 
-FAMILIES = {kimi_linear.MODEL_TYPE: kimi_linear}
+FAMILIES = {kimi_linear.MODEL_TYPE: kimi_linear, deepseek_v32.MODEL_TYPE: deepseek_v32}
 FLOAT_DTYPES = {DTYPES[k] for k in ("F32", "BF16", "F16")}
+FP8 = DTYPES["F8_E4M3"]
+SCALE_SUFFIX = "_scale_inv"
 CONFIG_FILE = "config.json"
 
 
@@ -49,15 +51,39 @@ def hf_config(hf_dir: str, *, dtype: str = "float32", param_dtype: str | None = 
     return fam.to_config(raw, dtype=dtype, param_dtype=param_dtype or dtype)
 
 
-def check_checkpoint(ckpt: Checkpoint, recipes) -> None:
-    """Every tensor the recipes need, with its shape and a float dtype, and nothing else."""
+def check_checkpoint(ckpt: Checkpoint, recipes, fp8_block: tuple[int, int] | None = None
+                     ) -> None:
+    """Every tensor the recipes need, with its shape and a float dtype, and nothing else. With
+    fp8_block (the config's quantization_config), a 2-D weight may be F8_E4M3 with its block
+    scales `<name>_scale_inv` [ceil(out/b0), ceil(in/b1)] beside it."""
     want = {}
     for r in recipes:
         for name, shape in zip(r.hf, r.hf_shapes):
             want[name] = shape
     have = ckpt.tensors
+    scales = {}
+    for name, shape in want.items():
+        t = have.get(name)
+        if t is None or t.dtype != FP8:
+            continue
+        sname = name + SCALE_SUFFIX
+        if fp8_block is None:
+            raise CheckpointError(f"tensor {name!r}: dtype float8_e4m3fn, but config.json has "
+                                  "no quantization_config (quant_method fp8) to read it with")
+        if len(shape) != 2:
+            raise CheckpointError(f"tensor {name!r}: float8 only for 2-D weights, the config "
+                                  f"needs {list(shape)}")
+        need = [-(-shape[0] // fp8_block[0]), -(-shape[1] // fp8_block[1])]
+        st = have.get(sname)
+        if st is None:
+            raise CheckpointError(f"missing tensor {sname!r}: the block scales of the float8 "
+                                  f"weight {name!r}")
+        if list(st.shape) != need or st.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {sname!r}: {st.dtype} {list(st.shape)}, the float8 "
+                                  f"weight {name!r} needs float {need} ({fp8_block} blocks)")
+        scales[sname] = fp8_block
     missing = [n for n in want if n not in have]
-    extra = sorted(set(have) - set(want))
+    extra = sorted(set(have) - set(want) - set(scales))
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) "
                               f"in {ckpt.dir}")
@@ -70,9 +96,23 @@ def check_checkpoint(ckpt: Checkpoint, recipes) -> None:
         if t.shape != tuple(shape):
             raise CheckpointError(f"tensor {name!r}: shape {list(t.shape)} in "
                                   f"{os.path.basename(t.file)}, the config needs {list(shape)}")
-        if t.dtype not in FLOAT_DTYPES:
+        if t.dtype not in FLOAT_DTYPES and not (t.dtype == FP8 and name + SCALE_SUFFIX in
+                                                  scales):
             raise CheckpointError(f"tensor {name!r}: dtype {t.dtype} in "
-                                  f"{os.path.basename(t.file)}; weights must be F32, BF16 or F16")
+                                  f"{os.path.basename(t.file)}; weights must be F32, BF16 or F16"
+                                  " (or F8_E4M3 with block scales)")
+
+
+def read_weight(ckpt: Checkpoint, name: str, fp8_block: tuple[int, int] | None) -> np.ndarray:
+    """One tensor; an F8_E4M3 one dequantised to f32 with its block scales:
+    W[i, j] = fp8[i, j] * scale_inv[i // b0, j // b1]."""
+    arr = ckpt.read(name)
+    if arr.dtype != FP8:
+        return arr
+    b0, b1 = fp8_block
+    s = ckpt.read(name + SCALE_SUFFIX).astype(np.float32)
+    s = np.repeat(np.repeat(s, b0, axis=0), b1, axis=1)[:arr.shape[0], :arr.shape[1]]
+    return arr.astype(np.float32) * s
 
 
 def _per_layer_target(cfg: ModelConfig) -> dict:
@@ -101,10 +141,11 @@ def import_hf(hf_dir: str, *, dtype: str = "float32", param_dtype: str | None = 
     read, no map of the file), converted on the host and put on their device, so host memory
     holds one recipe's tensors (one layer's stacked experts at most), not the model."""
     cfg = hf_config(hf_dir, dtype=dtype, param_dtype=param_dtype)
-    _, fam = read_config(hf_dir)
+    raw, fam = read_config(hf_dir)
+    block = _fp8_block(fam, raw)
     ckpt = Checkpoint(hf_dir)
     recipes = fam.recipes(cfg)
-    check_checkpoint(ckpt, recipes)
+    check_checkpoint(ckpt, recipes, block)
     if scan_layers:
         cfg = cfg.replace(scan_layers=True)
     if shardings is None and mesh is not None:
@@ -122,7 +163,7 @@ def import_hf(hf_dir: str, *, dtype: str = "float32", param_dtype: str | None = 
     target = _per_layer_target(cfg)
     out = {}
     for r in recipes:
-        arrays = r.to_ours([ckpt.read(n) for n in r.hf])
+        arrays = r.to_ours([read_weight(ckpt, n, block) for n in r.hf])
         for path, arr in zip(r.ours, arrays):
             t = target[path]
             if tuple(arr.shape) != tuple(t.shape):
@@ -232,6 +273,10 @@ def token_ids(hf_dir: str) -> dict:
     """The token-id fields (TOKEN_FIELDS) of a checkpoint's config.json, for export_hf(extra=)."""
     raw, _ = read_config(hf_dir)
     return {k: raw[k] for k in TOKEN_FIELDS if k in raw}
+
+
+def _fp8_block(fam, raw: dict):
+    return fam.fp8_block(raw) if hasattr(fam, "fp8_block") else None
 
 
 def _family_of(cfg: ModelConfig):

@@ -12,7 +12,8 @@
 
 Options for checkpoints of other layouts (model/hf/): `q_lora_rank=0` projects q straight from x
 (`q` [D, H*(n+r)], no q_a/q_b), `indexer=False` drops the indexer (plain MLA: every causal key,
-no idx_* parameters, no k_idx cache), `latent_norm_eps` sets the eps of the two latent RMSNorms.
+no idx_* parameters, no k_idx cache), `latent_norm_eps` / `index_norm_eps` set the eps of the two
+latent RMSNorms / of the indexer's key LayerNorm.
 
 The decode cache (DSACache) holds only the latent row kv [B,S,L+r] and the indexer key [B,S,DI]
 per token. Layer kind "D" (`KIND`, model/layers/registry.py): its config section `dsa` is
@@ -99,6 +100,8 @@ class DSAConfig:
     # eps of the q_a and kv_a latent RMSNorms; 0: the model's norm_eps (HF's Kimi Linear builds
     # them with 1e-6 whatever its rms_norm_eps)
     latent_norm_eps: float = 0.0
+    # eps of the indexer's key LayerNorm; 0: the model's norm_eps (DeepSeek-V3.2 uses 1e-6)
+    index_norm_eps: float = 0.0
 
     @property
     def qk_head_dim(self) -> int:
@@ -120,8 +123,8 @@ class DSAConfig:
         require(self.q_lora_rank >= 0, f"{p}.q_lora_rank",
                 "must be >= 0 (0: queries straight from the input, no low-rank q; needs "
                 f"{p}.indexer=False, whose queries read the q latent)")
-        require(self.latent_norm_eps >= 0, f"{p}.latent_norm_eps",
-                "must be >= 0 (0: the model's norm_eps)")
+        for f in ("latent_norm_eps", "index_norm_eps"):
+            require(getattr(self, f) >= 0, f"{p}.{f}", "must be >= 0 (0: the model's norm_eps)")
         require(self.qk_rope_head_dim % 2 == 0, f"{p}.qk_rope_head_dim",
                 "must be even (RoPE pairs)")
         if self.indexer:
@@ -418,7 +421,8 @@ class DSALayer(nn.Module):
             xi, q_ai = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_a)
             q_idx = dense(HI * DI, ("q_lora", "heads"), "idx_q", **kw)(q_ai).reshape(
                 B, T, HI, DI)
-            k_idx_new = LayerNorm(name="idx_k_norm", **pkw)(
+            ikw = dict(pkw, eps=c.index_norm_eps or self.eps)
+            k_idx_new = LayerNorm(name="idx_k_norm", **ikw)(
                 dense(DI, ("embed", "head_dim"), "idx_k", **kw)(xi))
             if rope:  # the indexer follows the layer's positions (module docstring)
                 q_idx = apply_rope(q_idx, positions, c.rope_theta, c.index_rope_dim,
