@@ -69,8 +69,12 @@ def deepseek_v32_config(**over):
         topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16, index_n_heads=8, index_head_dim=16, index_topk=8,
-        first_k_dense_replace=1, rms_norm_eps=1e-6, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        first_k_dense_replace=1, rms_norm_eps=1e-6, max_position_embeddings=64,
+        # YaRN as the released model has it (factor 40 over 4096 there): the 40 positions of
+        # the greedy check reach past the original 16, so the scaled frequencies matter
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     kw.update(over)
     return DeepseekV32Config(**kw)

@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 checkpoints (model/hf/deepseek_v32.py): parity with transformers'
 DeepseekV32ForCausalLM on the tiny random model scripts/hf_fixtures.py wrote
 (tests/model/hf_fixtures/deepseek_v32: 3 layers, a dense first one, 8 experts in 2 groups with a
-shared expert, an indexer keeping 8 of up to 40 keys), FP8 block-scaled weights, the export
+shared expert, an indexer keeping 8 of up to 40 keys, YaRN factor 4 over 16 positions), FP8 block-scaled weights, the export
 round trip. The reference's numbers are in the fixture; no torch needed."""
 
 import json
@@ -40,6 +40,7 @@ def test_config_translation(imported):
     assert (d.index_topk, d.index_rope_dim, d.latent_norm_eps, d.index_norm_eps) == (
         8, 8, 1e-6, 1e-6)
     assert cfg.moe.first_dense_layers == 1 and (cfg.moe.n_group, cfg.moe.topk_group) == (2, 1)
+    assert (d.rope_scaling, d.rope_factor, d.rope_original_max_position) == ("yarn", 4.0, 16)
 
 
 @pytest.mark.parametrize("scan", [False, True])
