@@ -11,6 +11,7 @@ imported, the ModelConfig in its config.json; what scripts/export.py --mode=impo
 training configs read). --to_hf DIR: model.interchange.import_safetensors of such an export
 (packed MXFP4 experts are dequantised), then model.hf.export_hf into --out; --like HF_DIR copies
 that checkpoint's token ids into config.json and its tokenizer files beside the weights.
+--drop_mtp leaves out a checkpoint's MTP layers (refused otherwise).
 --dtype float32|bfloat16: the parameters' dtype (from_hf) or the written tensors' (to_hf; default
 the variables' own). --dry_run: every check of the conversion (config, headers, tensor names,
 shapes and dtypes; for to_hf whether the config is expressible), then a summary; nothing is
@@ -39,7 +40,7 @@ def _param_count(variables) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(variables.get("params", {})))
 
 
-def from_hf(src: str, out: str, dtype: str, dry_run: bool) -> dict:
+def from_hf(src: str, out: str, dtype: str, dry_run: bool, drop_mtp: bool = False) -> dict:
     from model import interchange
     from model.hf import convert as hfc
     from model.hf.safetensors_io import Checkpoint
@@ -47,14 +48,15 @@ def from_hf(src: str, out: str, dtype: str, dry_run: bool) -> dict:
     if dry_run:
         cfg = hfc.hf_config(src, dtype=dtype)
         raw, fam = hfc.read_config(src)
+        skip = hfc.skipped_prefixes(src, cfg, drop_mtp)
         ckpt = Checkpoint(src)
-        hfc.check_checkpoint(ckpt, fam.recipes(cfg), hfc._fp8_block(fam, raw))
+        hfc.check_checkpoint(ckpt, fam.recipes(cfg), hfc._fp8_block(fam, raw), skip)
         return {"dry_run": True, "model": cfg.name, "layer_pattern": cfg.layer_pattern,
                 "num_layers": cfg.num_layers, "tensors": len(ckpt.tensors),
                 "bytes": sum(t.nbytes for t in ckpt.tensors.values()), "out": out}
     _check_empty(out)
     t0 = time.perf_counter()
-    cfg, variables = hfc.import_hf(src, dtype=dtype)
+    cfg, variables = hfc.import_hf(src, dtype=dtype, drop_mtp=drop_mtp)
     t1 = time.perf_counter()
     summary = interchange.export_safetensors(variables, cfg, out, experts="bf16")
     return {"model": cfg.name, "parameters": _param_count(variables),
@@ -100,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--like", default=None,
                     help="to_hf: a checkpoint whose token ids and tokenizer files to carry over")
+    ap.add_argument("--drop_mtp", action="store_true",
+                    help="from_hf: leave out a checkpoint's MTP layers (otherwise refused)")
     ap.add_argument("--dry_run", action="store_true", help="check everything, write nothing")
     a = ap.parse_args(argv)
     from model.hf import CheckpointError
@@ -108,7 +112,7 @@ def main(argv=None) -> int:
         if a.from_hf:
             if a.like:
                 ap.error("--like is for --to_hf")
-            res = from_hf(a.from_hf, a.out, a.dtype or "float32", a.dry_run)
+            res = from_hf(a.from_hf, a.out, a.dtype or "float32", a.dry_run, a.drop_mtp)
         else:
             res = to_hf(a.to_hf, a.out, a.dtype, a.like, a.dry_run)
     except (CheckpointError, FileExistsError, FileNotFoundError) as e:

@@ -51,8 +51,8 @@ def hf_config(hf_dir: str, *, dtype: str = "float32", param_dtype: str | None = 
     return fam.to_config(raw, dtype=dtype, param_dtype=param_dtype or dtype)
 
 
-def check_checkpoint(ckpt: Checkpoint, recipes, fp8_block: tuple[int, int] | None = None
-                     ) -> None:
+def check_checkpoint(ckpt: Checkpoint, recipes, fp8_block: tuple[int, int] | None = None,
+                     skip: tuple[str, ...] = ()) -> None:
     """Every tensor the recipes need, with its shape and a float dtype, and nothing else. With
     fp8_block (the config's quantization_config), a 2-D weight may be F8_E4M3 with its block
     scales `<name>_scale_inv` [ceil(out/b0), ceil(in/b1)] beside it."""
@@ -83,7 +83,7 @@ def check_checkpoint(ckpt: Checkpoint, recipes, fp8_block: tuple[int, int] | Non
                                   f"weight {name!r} needs float {need} ({fp8_block} blocks)")
         scales[sname] = fp8_block
     missing = [n for n in want if n not in have]
-    extra = sorted(set(have) - set(want) - set(scales))
+    extra = sorted(n for n in set(have) - set(want) - set(scales) if not n.startswith(skip))
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) "
                               f"in {ckpt.dir}")
@@ -123,8 +123,23 @@ def _per_layer_target(cfg: ModelConfig) -> dict:
     return flatten_dict(nn.meta.unbox(Model(flat_cfg).abstract_init()))
 
 
+def skipped_prefixes(hf_dir: str, cfg: ModelConfig, drop_mtp: bool) -> tuple[str, ...]:
+    """Tensor-name prefixes an import leaves out: the MTP layers of a checkpoint that has them,
+    only when asked (drop_mtp); otherwise CheckpointError naming the field."""
+    raw, fam = read_config(hf_dir)
+    n = fam.mtp_layers(raw) if hasattr(fam, "mtp_layers") else 0
+    if n and not drop_mtp:
+        raise CheckpointError(
+            f"config.json: num_nextn_predict_layers={n}: the checkpoint holds {n} MTP layer(s) "
+            f"(model.layers.{cfg.num_layers}.* on), which this import does not map; pass "
+            "drop_mtp=True (scripts/convert.py --drop_mtp) to leave them out, as transformers' "
+            "own class does")
+    return tuple(f"model.layers.{cfg.num_layers + j}." for j in range(n))
+
+
 def import_hf(hf_dir: str, *, dtype: str = "float32", param_dtype: str | None = None,
-              scan_layers: bool = False, shardings=None, mesh=None, rules=None):
+              scan_layers: bool = False, shardings=None, mesh=None, rules=None,
+              drop_mtp: bool = False):
     """Read a checkpoint directory (config.json + safetensors) into (ModelConfig, variables).
 
     dtype: activations ("float32" | "bfloat16"); param_dtype: the parameters' dtype (default
@@ -132,7 +147,9 @@ def import_hf(hf_dir: str, *, dtype: str = "float32", param_dtype: str | None = 
     scan_layers: the returned config scans repeated layer groups and the per-layer tensors are
     stacked for it. shardings: a NamedSharding tree like the variables (of the returned
     config's layout), or mesh (+ rules): the model's own logical shardings on that mesh
-    (model.sharding.model_shardings); each tensor goes straight onto its sharding.
+    (model.sharding.model_shardings); each tensor goes straight onto its sharding. drop_mtp:
+    leave out the MTP layers of a checkpoint that has them (deepseek_v32's
+    num_nextn_predict_layers; without it such a checkpoint is refused).
 
     Everything is checked before any tensor is read: config.json (CheckpointError naming an
     unsupported model_type or field and its value), then every file's header (a corrupt header
@@ -143,9 +160,10 @@ def import_hf(hf_dir: str, *, dtype: str = "float32", param_dtype: str | None = 
     cfg = hf_config(hf_dir, dtype=dtype, param_dtype=param_dtype)
     raw, fam = read_config(hf_dir)
     block = _fp8_block(fam, raw)
+    skip = skipped_prefixes(hf_dir, cfg, drop_mtp)
     ckpt = Checkpoint(hf_dir)
     recipes = fam.recipes(cfg)
-    check_checkpoint(ckpt, recipes, block)
+    check_checkpoint(ckpt, recipes, block, skip)
     if scan_layers:
         cfg = cfg.replace(scan_layers=True)
     if shardings is None and mesh is not None:

@@ -26,9 +26,11 @@ What the reference computes, as this model's options:
       quant_method "fp8", weight_block_size [128, 128]) is dequantised on load:
       W[i, j] = fp8[i, j] * scale_inv[i // 128, j // 128] (model/hf/convert.py:read_weight).
 
-Not covered: MTP layers (num_nextn_predict_layers > 0; transformers' class has no MTP module
-and skips those weights, so there is no reference to check an import against): the import stops
-naming the field.
+Not covered: MTP layers (num_nextn_predict_layers > 0, stored as model.layers.<n>.* after the
+n trunk layers). transformers' class has no MTP module and skips those weights, so there is no
+reference to check an import of them against: the import stops naming the field unless the
+caller asks to skip them (import_hf(drop_mtp=True), as transformers does), and never skips them
+silently.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ ALIASES = {"num_local_experts": "n_routed_experts", "num_experts": "n_routed_exp
 IGNORED = {"head_dim", "qk_head_dim", "ep_size"}
 REQUIRED = {"hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
             "mlp_bias": False, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-            "moe_layer_freq": 1, "num_nextn_predict_layers": 0, "pretraining_tp": 1}
+            "moe_layer_freq": 1, "pretraining_tp": 1}
 USED = {"vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
         "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "n_shared_experts",
         "n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank",
@@ -54,7 +56,7 @@ USED = {"vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size
         "num_experts_per_tok", "norm_topk_prob", "max_position_embeddings", "rms_norm_eps",
         "rope_parameters", "rope_theta", "rope_scaling", "mlp_layer_types",
         "first_k_dense_replace", "layer_types", "index_topk", "index_head_dim", "index_n_heads",
-        "quantization_config"}
+        "quantization_config", "num_nextn_predict_layers"}
 NORM_EPS = 1e-6  # DeepseekV32RMSNorm's default (q_a / kv_a) and the indexer's k_norm eps
 FP8_BLOCK = (128, 128)
 
@@ -104,6 +106,14 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
     if len(block) != 2:
         raise bad("quantization_config.weight_block_size", block, "must be [rows, cols]")
     return block
+
+
+def mtp_layers(raw: dict) -> int:
+    """num_nextn_predict_layers (the MTP layers stored after the trunk)."""
+    n = raw.get("num_nextn_predict_layers", 0) or 0
+    if not isinstance(n, int) or n < 0:
+        raise bad("num_nextn_predict_layers", n, "must be an int >= 0")
+    return n
 
 
 def to_config(raw: dict, *, dtype: str = "float32", param_dtype: str = "float32"

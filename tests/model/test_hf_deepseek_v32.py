@@ -181,3 +181,26 @@ def test_yarn_maps_onto_the_layers_yarn(tmp_path):
     cfg, _ = import_hf(str(d))
     a = cfg.dsa
     assert (a.rope_scaling, a.rope_factor, a.rope_original_max_position) == ("yarn", 40.0, 4096)
+
+
+def test_mtp_layers_are_refused_or_dropped_on_request(tmp_path, ref):
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURE, d)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
+    src = Checkpoint(FIXTURE)
+    tensors = {n: src.read(n) for n in src.tensors}
+    tensors["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    write_file(str(d / "model.safetensors"),
+               [(n, a.shape, a.dtype, lambda a=a: a) for n, a in tensors.items()])
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers=1: .*drop_mtp=True"):
+        import_hf(str(d))
+    cfg, v = import_hf(str(d), drop_mtp=True)
+    logits = np.asarray(Model(cfg).apply(v, jnp.asarray(ref["ids"])).logits)
+    assert np.abs(logits - ref["logits"]).max() <= 1e-4
+    # a tensor of a layer that is neither trunk nor MTP is still unexpected
+    tensors["model.layers.4.x.weight"] = np.zeros(2, np.float32)
+    write_file(str(d / "model.safetensors"),
+               [(n, a.shape, a.dtype, lambda a=a: a) for n, a in tensors.items()])
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.4.x.weight'"):
+        import_hf(str(d), drop_mtp=True)
