@@ -20,7 +20,8 @@ random too, so a wrongly mapped tensor shows.
 
 `verify` loads a directory written by this project's `export_hf` with `from_pretrained`, fails
 on any missing or unexpected weight (output_loading_info), and compares its logits on the
-fixture's `ids` with the fixture's (max abs difference).
+fixture's `ids` with the fixture's (max abs difference), or with --expect's (an npz of `ids`
+and `logits`, e.g. the engine's after training the imported model).
 
 `big` writes a Kimi-Linear-shaped random checkpoint of about 1B parameters (bf16, sharded, as a
 release is) for the import time and memory measurement (docs/checkpoints.md); nothing of it is
@@ -160,8 +161,10 @@ def write(out: str, only: str | None = None) -> None:
               f"{'equals' if (gen == cont).all() else 'DIFFERS FROM'} the full-forward greedy")
 
 
-def verify(family: str, exported: str, fixture: str) -> int:
-    """Load an export with transformers and compare logits with the fixture's (0: ok)."""
+def verify(family: str, exported: str, fixture: str, expect: str | None = None) -> int:
+    """Load an export with transformers and compare logits with the fixture's, or with
+    `expect` (an .npz with `ids` and `logits`, e.g. this project's engine after training the
+    imported model; 0: ok)."""
     import warnings
 
     cls = _model_class(family)
@@ -170,7 +173,7 @@ def verify(family: str, exported: str, fixture: str) -> int:
         model, info = cls.from_pretrained(exported, output_loading_info=True,
                                           attn_implementation="eager", dtype=torch.float32)
     model.eval()
-    ref = np.load(os.path.join(fixture, "reference.npz"))
+    ref = np.load(expect or os.path.join(fixture, "reference.npz"))
     diff = float(np.abs(full_logits(model, ref["ids"]) - ref["logits"]).max())
     bad = {k: v for k, v in info.items() if v and k != "error_msgs"} or None
     print(json.dumps({"loading_info": {k: sorted(map(str, v)) for k, v in info.items()},
@@ -208,13 +211,15 @@ def main(argv=None) -> int:
     v.add_argument("--family", choices=sorted(FAMILIES), required=True)
     v.add_argument("--dir", required=True)
     v.add_argument("--fixture", required=True)
+    v.add_argument("--expect", default=None, help="npz with ids and logits to compare with "
+                   "instead of the fixture's")
     b = sub.add_parser("big")
     b.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.cmd == "write":
         write(a.out, a.family)
     elif a.cmd == "verify":
-        return verify(a.family, a.dir, a.fixture)
+        return verify(a.family, a.dir, a.fixture, a.expect)
     else:
         big(a.out)
     return 0
