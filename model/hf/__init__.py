@@ -3,12 +3,14 @@
     from model.hf import export_hf, import_hf, token_ids
     cfg, variables = import_hf("Kimi-Linear-48B-A3B-Instruct")          # config.json + safetensors
     cfg, variables = import_hf(d, dtype="bfloat16", scan_layers=True, mesh=mesh)  # onto a mesh
+    cfg, variables = import_hf("DeepSeek-V3.2-Exp", drop_mtp=True)   # FP8 weights dequantised
     export_hf(cfg, variables, "out", extra=token_ids(d))   # loads with from_pretrained
 
 Covered: `model_type` "kimi_linear" (KDA + NoPE MLA + sigmoid-routed MoE with shared experts and
-group-limited routing, dense first layers; model/hf/kimi_linear.py lists how each part maps
-onto this model's layer options). Parity with transformers' own classes is tested on tiny random
-models whose fixtures scripts/hf_fixtures.py writes (tests/model/test_hf_kimi_linear.py):
+group-limited routing, dense first layers) and "deepseek_v32" (MLA + lightning indexer + MoE,
+YaRN, FP8 block-scaled weights dequantised on load); model/hf/<model_type>.py lists how each
+part maps onto this model's layer options. Parity with transformers' own classes is tested on
+tiny random models whose fixtures scripts/hf_fixtures.py writes (tests/model/test_hf_*.py):
 fp32 logits within 1e-4, 32 greedy tokens identical, prefill + decode through the cache equal
 to the reference's full forward, a bf16 import within cosine 0.999 and top-1 agreement; export
 then import gives the same bytes.
@@ -22,9 +24,9 @@ files from shapes, then writes each tensor as it is produced.
 Errors: `CheckpointError` names the unsupported model_type or config field (and its value),
 the missing / unexpected tensor, the wrong shape or dtype, or the corrupt file header.
 
-Not covered: `deepseek_v32` (MLA + DSA lightning indexer + MoE) and its FP8 block-scaled
-weights, `glm5_next`; tied embeddings (this model scales a tied head by d_model**-0.5);
-MXFP4 expert export (export_hf writes bf16/f32 experts). docs/checkpoints.md has the list.
+Not covered: `glm5_next`; DeepSeek's MTP layers (refused, or left out with drop_mtp=True);
+tied embeddings (this model scales a tied head by d_model**-0.5); MXFP4 expert export
+(export_hf writes bf16/f32 experts). docs/checkpoints.md has the list.
 """
 
 from model.hf.convert import FAMILIES, export_hf, hf_config, import_hf, token_ids
