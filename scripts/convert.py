@@ -50,7 +50,7 @@ def from_hf(src: str, out: str, dtype: str, dry_run: bool, drop_mtp: bool = Fals
         raw, fam = hfc.read_config(src)
         skip = hfc.skipped_prefixes(src, cfg, drop_mtp)
         ckpt = Checkpoint(src)
-        hfc.check_checkpoint(ckpt, fam.recipes(cfg), hfc._fp8_block(fam, raw), skip)
+        hfc.check_checkpoint(ckpt, fam.recipes(cfg), hfc.fp8_block_of(fam, raw), skip)
         return {"dry_run": True, "model": cfg.name, "layer_pattern": cfg.layer_pattern,
                 "num_layers": cfg.num_layers, "tensors": len(ckpt.tensors),
                 "bytes": sum(t.nbytes for t in ckpt.tensors.values()), "out": out}
@@ -70,7 +70,7 @@ def to_hf(src: str, out: str, dtype: str | None, like: str | None, dry_run: bool
 
     cfg = interchange.load_config(src)
     cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, expert_format="bf16", qat=False))
-    fam = hfc._family_of(cfg)
+    fam = hfc.family_of(cfg)
     hf_cfg = fam.from_config(cfg)  # raises naming a field the layout cannot hold
     extra = hfc.token_ids(like) if like else None
     if dry_run:

@@ -1,6 +1,7 @@
 """import_hf / export_hf: the streaming conversion between a released checkpoint directory and
-this model's (ModelConfig, variables). The family modules (model/hf/kimi_linear.py) supply the
-config translation and the tensor recipes; this module checks, reads, places and writes."""
+this model's (ModelConfig, variables). The family modules (model/hf/kimi_linear.py,
+model/hf/deepseek_v32.py) supply the config translation and the tensor recipes; this module
+checks, reads, places and writes."""
 
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def import_hf(hf_dir: str, *, dtype: str = "float32", param_dtype: str | None = 
     holds one recipe's tensors (one layer's stacked experts at most), not the model."""
     cfg = hf_config(hf_dir, dtype=dtype, param_dtype=param_dtype)
     raw, fam = read_config(hf_dir)
-    block = _fp8_block(fam, raw)
+    block = fp8_block_of(fam, raw)
     skip = skipped_prefixes(hf_dir, cfg, drop_mtp)
     ckpt = Checkpoint(hf_dir)
     recipes = fam.recipes(cfg)
@@ -224,7 +225,7 @@ def export_hf(cfg: ModelConfig, variables, out_dir: str, *, dtype: str | None = 
     "tensors", "bytes", "dir"}."""
     from model.transformer import unstack_layers  # noqa: PLC0415
 
-    fam = _family_of(cfg)
+    fam = family_of(cfg)
     hf_cfg = fam.from_config(cfg)
     for k, val in (extra or {}).items():
         if k not in TOKEN_FIELDS:
@@ -293,11 +294,12 @@ def token_ids(hf_dir: str) -> dict:
     return {k: raw[k] for k in TOKEN_FIELDS if k in raw}
 
 
-def _fp8_block(fam, raw: dict):
+def fp8_block_of(fam, raw: dict):
+    """The FP8 weight block a family's config.json declares (None: no FP8 weights)."""
     return fam.fp8_block(raw) if hasattr(fam, "fp8_block") else None
 
 
-def _family_of(cfg: ModelConfig):
+def family_of(cfg: ModelConfig):
     fam = FAMILIES.get(cfg.name)
     if fam is None:
         raise CheckpointError(f"model.name={cfg.name!r}: export_hf writes the layouts "
