@@ -5,6 +5,7 @@ and transformers, not the project's: the project's tests read the fixtures with 
     python scripts/hf_fixtures.py verify --family kimi_linear --dir EXPORTED_DIR \\
         --fixture tests/model/hf_fixtures/kimi_linear
     python scripts/hf_fixtures.py big --out /tmp/kimi_1b          # ~1B-parameter random checkpoint
+    python scripts/hf_fixtures.py big --family deepseek_v32 --out /tmp/dsv_1b   # ... FP8
 
 `write` builds a tiny random model of each family with transformers' classes (fp32, CPU, eager
 attention; every layer kind, MoE with a shared expert and group-limited routing, a dense first
@@ -24,8 +25,9 @@ fixture's `ids` with the fixture's (max abs difference), or with --expect's (an 
 and `logits`, e.g. the engine's after training the imported model).
 
 `big` writes a Kimi-Linear-shaped random checkpoint of about 1B parameters (bf16, sharded, as a
-release is) for the import time and memory measurement (docs/checkpoints.md); nothing of it is
-kept in the repository.
+release is), or with --family deepseek_v32 a DeepSeek-V3.2-shaped one with FP8 layer weights
+and block scales, for the import time and memory measurements (docs/checkpoints.md); nothing of
+it is kept in the repository.
 """
 
 from __future__ import annotations
@@ -201,6 +203,87 @@ def big(out: str) -> None:
     print(f"{n / 1e9:.3f}B parameters written to {out}")
 
 
+def big_fp8(out: str) -> None:
+    """~1B parameters in DeepSeek-V3.2's proportions (dense first layers, MLA + indexer, 8 of 64
+    routed experts in 8 groups, YaRN), written as the release is: every Linear weight of the
+    layers F8_E4M3 with 128 x 128 `weight_scale_inv` blocks, the rest bf16, 2 GB files."""
+    from safetensors.torch import save_file
+
+    cfg = deepseek_v32_config(
+        vocab_size=32000, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=256,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
+        kv_lora_rank=256, q_lora_rank=384, qk_rope_head_dim=32, qk_nope_head_dim=64,
+        v_head_dim=64, index_n_heads=16, index_head_dim=64, index_topk=256,
+        first_k_dense_replace=2, max_position_embeddings=16384,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    import shutil
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(SEED)
+    model = _model_class("deepseek_v32")._from_config(cfg, dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    tmp = tempfile.mkdtemp()
+    model.save_pretrained(tmp, max_shard_size="2GB")  # the release's tensor names
+    del model
+    os.makedirs(out, exist_ok=True)
+    tensors, files, size, weight_map = {}, [], 0, {}
+
+    def flush():
+        nonlocal tensors, size
+        if tensors:
+            name = f"part-{len(files) + 1:05d}.safetensors"
+            save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in tensors})
+            files.append(name)
+        tensors, size = {}, 0
+
+    for src in sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(tmp, src), framework="pt") as fh:
+            for name in fh.keys():
+                t = fh.get_tensor(name)
+                quant = (t.dim() == 2 and ".layers." in name and "norm" not in name
+                         and "mlp.gate." not in name and "weights_proj" not in name
+                         and t.shape[0] % 128 == 0 and t.shape[1] % 128 == 0)
+                if quant:
+                    o, i = t.shape
+                    blocks = t.float().reshape(o // 128, 128, i // 128, 128)
+                    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+                    q = (blocks / scale[:, None, :, None]).reshape(o, i)
+                    new = {name: q.to(torch.float8_e4m3fn), name + "_scale_inv": scale}
+                else:
+                    new = {name: t.contiguous()}
+                nb = sum(x.numel() * x.element_size() for x in new.values())
+                if size + nb > 2e9:
+                    flush()
+                tensors.update(new)
+                size += nb
+    flush()
+    total = len(files)
+    renamed = {}
+    for k, f in enumerate(files):
+        final = f"model-{k + 1:05d}-of-{total:05d}.safetensors"
+        os.rename(os.path.join(out, f), os.path.join(out, final))
+        renamed[f] = final
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": {k: renamed[v] for k, v in
+                                                   weight_map.items()}}, fh)
+    with open(os.path.join(tmp, "config.json")) as fh:
+        raw = json.load(fh)
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(raw, fh, indent=1)
+    shutil.rmtree(tmp)
+    print(f"{n / 1e9:.3f}B parameters written to {out} (FP8 layer weights)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -215,11 +298,15 @@ def main(argv=None) -> int:
                    "instead of the fixture's")
     b = sub.add_parser("big")
     b.add_argument("--out", required=True)
+    b.add_argument("--family", choices=sorted(FAMILIES), default="kimi_linear",
+                   help="deepseek_v32: FP8 layer weights with block scales")
     a = ap.parse_args(argv)
     if a.cmd == "write":
         write(a.out, a.family)
     elif a.cmd == "verify":
         return verify(a.family, a.dir, a.fixture, a.expect)
+    elif a.family == "deepseek_v32":
+        big_fp8(a.out)
     else:
         big(a.out)
     return 0

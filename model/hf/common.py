@@ -14,7 +14,7 @@ GENERIC_IGNORED = frozenset({
     "attention_dropout", "router_aux_loss_coef", "model_type", "tokenizer_class",
     "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
     "is_encoder_decoder", "tie_encoder_decoder", "problem_type", "id2label", "label2id",
-    "generation_config", "aux_loss_alpha", "seq_aux"})
+    "generation_config", "aux_loss_alpha", "seq_aux", "_name_or_path"})
 
 
 def bad(field: str, value: Any, why: str) -> CheckpointError:
