@@ -207,8 +207,6 @@ def big_fp8(out: str) -> None:
     """~1B parameters in DeepSeek-V3.2's proportions (dense first layers, MLA + indexer, 8 of 64
     routed experts in 8 groups, YaRN), written as the release is: every Linear weight of the
     layers F8_E4M3 with 128 x 128 `weight_scale_inv` blocks, the rest bf16, 2 GB files."""
-    from safetensors.torch import save_file
-
     cfg = deepseek_v32_config(
         vocab_size=32000, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=256,
         num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,

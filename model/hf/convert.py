@@ -17,8 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from model.config import ModelConfig
 from model.hf import deepseek_v32, kimi_linear
-from model.hf.safetensors_io import (DTYPES, INDEX_FILE, Checkpoint, CheckpointError,
-                                     write_file)
+from model.hf.safetensors_io import DTYPES, INDEX_FILE, Checkpoint, CheckpointError, write_file
 
 FAMILIES = {kimi_linear.MODEL_TYPE: kimi_linear, deepseek_v32.MODEL_TYPE: deepseek_v32}
 FLOAT_DTYPES = {DTYPES[k] for k in ("F32", "BF16", "F16")}
@@ -117,8 +116,9 @@ def read_weight(ckpt: Checkpoint, name: str, fp8_block: tuple[int, int] | None) 
 
 
 def _per_layer_target(cfg: ModelConfig) -> dict:
-    from model.transformer import Model  # noqa: PLC0415 (model.transformer imports layers)
     import flax.linen as nn  # noqa: PLC0415
+
+    from model.transformer import Model  # noqa: PLC0415 (model.transformer imports layers)
 
     flat_cfg = cfg.replace(scan_layers=False)
     return flatten_dict(nn.meta.unbox(Model(flat_cfg).abstract_init()))

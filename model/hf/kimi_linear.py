@@ -30,13 +30,19 @@ import with CheckpointError naming the field and its value; so does any field no
 
 from __future__ import annotations
 
-from typing import Any
-
 from model.config import ModelConfig
-from model.hf.recipes import (Recipe, concat_convs, concat_linears, copy, linear, mla_kv_b,
-                              reshaped, stacked_linears)
 from model.hf.common import bad as _bad
 from model.hf.common import check_fields, dense_prefix, period
+from model.hf.recipes import (
+    Recipe,
+    concat_convs,
+    concat_linears,
+    copy,
+    linear,
+    mla_kv_b,
+    reshaped,
+    stacked_linears,
+)
 from model.hf.safetensors_io import CheckpointError
 
 MODEL_TYPE = "kimi_linear"

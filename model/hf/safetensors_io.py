@@ -97,7 +97,7 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         out[name] = TensorInfo(name, path, DTYPES[dt], shape, data_start + b, data_start + e)
         spans.append((b, e, name))
     spans.sort()
-    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CheckpointError(f"{fname}: corrupt safetensors header: tensors {n0!r} and "
                                   f"{n1!r} overlap")
