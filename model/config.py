@@ -90,6 +90,11 @@ class MoEConfig:
     router: str = "sigmoid"  # "softmax" top-k or "sigmoid" + bias (auxiliary-loss-free)
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    # group-limited routing (DeepSeek-V3, router="sigmoid"): the experts form n_group equal
+    # groups, a group's score is the sum of its two highest biased scores, and the top-k experts
+    # are chosen only within the topk_group best groups; n_group=1 (default): no grouping
+    n_group: int = 1
+    topk_group: int = 1
     dispatch: str = "dropless"  # or "capacity" (drops past capacity, counted)
     # few tokens (decode steps, short prefills): where tokens x num_experts is at most this, no
     # assignment can be dropped (dropless, or a capacity >= the token count) and E/k <= 8, every
@@ -282,6 +287,18 @@ class ModelConfig:
                    f"top_k={m.num_experts_per_tok} must be in [1, num_experts={m.num_experts}]")
             _check(m.expert_dim > 0, "moe.expert_dim", "must be positive")
             _check(m.router in ROUTERS, "moe.router", f"must be one of {ROUTERS}")
+            _check(m.n_group >= 1 and m.num_experts % m.n_group == 0, "moe.n_group",
+                   f"must be >= 1 and divide num_experts={m.num_experts}, got {m.n_group}")
+            _check(1 <= m.topk_group <= m.n_group, "moe.topk_group",
+                   f"must be in [1, n_group={m.n_group}], got {m.topk_group}")
+            if m.n_group > 1:
+                _check(m.router == "sigmoid", "moe.n_group",
+                       "group-limited routing (n_group > 1) is defined for router='sigmoid'")
+                _check(m.num_experts // m.n_group >= 2, "moe.n_group",
+                       "each group needs >= 2 experts (a group scores by its top two)")
+                _check(m.num_experts_per_tok <= m.topk_group * (m.num_experts // m.n_group),
+                       "moe.topk_group", f"the {m.topk_group} chosen group(s) hold fewer than "
+                       f"num_experts_per_tok={m.num_experts_per_tok} experts")
             _check(m.dispatch in DISPATCH, "moe.dispatch", f"must be one of {DISPATCH}")
             _check(m.grouped_matmul in GROUPED_MATMUL, "moe.grouped_matmul",
                    f"must be one of {GROUPED_MATMUL}")

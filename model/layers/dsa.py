@@ -10,6 +10,11 @@
   o_lat = sparse_attention(q=[q_lat; q_pe], kv, top-k indices)   # [B,T,H,L]
   out   = W_o (o_lat W_uv)                                 # W_uv: per head [L] -> [v_head_dim]
 
+Options for checkpoints of other layouts (model/hf/): `q_lora_rank=0` projects q straight from x
+(`q` [D, H*(n+r)], no q_a/q_b), `indexer=False` drops the indexer (plain MLA: every causal key,
+no idx_* parameters, no k_idx cache), `latent_norm_eps` / `index_norm_eps` set the eps of the two
+latent RMSNorms / of the indexer's key LayerNorm.
+
 The decode cache (DSACache) holds only the latent row kv [B,S,L+r] and the indexer key [B,S,DI]
 per token. Layer kind "D" (`KIND`, model/layers/registry.py): its config section `dsa` is
 `DSAConfig` (validated here, including the kernel choice against the dsa ops' dispatch tables).
@@ -89,6 +94,14 @@ class DSAConfig:
     rope_beta_slow: float = 1.0  # dims with < beta_slow rotations over L are interpolated by 1/s
     rope_mscale: float = 1.0  # rotary channels scaled by mscale(s, this) / mscale(s, all_dim)
     rope_mscale_all_dim: float = 1.0  # softmax scale multiplied by mscale(s, this)**2
+    # False: plain MLA, no lightning indexer (no idx_* parameters, no k_idx cache, every causal
+    # key attended; the index_* fields are then unused and may be 0): Kimi Linear's MLA layers
+    indexer: bool = True
+    # eps of the q_a and kv_a latent RMSNorms; 0: the model's norm_eps (HF's Kimi Linear builds
+    # them with 1e-6 whatever its rms_norm_eps)
+    latent_norm_eps: float = 0.0
+    # eps of the indexer's key LayerNorm; 0: the model's norm_eps (DeepSeek-V3.2 uses 1e-6)
+    index_norm_eps: float = 0.0
 
     @property
     def qk_head_dim(self) -> int:
@@ -101,14 +114,26 @@ class DSAConfig:
     def validate(self, model, section: str = "dsa") -> None:
         """Raise model.config.ConfigError naming the field (`model`: the ModelConfig)."""
         p = section
-        for f in ("num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                  "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
-                  "index_topk"):
+        positive = ["num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim"]
+        if self.indexer:
+            positive += ["q_lora_rank", "index_n_heads", "index_head_dim", "index_topk"]
+        for f in positive:
             require(getattr(self, f) > 0, f"{p}.{f}", "must be positive")
+        require(self.q_lora_rank >= 0, f"{p}.q_lora_rank",
+                "must be >= 0 (0: queries straight from the input, no low-rank q; needs "
+                f"{p}.indexer=False, whose queries read the q latent)")
+        for f in ("latent_norm_eps", "index_norm_eps"):
+            require(getattr(self, f) >= 0, f"{p}.{f}", "must be >= 0 (0: the model's norm_eps)")
         require(self.qk_rope_head_dim % 2 == 0, f"{p}.qk_rope_head_dim",
                 "must be even (RoPE pairs)")
-        require(0 <= self.index_rope_dim <= self.index_head_dim and self.index_rope_dim % 2 == 0,
-                f"{p}.index_rope_dim", f"must be even and <= {p}.index_head_dim")
+        if self.indexer:
+            require(0 <= self.index_rope_dim <= self.index_head_dim
+                    and self.index_rope_dim % 2 == 0,
+                    f"{p}.index_rope_dim", f"must be even and <= {p}.index_head_dim")
+        else:
+            require(self.indexer_loss_weight == 0, f"{p}.indexer_loss_weight",
+                    f"must be 0 with {p}.indexer=False (there is no indexer to train)")
         require(self.indexer_stage in INDEXER_STAGES, f"{p}.indexer_stage",
                 f"must be one of {INDEXER_STAGES}")
         require(self.indexer_kl_chunk >= 0, f"{p}.indexer_kl_chunk",
@@ -150,7 +175,7 @@ class DSACache(TypedDict):
     """Decode cache of one DSA layer: a row per position < max_len."""
 
     kv: jax.Array  # [B, S, kv_lora_rank + qk_rope_head_dim] latent KV + shared rope key
-    k_idx: jax.Array  # [B, S, index_head_dim] lightning-indexer keys
+    k_idx: jax.Array  # [B, S, index_head_dim] lightning-indexer keys (absent: indexer=False)
 
 
 def write_rows(buf: jax.Array, new: jax.Array, offset: jax.Array) -> jax.Array:
@@ -362,10 +387,17 @@ class DSALayer(nn.Module):
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         pkw = dict(eps=self.eps, param_dtype=self.param_dtype)
 
-        q_a = RMSNorm(name="q_a_norm", **pkw)(dense(c.q_lora_rank, ("embed", "q_lora"), "q_a", **kw)(x))
-        q = dense(H * (N + R), ("q_lora", "heads"), "q_b", **kw)(q_a).reshape(B, T, H, N + R)
+        lkw = dict(pkw, eps=c.latent_norm_eps or self.eps)  # the latent norms
+        if c.q_lora_rank:
+            q_a = RMSNorm(name="q_a_norm", **lkw)(
+                dense(c.q_lora_rank, ("embed", "q_lora"), "q_a", **kw)(x))  # [B,T,q_lora]
+            q = dense(H * (N + R), ("q_lora", "heads"), "q_b", **kw)(q_a)
+        else:  # no low-rank q (validate: only without the indexer, which reads q_a)
+            q_a = None
+            q = dense(H * (N + R), ("embed", "heads"), "q", **kw)(x)
+        q = q.reshape(B, T, H, N + R)
         ckv = dense(L + R, ("embed", "kv_lora"), "kv_a", **kw)(x)  # [B,T,L+R]
-        latent = RMSNorm(name="kv_a_norm", **pkw)(ckv[..., :L])
+        latent = RMSNorm(name="kv_a_norm", **lkw)(ckv[..., :L])
         q_nope, q_pe, k_pe = q[..., :N], q[..., N:], ckv[..., L:]  # [B,T,H,N], [B,T,H,R], [B,T,R]
         rope = c.positions == "rope"
         yarn = rope_scaling(c)
@@ -384,29 +416,38 @@ class DSALayer(nn.Module):
         q_lat = jnp.einsum("bthn,hnl->bthl", q_nope, w_uk.astype(q_nope.dtype))
         q_full = jnp.concatenate([q_lat, q_pe], axis=-1)  # [B,T,H,L+R]
 
-        # Lightning indexer (inputs detached: its KL loss trains only the indexer).
-        xi, q_ai = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_a)
-        q_idx = dense(HI * DI, ("q_lora", "heads"), "idx_q", **kw)(q_ai).reshape(B, T, HI, DI)
-        k_idx_new = LayerNorm(name="idx_k_norm", **pkw)(dense(DI, ("embed", "head_dim"), "idx_k", **kw)(xi))
-        if rope:  # the indexer follows the layer's positions (module docstring)
-            q_idx = apply_rope(q_idx, positions, c.rope_theta, c.index_rope_dim, scaling=yarn)
-            k_idx_new = apply_rope(k_idx_new, positions, c.rope_theta, c.index_rope_dim,
-                                   scaling=yarn)  # [B,T,DI]
-        w_idx = dense(HI, ("embed", "heads"), "idx_w", **kw)(xi).astype(jnp.float32)
-        w_idx = w_idx * (HI ** -0.5) * (DI ** -0.5)  # [B,T,HI]
+        if c.indexer:
+            # Lightning indexer (inputs detached: its KL loss trains only the indexer).
+            xi, q_ai = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_a)
+            q_idx = dense(HI * DI, ("q_lora", "heads"), "idx_q", **kw)(q_ai).reshape(
+                B, T, HI, DI)
+            ikw = dict(pkw, eps=c.index_norm_eps or self.eps)
+            k_idx_new = LayerNorm(name="idx_k_norm", **ikw)(
+                dense(DI, ("embed", "head_dim"), "idx_k", **kw)(xi))
+            if rope:  # the indexer follows the layer's positions (module docstring)
+                q_idx = apply_rope(q_idx, positions, c.rope_theta, c.index_rope_dim,
+                                   scaling=yarn)
+                k_idx_new = apply_rope(k_idx_new, positions, c.rope_theta, c.index_rope_dim,
+                                       scaling=yarn)  # [B,T,DI]
+            w_idx = dense(HI, ("embed", "heads"), "idx_w", **kw)(xi).astype(jnp.float32)
+            w_idx = w_idx * (HI ** -0.5) * (DI ** -0.5)  # [B,T,HI]
 
         if cache is None:
-            kv, k_idx, q_offset = kv_new, k_idx_new, jnp.zeros((B,), jnp.int32)
+            kv, q_offset = kv_new, jnp.zeros((B,), jnp.int32)
+            k_idx = k_idx_new if c.indexer else None
             new_cache = None
         else:
             kv = write_rows(cache["kv"], kv_new, offset)  # [B,S,L+R]
-            k_idx = write_rows(cache["k_idx"], k_idx_new, offset)  # [B,S,DI]
             q_offset = offset.astype(jnp.int32)
-            new_cache = {"kv": kv, "k_idx": k_idx}
+            new_cache = {"kv": kv}
+            if c.indexer:
+                k_idx = write_rows(cache["k_idx"], k_idx_new, offset)  # [B,S,DI]
+                new_cache["k_idx"] = k_idx
 
         scale = softmax_scale(c)
         S = kv.shape[1]
-        dense_stage = c.indexer_stage == "dense_warmup"
+        # without an indexer every causal key is attended (plain MLA)
+        dense_stage = c.indexer_stage == "dense_warmup" or not c.indexer
         # the cheapest of the equal computations; with a cache S is the cache's length and the
         # causal mask stops each row at its own offset
         path = ("dense" if dense_stage else
@@ -456,7 +497,8 @@ class DSALayer(nn.Module):
         out = dense(self.d_model, ("heads", "embed"), "out", **kw)(o.reshape(B, T, -1))
 
         aux = {}
-        diagnostics = cache is None and self.is_mutable_collection("diagnostics")
+        diagnostics = (cache is None and c.indexer
+                       and self.is_mutable_collection("diagnostics"))
         if cache is None and scores is None and (
                 (c.indexer_loss_weight > 0 and not chunked_kl) or diagnostics):
             scores = index_scores()  # the dense path attended without them
@@ -485,15 +527,19 @@ class DSALayer(nn.Module):
 
     @staticmethod
     def init_cache(cfg: DSAConfig, batch: int, max_len: int, dtype) -> DSACache:
-        return {"kv": jnp.zeros((batch, max_len, cfg.latent_dim), dtype),
-                "k_idx": jnp.zeros((batch, max_len, cfg.index_head_dim), dtype)}
+        """kv, and k_idx when the layer has an indexer."""
+        cache = {"kv": jnp.zeros((batch, max_len, cfg.latent_dim), dtype)}
+        if cfg.indexer:
+            cache["k_idx"] = jnp.zeros((batch, max_len, cfg.index_head_dim), dtype)
+        return cache
 
 
 def _device_slice(cfg: DSAConfig, heads, kernels: str) -> DSAConfig:
     """One device's share under tensor parallelism (attention and indexer heads split) with the
     kernels impl=`kernels` runs on GPU/TPU."""
     return dataclasses.replace(cfg, num_heads=heads(cfg.num_heads),
-                               index_n_heads=heads(cfg.index_n_heads), impl=kernels)
+                               index_n_heads=heads(cfg.index_n_heads) if cfg.indexer else 0,
+                               impl=kernels)
 
 
 KIND = LayerKind(

@@ -58,15 +58,32 @@ from pallas_kernels.mxfp4 import ops as mx
 
 
 # --------------------------------------------------------------------------- routing (pure)
+def group_limited(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """choice [N,E] selection scores with every expert outside the topk_group best of n_group
+    equal groups set to -inf; a group's score is the sum of its two highest choice scores
+    (DeepSeek-V3's group-limited routing). n_group=1 returns choice unchanged."""
+    if n_group == 1:
+        return choice
+    N, E = choice.shape
+    grouped = choice.reshape(N, n_group, E // n_group)  # [N,G,E/G]
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N,G]
+    _, best = jax.lax.top_k(group_scores, topk_group)  # [N,topk_group]
+    keep = jnp.any(jnp.arange(n_group)[None, :, None] == best[:, None, :], axis=-1)  # [N,G]
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
+
+
 def route(logits: jax.Array, bias: jax.Array, *, router: str, top_k: int, norm_topk_prob: bool,
-          scaling: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """logits [N,E] f32 -> (weights [N,k], experts [N,k] int32, probs [N,E] normalised scores)."""
+          scaling: float, n_group: int = 1, topk_group: int = 1
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [N,E] f32 -> (weights [N,k], experts [N,k] int32, probs [N,E] normalised scores).
+    n_group/topk_group: group-limited selection (sigmoid router; `group_limited`)."""
     if router == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
         _, idx = jax.lax.top_k(scores, top_k)
     elif router == "sigmoid":
         scores = jax.nn.sigmoid(logits)
-        _, idx = jax.lax.top_k(scores + bias, top_k)  # bias steers selection only
+        # bias steers selection only
+        _, idx = jax.lax.top_k(group_limited(scores + bias, n_group, topk_group), top_k)
     else:
         raise ValueError(f"unknown router {router!r}; valid: softmax, sigmoid")
     w = jnp.take_along_axis(scores, idx, axis=-1)  # [N,k]
@@ -533,7 +550,8 @@ class MoE(nn.Module):
         vf = valid.reshape(B * T)
         logits = jnp.einsum("nd,de->ne", xf.astype(jnp.float32), router_w)  # [N,E]
         w, idx, probs = route(logits, jax.lax.stop_gradient(bias), router=c.router, top_k=k,
-                              norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
+                              norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor,
+                              n_group=c.n_group, topk_group=c.topk_group)
         w = w * vf[:, None]
         experts = (self._expert_weight("w_gate", E, D, F), self._expert_weight("w_up", E, D, F),
                    self._expert_weight("w_down", E, F, D))
