@@ -540,21 +540,120 @@ def _resume(ckpt: Checkpointer, state, shardings, rng, data_iter, name: str):
     return state, _local_key(rng)
 
 
-def check_run_config(config, num_devices: int, phase: str = "rl") -> str:
-    """Validate a run config for a job of `num_devices` devices without touching any: the model
-    config, the mesh (config.sharding.mesh, -1 resolved), the rules, the expert axis against
-    num_experts when the MoE is expert-parallel, and how the phase's batches split (rows over
-    the batch axes; an axis that does not divide leaves them replicated over it). Raises
-    ValueError on what cannot run; returns a report (warnings included)."""
+def trainable_experts(cfg: ModelConfig, what: str) -> None:
+    """Raises ValueError when `what` (a phase that trains) would take gradients of packed MXFP4
+    experts (uint8: nothing float to differentiate); the fix is float experts, with QAT to keep
+    the MXFP4 export's forward."""
+    if cfg.moe.num_experts and cfg.moe.expert_format == "mxfp4":
+        raise ValueError(
+            f"{what} trains the model, but model.moe.expert_format='mxfp4' holds the routed "
+            "experts packed (uint8), which have no gradient: set "
+            "--config.model.moe.expert_format=bf16 --config.model.moe.qat=True (float experts "
+            "trained through MXFP4 fake quantisation) and, to sample with packed experts, "
+            "--config.rl.rollout_experts=mxfp4")
+
+
+def process_layout(shape: dict, rows: int, processes: int, rules=None) -> tuple[int, int]:
+    """(row blocks, rows per process) of a batch of `rows` on a mesh of `shape` run by
+    `processes` processes, each holding an equal contiguous block of the devices (the mesh's
+    outer axes across hosts): the batch axes split the rows into row blocks, a process holds
+    blocks / processes of them (or shares one block with the others when there are fewer
+    blocks than processes)."""
+    axes = shd.batch_axes(shape, rows, rules)
+    blocks = math.prod(shape[a] for a in axes)
+    return blocks, rows // min(blocks, processes)
+
+
+def check_groups(config, shape: dict, processes: int, rules=None) -> str:
+    """The RL batch's split over processes: each process generates, scores and computes the
+    GRPO-style group statistics of its own rows, so its rows must hold whole groups
+    (rl.pipeline.host_prompt_slice). Raises ValueError naming the numbers and the fix."""
+    r = config.rl
+    rows = r.prompts_per_batch * r.group_size
+    blocks, per = process_layout(shape, rows, processes, rules)
+    need = r.group_size * min(blocks, processes)
+    if rows % need:
+        raise ValueError(
+            f"rl.prompts_per_batch={r.prompts_per_batch} x rl.group_size={r.group_size} = "
+            f"{rows} rollout rows give each of the {processes} processes "
+            f"{rows / min(blocks, processes):g} rows (the batch axes split them into {blocks} "
+            f"blocks), which splits a group of {r.group_size}: "
+            f"make the rollout rows a multiple of {need} (rl.prompts_per_batch a multiple of "
+            f"{need // r.group_size})")
+    return (f"  rollout rows per process: {per} (whole groups of {r.group_size}: "
+            f"{per // r.group_size}; {processes} processes, {blocks} row blocks)")
+
+
+def phase_optimizer(config, phase: str):
+    """The optimizer whose state the phase's train state holds (rl: config.optim; sft: the SFT
+    phase's), built as the drivers build it."""
+    if phase == "rl":
+        return make_optimizer(config.optim)
+    s = config.sft
+    return make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,
+                                 optim_numerics(config)))
+
+
+def abstract_train_state(config, shape: dict, phase: str = "rl"):
+    """The phase's fresh train state as ShapeDtypeStructs with its shardings on an abstract mesh
+    of `shape` (jax.sharding.AbstractMesh: no device needed, so a pod's mesh is built on a
+    laptop; jax.eval_shape only, nothing allocated): the parameters by the rules, the
+    optimizer state (an f32 master copy and moments included) like its parameters. What a run
+    builds at start-up, so a layout that cannot be built fails here."""
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh(tuple(shape.values()), tuple(shape))
+    rules = shd.rules_from_config(config)
+    if phase == "rl":
+        return abstract_rl_state(config, rl_model(config), algo_from_config(config.rl.algo),
+                                 mesh=mesh, rules=rules)
+    model, opt = _model(config), phase_optimizer(config, phase)
+    abstract = jax.eval_shape(lambda: init_train_state(model.init(jax.random.key(0)), opt))
+    return shd.sharded_abstract(abstract, train_state_shardings(model, opt, mesh, rules))
+
+
+def state_bytes_per_device(state) -> int:
+    """Bytes one device holds of an abstract sharded state (each leaf's shard shape)."""
+    total = 0
+    for x in jax.tree.leaves(state):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def default_processes(num_devices: int) -> int:
+    """The process count a launch check assumes: this job's when it checks this job's devices,
+    else one process per 4 devices (a TPU host; an 8-GPU node runs half as many processes, which
+    only makes each hold more rows)."""
+    if num_devices == jax.device_count():
+        return jax.process_count()
+    return max(num_devices // 4, 1)
+
+
+def check_run_config(config, num_devices: int, phase: str = "rl",
+                     processes: int | None = None, state: bool = True) -> str:
+    """Validate a run config for a job of `num_devices` devices run by `processes` processes
+    (default_processes) without touching any device: the model config, the mesh
+    (config.sharding.mesh, -1 resolved), the rules, the expert axis against num_experts when
+    the MoE is expert-parallel, trainable experts (trainable_experts), how the phase's batches
+    split (rows over the batch axes; an axis that does not divide leaves them replicated over
+    it), RL's rows per process against the group size (check_groups), and, with `state`, the
+    phase's train state and optimizer-state shardings built for the real mesh
+    (abstract_train_state). Raises ValueError on what cannot run; returns a report (warnings
+    included)."""
     cfg = model_config(config)
     shape = shd.mesh_shape(config.sharding.mesh, num_devices)
     rules = shd.rules_from_config(config)
+    processes = processes or default_processes(num_devices)
     lines = [f"config {config.name}: model {cfg.name}, mesh "
-             + ",".join(f"{a}={n}" for a, n in shape.items()) + f" ({num_devices} devices)"]
+             + ",".join(f"{a}={n}" for a, n in shape.items()) + f" ({num_devices} devices, "
+             f"{processes} processes)"]
     ep = shape["expert"]
     if cfg.moe.num_experts and cfg.moe.expert_parallel != "none" and cfg.moe.num_experts % ep:
+        divs = [d for d in range(2, 257) if cfg.moe.num_experts % d == 0][:8]
         raise ValueError(f"model.moe.num_experts={cfg.moe.num_experts} is not divisible by the "
-                         f"expert axis ({ep}): expert parallelism cannot run on this mesh")
+                         f"expert axis ({ep}): expert parallelism cannot run on this mesh; use "
+                         f"an expert axis in {divs} (--config.sharding.mesh)")
+    trainable_experts(cfg, {"sft": "SFT", "rl": "RL"}[phase])
     full = math.prod(shape[a] for a in rules["batch"] if a in shape)
     batches = {"sft": {"sft.batch_size": config.sft.batch_size},
                "rl": {"rollout rows (rl.prompts_per_batch x rl.group_size)":
@@ -567,27 +666,41 @@ def check_run_config(config, num_devices: int, phase: str = "rl") -> str:
         if split < full:
             lines.append(f"  warning: {what} = {n} is not divisible by the {full} devices of "
                          f"the batch axes {rules['batch']}: rows are replicated over the rest")
-    lines.append("  OK (memory: python scripts/plan.py --config <this config> --device ...)")
+    if phase == "rl":
+        lines.append(check_groups(config, shape, processes, rules))
+    if state:
+        st = abstract_train_state(config, shape, phase)
+        lines.append(f"  {phase} train state built for this mesh (abstract): "
+                     f"{len(jax.tree.leaves(st))} arrays, "
+                     f"{state_bytes_per_device(st) / 1e9:.2f} GB per device")
     return "\n".join(lines)
 
 
-def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = None) -> str:
+def resolve_devices(config, num_devices: int | None = None) -> int:
+    """The device count a launch check is for: `num_devices` when given, else the mesh's own
+    size when config.sharding.mesh sizes every axis (a pod launch line), otherwise this host's
+    devices (so XLA_FLAGS' fake device count applies)."""
+    if num_devices:
+        return int(num_devices)
+    d = shd.parse_mesh(config.sharding.mesh)
+    return math.prod(d.values()) if d and -1 not in d.values() else jax.device_count()
+
+
+def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = None,
+                        processes: int | None = None) -> str:
     """What `--dry_run` of the run scripts prints: everything a run would reject at start-up,
     checked without training, sampling or touching the sandbox (so a launch line is cheap to
     check): the model config, the RL algorithm (preset plus overrides, rl/algorithms.py), the
-    task families, and the mesh and batch splits of each phase (check_run_config) for
-    `num_devices` (default: the mesh's own size when config.sharding.mesh sizes every axis,
-    otherwise this host's devices, so XLA_FLAGS' fake device count applies).
+    task families, and each phase's mesh, batch and group splits and train state built for the
+    mesh (check_run_config) for `num_devices` (resolve_devices) run by `processes`.
     Raises ValueError on what cannot run; returns a report."""
-    if num_devices is None:  # a fully sized mesh is checked for its own size (a pod launch line)
-        d = shd.parse_mesh(config.sharding.mesh)
-        num_devices = (math.prod(d.values()) if d and -1 not in d.values()
-                       else jax.device_count())
+    num_devices = resolve_devices(config, num_devices)
     algo = algo_from_config(config.rl.algo)
     oversample = rl_oversample(config.rl) if "rl" in phases else 1
     reuse_verdicts(config.sandbox)
     fams, sft_fams = task_families(config), sft_families(config)
-    lines = [check_run_config(config, num_devices, phase=p) for p in phases]
+    lines = [check_run_config(config, num_devices, phase=p, processes=processes)
+             for p in phases]
     if "sft" in phases and (dense := sft_dense_steps(config, model_config(config))):
         lines.append(f"  SFT dense stage: the first {dense} of {config.sft.steps} steps attend "
                      "densely (indexer KL over every causal key), "

@@ -1,0 +1,101 @@
+"""The launch checks (`--dry_run`, `--check_devices`; scripts/_common.py:launch_check) stop what
+would fail at start-up before anything runs, each with the reason and exit code 2: an expert
+axis that does not divide the experts, packed MXFP4 experts in a training phase, rollout rows
+that split a GRPO group over processes, a train state that cannot be laid out on the mesh,
+memory over the device (the planner's numbers). No device is touched and nothing compiles; the
+subprocess tests take ~5 s each, the in-process ones under a second or two.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from configs import rl as rl_configs
+from model import sharding as shd
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _script(*args, timeout=300):
+    return subprocess.run([sys.executable, "scripts/train_rl.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_check_devices_with_an_expert_axis_that_does_not_divide_is_a_message():
+    r = _script("--config=configs/rl.py:reference",
+                "--config.sharding.mesh=fsdp=8,expert=16,tensor=8", "--check_devices=1024")
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "OK" not in r.stdout
+    assert "num_experts=1000 is not divisible by the expert axis (16)" in r.stderr
+    assert "use an expert axis in [2, 4, 5, 8, 10" in r.stderr
+
+
+def test_dry_run_rejects_packed_experts_in_training():
+    r = _script("--config=configs/rl.py:smoke_8dev", "--config.model.moe.expert_format=mxfp4",
+                "--check_devices=8")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "expert_format='mxfp4'" in r.stderr and "model.moe.qat=True" in r.stderr
+    assert "OK" not in r.stdout
+
+
+def test_rows_per_process_must_hold_whole_groups():
+    from rl.loop import check_groups, check_run_config
+
+    c = rl_configs.get_config("smoke_8dev")  # 4 prompts x 2 = 8 rows over 8 row blocks
+    shape = shd.mesh_shape(c.sharding.mesh, 8)
+    assert "rollout rows per process: 4 (whole groups of 2: 2;" in check_groups(c, shape, 2)
+    c.rl.update(dict(prompts_per_batch=2, group_size=4))  # 8 rows, 4 processes: 2 rows each
+    with pytest.raises(ValueError, match=r"give each of the 4 processes 2 rows .* splits a "
+                                         r"group of 4: make the rollout rows a multiple of 16"):
+        check_groups(c, shape, 4)
+    with pytest.raises(ValueError, match="splits a group"):
+        check_run_config(c, 8, processes=4, state=False)
+    assert "whole groups of 4: 2" in check_groups(c, shape, 1)  # one process holds all rows
+    # the documented GPU pod: 128 processes on 128 row blocks, 512 rows -> one group each
+    ref = rl_configs.get_config("reference")
+    gpu = shd.mesh_shape("fsdp=16,expert=8,tensor=8")
+    assert "rollout rows per process: 4 (whole groups of 4: 1;" in check_groups(ref, gpu, 128)
+    ref.rl.prompts_per_batch = 64  # the rows the config had before: 2 per process
+    with pytest.raises(ValueError, match="multiple of 512"):
+        check_groups(ref, gpu, 128)
+
+
+def test_train_state_is_built_for_the_real_mesh_with_bf16_params_and_a_master_copy():
+    """The abstract train state (jax.eval_shape, AbstractMesh: a 64-device mesh on this host)
+    with bf16 parameters and the default f32 master copy: its optimizer-state shardings follow
+    the parameters', and the per-device bytes are the planner's for params + master + moments."""
+    from rl.loop import abstract_train_state, check_run_config, state_bytes_per_device
+    from rl.train_step import MasterCopyState
+
+    c = rl_configs.get_config("smoke_8dev")
+    c.model.param_dtype = c.model.dtype = "bfloat16"
+    shape = shd.mesh_shape("data=4,fsdp=4,expert=4")
+    st = abstract_train_state(c, shape, "rl")
+    assert isinstance(st.opt_state, MasterCopyState)
+    w = st.params["layer_0"]["ffn"]["w_gate"]
+    m = st.opt_state.master["layer_0"]["ffn"]["w_gate"]
+    assert str(w.dtype) == "bfloat16" and str(m.dtype) == "float32"
+    assert w.sharding.spec == m.sharding.spec and w.sharding.mesh.shape == shape
+    assert state_bytes_per_device(st) > 0
+    c.sharding.mesh = "data=4,fsdp=4,expert=4"
+    assert "rl train state built for this mesh (abstract)" in check_run_config(c, 64,
+                                                                               processes=8)
+
+
+def test_memory_over_the_device_is_a_message():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import _common
+
+    c = rl_configs.get_config("smoke_8dev")
+    shape = shd.mesh_shape(c.sharding.mesh, 8)
+    line = _common.memory_check(c, "rl", shape, "tpu-v6e")
+    assert "rl memory on tpu-v6e (planner): training" in line and "rollouts next to" in line
+    assert "NOT CHECKED" in _common.memory_check(c, "rl", shape, None)
+    c.rl.max_new_tokens = 1 << 20  # a million generated tokens per row: nothing fits
+    with pytest.raises(ValueError, match=r"rl does not fit on tpu-v6e .* training needs .* GB "
+                                         r"per device, 28.8 GB usable"):
+        _common.memory_check(c, "rl", shape, "tpu-v6e")
