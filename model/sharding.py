@@ -135,9 +135,10 @@ SHARDING_PRESETS: dict[str, str] = {
     # one host with 8 accelerators (or 8 fake CPU devices): ZeRO-3 over fsdp x expert, experts
     # split in two (every preset model's expert count is even)
     "eight_devices": "data=2,fsdp=2,expert=2",
-    # a multi-host slice: tensor inside a node / 4-chip TPU host, experts over 8, the rest of
-    # the devices (every host's) on fsdp; sized for reference_2p8t (1000 experts / 8)
-    "multihost_slice": "fsdp=-1,expert=8,tensor=4",
+    # a multi-host slice: tensor inside an 8-GPU node, experts over 8, the rest of the devices
+    # (every host's) on fsdp; sized for reference_2p8t (1000 experts / 8). On 4-chip TPU hosts
+    # keep tensor inside a host: --config.sharding.mesh=fsdp=-1,expert=8,tensor=4
+    "multihost_slice": "fsdp=-1,expert=8,tensor=8",
 }
 
 
@@ -786,6 +787,18 @@ def allgather_json(obj: Any) -> list:
     allb = multihost_utils.process_allgather(buf)
     n = np.asarray(n).reshape(-1)
     return [json.loads(bytes(allb[i][: int(n[i])]).decode()) for i in range(allb.shape[0])]
+
+
+def every_process(flag: bool) -> bool:
+    """Whether `flag` holds on every process (one small all-gather; single process: flag). For
+    decisions that must be the same everywhere, e.g. whether every process has its next batch,
+    so that one process's end ends every process instead of leaving the others in a
+    collective."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([int(bool(flag))], np.int32))))
 
 
 def reduce_host_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

@@ -46,8 +46,11 @@ Scale-out (docs/scaling.md): every driver runs on the mesh of config.sharding
 (or restored) straight into their shardings, the optimizer state is created sharded, the frozen
 reference policy is a sharded copy, and the train step, the log-prob forward and the sampler are
 MeshJit programs with explicit shardings (the train state donated). In a multi-process job (one
-process per host, model.sharding.maybe_initialize_distributed) every process reads the same
-global data stream and keeps its rows (rl.pipeline.host_prompt_slice), generates and scores its
+process per host, model.sharding.maybe_initialize_distributed) every process checks at start-up
+that all run the same config (config_agreement), reads only its own rows of each global SFT
+batch (_sft_stream), iterates the same global RL prompt stream and keeps its rows
+(rl.pipeline.host_prompt_slice; a stream that ends on any process ends the job on every one:
+next_global_batch), generates and scores its
 own rollouts in its own sandbox pool, and the global batch the trainer sees is assembled from
 every process's rows (model.sharding.to_global); host-side metrics are reduced over processes
 (model.sharding.reduce_host_metrics) and written by process 0; evaluation is split over the
@@ -401,16 +404,29 @@ def sft_buckets(examples, s) -> list[dict]:
     return buckets
 
 
-def _sft_stream(examples, tok, s, seed):
+def _sft_stream(examples, tok, s, seed, *, mesh=None, rules=None):
     """The SFT batch stream: each bucket of sft_buckets encoded (up front, so a row over its
     width fails before training), shuffled, repeated and batched, the buckets' batches
-    interleaved by their weights (grain.MapDataset.mix, deterministic)."""
+    interleaved by their weights (grain.MapDataset.mix, deterministic). With `mesh`, each
+    process's stream yields only its own rows of each global batch (shd.host_batch_slice; grain
+    reads them by index from the global shuffled order), so the global batches and their order
+    do not depend on the process count and no process assembles the others' rows."""
+    import sys
+
     import grain
     streams, weights = [], []
     for b in sft_buckets(examples, s):
         rows = list(map(_sft_rows(tok, b["width"]), b["examples"]))
-        streams.append(grain.MapDataset.source(rows).shuffle(seed=seed).repeat()
-                       .batch(b["batch_size"], drop_remainder=True))
+        order = grain.MapDataset.source(rows).shuffle(seed=seed).repeat()
+        n = b["batch_size"]
+        mine = (slice(0, n) if mesh is None
+                else shd.host_batch_slice(n, mesh=mesh, rules=rules))
+
+        def local(i, order=order, n=n, mine=mine):  # rows mine of global batch i
+            picked = [order[i * n + r] for r in range(mine.start, mine.stop)]
+            return {k: np.stack([p[k] for p in picked]) for k in picked[0]}
+
+        streams.append(grain.MapDataset.range(sys.maxsize // n).map(local))
         weights.append(b["weight"])
     ds = streams[0] if len(streams) == 1 else grain.MapDataset.mix(streams, weights)
     return iter(ds.to_iter_dataset())
@@ -459,7 +475,8 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
                       first: tuple[int, _SupervisedStep] | None = None):
     """Runs `steps` supervised steps of `objective` from `variables` (sharded on `mesh`;
     resuming from workdir/checkpoints), logging under `name/` (and `config` to config.json).
-    Every process reads the same global batch stream and feeds its rows. `step`: the phase's
+    `it` yields this process's rows of each global batch (_sft_stream with the mesh); a stream
+    that ends on any process ends the phase on every one (next_global_batch). `step`: the phase's
     supervised_step (compiled ahead), else made here. `first` = (n, step'): steps 0..n-1 run
     step' instead (SFT's dense stage: another model over the same train state). Returns the
     final state."""
@@ -479,11 +496,8 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
     writer = MetricsWriter(workdir, config=config) if _primary() else None
     bar = _progress(steps, name, start) if progress and _primary() else None
     for i in range(start, steps):
-        batch = next(it)  # the global batch; this process feeds its rows
-        n = len(batch["tokens"])
-        rows = shd.host_batch_slice(n, mesh=mesh, rules=rules)
-        gb = shd.to_global({k: np.asarray(v)[rows] for k, v in batch.items()}, mesh, rules,
-                           n_global=n)
+        batch = next_global_batch(it, name, i)  # this process's rows of the global batch
+        gb = shd.to_global({k: np.asarray(v) for k, v in batch.items()}, mesh, rules)
         state, met = (first_step.fn if i < first_n else step_fn)(state, gb)
         if (i + 1) % log_every == 0 or i + 1 == steps:
             m = jax.device_get(met)
@@ -502,6 +516,72 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
     if writer is not None:
         writer.close()
     return state
+
+
+class DataExhausted(RuntimeError):
+    """A process's data stream ended; raised on every process at the same step
+    (next_global_batch), so the job ends everywhere instead of hanging in a collective."""
+
+
+def next_global_batch(it, what: str, step: int):
+    """The next batch of `it`, agreed over processes: when any process's stream has ended,
+    every process raises DataExhausted naming the processes and the step."""
+    batch = next(it, None)
+    if shd.every_process(batch is not None):
+        return batch
+    out = shd.allgather_json(batch is None)
+    ended = [i for i, e in enumerate(out) if e]
+    raise DataExhausted(f"{what}: the data stream of process(es) {ended} ended at step {step} "
+                        f"(of {jax.process_count()} processes): every process stops here; give "
+                        "every process the same data (a repeated stream, or as many batches as "
+                        "steps)")
+
+
+def config_fields(config) -> dict[str, str]:
+    """A run config flattened to {dotted field: repr(value)} (what config_agreement compares)."""
+    out = {}
+
+    def walk(node, prefix):
+        for k in sorted(node.keys()):
+            v = node[k]
+            if hasattr(v, "keys") and hasattr(v, "items"):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[prefix + k] = repr(v)
+
+    walk(config, "")
+    return out
+
+
+def config_agreement(config) -> str:
+    """Checks that every process runs this same config (a digest of config_fields exchanged
+    through the distributed runtime: one all-gather of 32 bytes, and the fields only when the
+    digests differ). Raises ValueError on every process naming the differing fields and the
+    processes, so the job stops at start-up instead of training on mixed configs, failing in
+    a collective or hanging. Returns a report line."""
+    import hashlib
+
+    n = jax.process_count()
+    fields = config_fields(config)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    if n == 1:
+        return f"  config digest {digest[:16]} (one process)"
+    digests = shd.allgather_json(digest)
+    if len(set(digests)) == 1:
+        return f"  config digest {digest[:16]}: the same on all {n} processes"
+    every = shd.allgather_json(fields)
+    diff = []
+    for key in sorted(set().union(*every)):
+        vals = [f.get(key, "<absent>") for f in every]
+        if len(set(vals)) > 1:
+            by = {}
+            for i, v in enumerate(vals):
+                by.setdefault(v, []).append(i)
+            diff.append(f"{key} (" + "; ".join(f"{v} on process(es) {ps}"
+                                                for v, ps in by.items()) + ")")
+    raise ValueError(f"the {n} processes run different configs; every process must run the "
+                     f"same command. Differing fields: {', '.join(diff[:20])}"
+                     + (f" and {len(diff) - 20} more" if len(diff) > 20 else ""))
 
 
 def start_phase(config, phase: str, resume: bool, data: dict) -> None:
@@ -676,6 +756,26 @@ def check_run_config(config, num_devices: int, phase: str = "rl",
     return "\n".join(lines)
 
 
+def check_rl_start(config, required: bool = True) -> str:
+    """The weights an RL run starts from (rl.init_from): with "sft", whether the SFT checkpoint
+    (sft_checkpoint_dir) is there. `required`: a missing one raises ValueError (the job at
+    hand would fail at start-up); else (checking another machine's job) a report line."""
+    init_from = config.rl.init_from
+    if init_from == "scratch":
+        return f"  RL starts from a fresh init (seed {config.seed})"
+    if init_from != "sft":
+        raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {init_from!r}")
+    d = sft_checkpoint_dir(config)
+    found = os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
+    if found:
+        return f"  RL starts from the SFT checkpoint in {d}"
+    msg = (f"rl.init_from='sft' but there is no SFT checkpoint under {d}: run scripts/sft.py "
+           "with the same --config first, or set --config.rl.init_from=scratch")
+    if required:
+        raise ValueError(msg)
+    return f"  warning: {msg} (not found on this machine; the job needs it in its workdir)"
+
+
 def resolve_devices(config, num_devices: int | None = None) -> int:
     """The device count a launch check is for: `num_devices` when given, else the mesh's own
     size when config.sharding.mesh sizes every axis (a pod launch line), otherwise this host's
@@ -773,7 +873,7 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     qat_steps = sft_qat_steps(config)
     qmodel = qat_model(model.cfg) if qat_steps else None  # rejected before SFT runs
     mesh, rules = shd.mesh_from_config(config)
-    it = _sft_stream(examples, tok, s, config.seed)
+    it = _sft_stream(examples, tok, s, config.seed, mesh=mesh, rules=rules)
 
     opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,
                                 optim_numerics(config)))
@@ -807,7 +907,8 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     if warm:
         wstate = _supervised_phase(
             "sft_indexer_warmup", wmodel, wopt, variables,
-            _sft_stream(examples, tok, s, config.seed + 1), steps=warm_steps,
+            _sft_stream(examples, tok, s, config.seed + 1, mesh=mesh, rules=rules),
+            steps=warm_steps,
             objective="indexer_warmup", workdir=os.path.join(workdir, "indexer_warmup"),
             seed=config.seed, log_every=s.log_every, checkpoint_every=s.checkpoint_every,
             resume=resume, progress=progress, postfix="indexer_kl", mesh=mesh, rules=rules,
@@ -823,7 +924,8 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     qopt = make_optimizer(_optim(s.qat_lr, max(qat_steps // 10, 1), qat_steps, s.weight_decay,
                                  optim_numerics(config)))
     return _supervised_phase(
-        "sft_qat", qmodel, qopt, state.variables, _sft_stream(examples, tok, s, config.seed + 2),
+        "sft_qat", qmodel, qopt, state.variables,
+        _sft_stream(examples, tok, s, config.seed + 2, mesh=mesh, rules=rules),
         steps=qat_steps, objective="lm", workdir=os.path.join(workdir, "qat"), seed=config.seed,
         log_every=s.log_every, checkpoint_every=s.checkpoint_every,
         resume=resume, progress=progress, postfix="ce", mesh=mesh, rules=rules, config=config)
@@ -1117,7 +1219,8 @@ class _Launcher:
         (the same compiled shapes) and the scored groups go through rl.pipeline.select_groups,
         which keeps one batch's worth (this process's share), informative groups first."""
         self.rng, self._pos = rng, self._data.get_state()
-        tasks, variables = next(self._data), self._to_sampler(state.variables)
+        tasks = next_global_batch(self._data, "RL prompts", int(state.step))
+        variables = self._to_sampler(state.variables)
         pendings = []
         for i in range(self._oversample):
             rng, sub = jax.random.split(rng)

@@ -158,13 +158,16 @@ def memory_check(config, phase: str, shape: dict, device: str | None) -> str:
 
 
 def launch_check(config, phases, *, num_devices: int | None = None, device: str | None = None,
-                 processes: int = 0) -> str:
+                 processes: int = 0, start: bool = False) -> str:
     """What --dry_run / --check_devices print: rl.loop.validate_run_config for the job (its
     mesh for `num_devices`, default the config's fully sized mesh or this host's devices; its
     `processes`), then the memory of each phase on `device` (memory_check; default this host's
-    accelerator). Raises ValueError with the reason on anything that would fail."""
+    accelerator), and for RL alone the weights it starts from (rl.loop.check_rl_start: a
+    missing SFT checkpoint fails a run's start (`start`), and is a warning for --dry_run and
+    --check_devices, which may check a launch line away from the job's files).
+    Raises ValueError with the reason on anything that would fail."""
     from model import sharding as shd
-    from rl.loop import default_processes, resolve_devices, validate_run_config
+    from rl.loop import check_rl_start, default_processes, resolve_devices, validate_run_config
 
     n = resolve_devices(config, num_devices)
     try:
@@ -177,37 +180,61 @@ def launch_check(config, phases, *, num_devices: int | None = None, device: str 
                                  processes=processes)
     device = device or host_device_kind()
     lines = [report] + [memory_check(config, p, shape, device) for p in phases]
+    if "rl" in phases and "sft" not in phases:  # RL alone starts from what rl.init_from names
+        lines.append(check_rl_start(config, required=start))
     return "\n".join(lines) + "\nOK: nothing above would stop this run at start-up"
 
 
 def stop_on_bad_config(config, phases, **kw) -> str:
-    """Before anything runs: launch_check (what --dry_run prints; memory only when this host's
-    accelerator is known), and a config it rejects (ValueError: a field out of range, an
-    unknown name, a batch that does not split, a state that does not fit) ends the script with
-    the message on stderr and exit code 2, not a traceback. Call after setup_jax (on several
-    hosts the device count needs jax.distributed). Returns the report."""
+    """Before anything runs (call after setup_jax: on several hosts the device count needs
+    jax.distributed): every process checks that all run the same config
+    (rl.loop.config_agreement: a digest through the distributed runtime, the differing fields
+    named), then launch_check (what --dry_run prints; memory only when this host's accelerator
+    is known), and the processes exchange their verdicts. Anything rejected on any process (a
+    field out of range, an unknown name, a batch that does not split, a state that does not fit,
+    a missing checkpoint on one host) ends every process with the message on stderr and exit
+    code 2, not a traceback or a hang. Returns the report."""
+    from model import sharding as shd
+    from rl.loop import config_agreement
+
     try:
-        return launch_check(config, phases, **kw)
+        agreed = config_agreement(config)
+        report, error = launch_check(config, phases, start=True, **kw), None
     except ValueError as e:
-        print(f"error: the config is rejected before anything ran: {e}", file=sys.stderr)
+        report, error = None, str(e)
+    errors = shd.allgather_json(error)  # every process's verdict: all stop, or none
+    bad = [(i, e) for i, e in enumerate(errors) if e]
+    if bad:
+        where = "" if len(errors) == 1 else " (" + ", ".join(
+            f"process {i}" for i, _ in bad) + ")"
+        msgs = sorted({e for _, e in bad})
+        print(f"error: the config is rejected before anything ran{where}: " + " | ".join(msgs),
+              file=sys.stderr)
         sys.exit(2)
+    return agreed + "\n" + report
 
 
 def dry_run(config, phases, **kw) -> None:
-    """--dry_run / --check_devices: print launch_check's report, or end as stop_on_bad_config
-    does (the rejection on stderr, exit code 2)."""
-    print(stop_on_bad_config(config, phases, **kw))
+    """--dry_run / --check_devices: print launch_check's report, or end with the rejection on
+    stderr and exit code 2. Runs without jax.distributed (a launch line checked on a laptop)."""
+    try:
+        print(launch_check(config, phases, **kw))
+    except ValueError as e:
+        print(f"error: the config is rejected before anything ran: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 @contextlib.contextmanager
 def stop_on_workdir_mismatch():
     """A workdir that holds another config's checkpoints (rl.workdir.ResumeConfigError) ends the
     script with its message on stderr and exit code 2, not a traceback: it is the user's input,
-    and the message names the differing fields and the ways out."""
+    and the message names the differing fields and the ways out. So does a data stream that
+    ended on some process (rl.loop.DataExhausted, raised on every process at the same step)."""
+    from rl.loop import DataExhausted
     from rl.workdir import ResumeConfigError
 
     try:
         yield
-    except ResumeConfigError as e:
+    except (ResumeConfigError, DataExhausted) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

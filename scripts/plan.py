@@ -777,11 +777,73 @@ def format_per_device(pd: dict) -> str:
     return "\n".join(lines)
 
 
+# The pod launches of docs/scaling.md section 3 for configs/rl.py:reference (and the slice that
+# is too small): (what, mesh, device, devices per process, config.rl overrides). `launch_plans`
+# plans each with the config's own batch; the page's table is `format_launch_table`'s output.
+LAUNCHES = (
+    ("1024 x H200 (128 nodes of 8)", "fsdp=16,expert=8,tensor=8", "h200", 8, {}),
+    ("2048 x TPU v5p (v5p-4096, 512 hosts)", "fsdp=64,expert=8,tensor=4", "tpu-v5p", 4,
+     {"prompts_per_batch": 512}),
+    ("512 x TPU v5p (v5p-1024, 128 hosts)", "fsdp=16,expert=8,tensor=4", "tpu-v5p", 4, {}),
+)
+
+
+def launch_plans(launches=LAUNCHES, variant: str = "reference") -> list[dict]:
+    """Per-device plans of configs/rl.py:<variant> for each launch: the config's rows and row
+    width (run_batch_from_config), its run (run_plan_from_config), and the rows per process."""
+    from configs import rl as rl_configs
+    from rl.loop import process_layout
+
+    out = []
+    for what, mesh, device, per_process, overrides in launches:
+        c = rl_configs.get_config(variant)
+        c.sharding.mesh = mesh
+        c.rl.update(overrides)
+        rows, seq = run_batch_from_config(c)
+        shape = shd.mesh_shape(mesh)
+        processes = math.prod(shape.values()) // per_process
+        blocks, per = process_layout(shape, rows, processes, shd.rules_from_config(c))
+        pd = per_device_plan(_model_cfg(c), mesh, device, rows, seq,
+                             rules=shd.rules_from_config(c), run=run_plan_from_config(c))
+        out.append({"what": what, "mesh": mesh, "device": device, "processes": processes,
+                    "rows": rows, "seq": seq, "micro_batches": int(c.rl.micro_batches),
+                    "rows_per_process": per, "group_size": int(c.rl.group_size),
+                    "overrides": overrides, "plan": pd})
+    return out
+
+
+def format_launch_table(plans: list[dict]) -> str:
+    """The markdown table of launch_plans (docs/scaling.md section 4)."""
+    def gb(n):
+        return f"{n / 1e9:.1f}"
+
+    lines = ["| devices | mesh | rows x tokens (micro-batches) | rows per process | train state "
+             "| training | rollouts (MXFP4 experts) | usable | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in plans:
+        t, r, pd = p["plan"]["train"], p["plan"]["rollout"], p["plan"]
+        state = t["params_bf16"] + t["master_f32"] + t["adam_moments_f32"] + \
+            t["reference_policy"]
+        ok = t["fits"] and r["fits"]
+        verdict = "fits" if ok else "does NOT fit: " + ", ".join(
+            f"{what} over by {gb(v['over_by'])} GB" for what, v in (("training", t),
+                                                                      ("rollouts", r))
+            if not v["fits"])
+        extra = "".join(f", `--config.rl.{k}={v}`" for k, v in p["overrides"].items())
+        lines.append(
+            f"| {p['what']} | `{p['mesh']}`{extra} | {p['rows']} x {p['seq']} "
+            f"({p['micro_batches']}) | {p['rows_per_process']} (groups of {p['group_size']}) | "
+            f"{gb(state)} GB | {gb(t['total'])} GB | {gb(r['total'])} GB "
+            f"(gathered {gb(r['gathered_weights'])}, decode {gb(r['decode_state'])}) | "
+            f"{gb(pd['usable_bytes'])} GB | {verdict} |")
+    return "\n".join(lines)
+
+
 def define_flags() -> None:
     """The command line's flags, defined when the planner runs as a script (importing the
     module, as the run scripts' launch checks do, defines none)."""
     global _CONFIG, _JSON, _SHARD_GB, _MESH, _DEVICE, _BATCH, _SEQ, _COMPILED, _DEVICES, _DRY
-    global _HEADROOM
+    global _HEADROOM, _LAUNCHES
     _CONFIG = config_flags.DEFINE_config_file("config", "configs/models.py:reference_2p8t",
                                               "model config (or a config with a .model field)")
     _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
@@ -799,11 +861,16 @@ def define_flags() -> None:
     _DEVICES = flags.DEFINE_integer("devices", 0, "device count for a config mesh with a -1 axis")
     _DRY = flags.DEFINE_bool("dry_run", False, "only validate the config and flags (model config, "
                              "mesh for the device count) and exit without planning")
+    _LAUNCHES = flags.DEFINE_bool("launch_table", False, "print the per-device table of the "
+                                  "reference launches of docs/scaling.md (LAUNCHES) and exit")
     _HEADROOM = flags.DEFINE_float("headroom", 0.10, "fraction of HBM kept free (XLA workspace, "
                                    "collective buffers, fragmentation)")
 
 
 def main(_):
+    if _LAUNCHES.value:
+        print(format_launch_table(launch_plans()))
+        return
     cfg = _model_cfg(_CONFIG.value)
     kw = {}
     mesh = _MESH.value

@@ -99,3 +99,22 @@ def test_memory_over_the_device_is_a_message():
     with pytest.raises(ValueError, match=r"rl does not fit on tpu-v6e .* training needs .* GB "
                                          r"per device, 28.8 GB usable"):
         _common.memory_check(c, "rl", shape, "tpu-v6e")
+
+
+def test_scaling_doc_memory_tables_are_the_planners():
+    """docs/scaling.md section 4: the per-device block and the launch table are what the planner
+    computes now for configs/rl.py:reference (scripts/plan.py launch_plans; ~30-60 s: the
+    planner traces the reference model's blocks)."""
+    from scripts.plan import format_launch_table, format_per_device, launch_plans
+
+    docs = (ROOT / "docs" / "scaling.md").read_text()
+    plans = launch_plans()
+    block = format_per_device(plans[0]["plan"]).split("\n  assumptions:")[0]
+    assert "```\n" + block + "\n```" in docs, "regenerate section 4's block:\n" + block
+    table = format_launch_table(plans)
+    assert table in docs, "regenerate with python scripts/plan.py --launch_table:\n" + table
+    gpu, tpu, small = (p["plan"] for p in plans)
+    for p in (gpu, tpu):  # the documented launches fit, rollouts included
+        assert p["train"]["fits"] and p["rollout"]["fits"], p["mesh"]
+    assert not small["train"]["fits"] and not small["rollout"]["fits"]
+    assert all(p["rows_per_process"] % p["group_size"] == 0 for p in plans)
