@@ -7,8 +7,8 @@ What it runs (CPU, fake devices; configs/rl.py:smoke_8dev from scratch: the test
 expert-parallel MoE on a (data 2, fsdp 2, expert 2) mesh, GRPO with KL, sandbox rewards,
 held-out evaluation of the demo's domains at the last step). The RL prompts are a task file
 (tasks.task_file, written to the workdir by `check_tasks`): answer_check tasks that a random
-policy solves half the time (the sandbox checks the parity of the answer's first byte), so
-the rewards within a group differ and the advantages, hence the policy gradient and its sync
+policy solves by chance (the sandbox checks the parity of the answer's first byte), so the
+rewards within a group differ and the advantages, hence the policy gradient and its sync
 over processes, are not zero; and the demo's multi-step terminal episodes, played in lockstep
 across the processes (their rewards stay 0 from scratch).
 
@@ -61,8 +61,8 @@ sys.exit(0 if answer and answer[0] % 2 == 0 else 1)
 
 def check_tasks(path: pathlib.Path, n_parity: int = 16, n_episodes: int = 8) -> pathlib.Path:
     """Writes the check's RL task file: n_parity answer_check tasks solved when the answer's
-    first byte is even (about half of a random policy's answers: non-zero advantages from
-    scratch), and n_episodes multi-step terminal episodes of the demo's domain (level 1)."""
+    first byte is even (some of a random policy's answers: non-zero advantages from scratch),
+    and n_episodes multi-step terminal episodes of the demo's domain (level 1)."""
     from sandbox.tasks import Task, save_tasks
     from sandbox.tasks.domains import multistep
 

@@ -118,3 +118,42 @@ def test_scaling_doc_memory_tables_are_the_planners():
         assert p["train"]["fits"] and p["rollout"]["fits"], p["mesh"]
     assert not small["train"]["fits"] and not small["rollout"]["fits"]
     assert all(p["rows_per_process"] % p["group_size"] == 0 for p in plans)
+
+
+# docs/scaling.md commands checked elsewhere: the pod lines (tests/rl/test_scale_config.py,
+# --check_devices), the launch table (above, in-process), the benchmarks and the two-process
+# check (their own runs: python scripts/multihost_check.py)
+ELSEWHERE = ("configs/rl.py:reference --config.sharding.mesh", "--launch_table",
+             "scripts/bench.py", "scripts/multihost_check.py")
+
+
+def test_scaling_doc_commands_run_or_stop_with_a_reason():
+    """Every command docs/scaling.md shows (tests/test_docs_commands.py's extraction) passes its
+    launch check (--dry_run) or stops with the reason on stderr, exit code 2 and no traceback;
+    none prints OK and then fails. ~5-10 s per command on 2 cores."""
+    import os
+    import shlex
+
+    from tests.test_docs_commands import extract_commands
+
+    cmds = extract_commands((ROOT / "docs" / "scaling.md").read_text(), "docs/scaling.md")
+    ran = []
+    for cmd in cmds:
+        if any(x in cmd for x in ELSEWHERE):
+            continue
+        tokens = shlex.split(cmd)
+        env = dict(os.environ)
+        while "=" in tokens[0] and not tokens[0].startswith("-"):
+            k, v = tokens.pop(0).split("=", 1)
+            env[k] = (env.get(k, "") + " " + v).strip() if k == "XLA_FLAGS" else v
+        r = subprocess.run([sys.executable, *tokens[1:], "--dry_run"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert "Traceback" not in r.stderr, (cmd, r.stderr[-3000:])
+        if r.returncode == 0:
+            assert "error: " not in r.stderr, (cmd, r.stderr[-2000:])
+        else:
+            assert r.returncode == 2 and "error: " in r.stderr and "OK" not in r.stdout, \
+                (cmd, r.returncode, r.stderr[-2000:])
+        ran.append(cmd)
+    assert any("smoke_8dev" in c and "train_rl.py" in c for c in ran)
+    assert any("small_8dev" in c for c in ran) and len(ran) >= 4, ran
