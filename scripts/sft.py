@@ -21,7 +21,9 @@ Scale-out: runs on the mesh of config.sharding, one process per host in a multi-
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/sft.py \
         --config configs/rl.py:smoke_8dev
 
---check_devices=N only validates the config for a job of N devices (no device touched).
+Before anything runs every process checks that all run the same config and the launch checks
+pass (--dry_run prints them; --check_devices=N, --processes, --device: a job of another size and
+its memory, no device touched; docs/scaling.md section 1.1).
 """
 
 import _common  # noqa: F401  (XLA flags before jax)

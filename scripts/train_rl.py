@@ -15,9 +15,12 @@ Scale-out: the run uses the mesh of config.sharding (docs/scaling.md); in a mult
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or JAX_DISTRIBUTED_AUTO=1) every
 process runs this same command. At the end every process prints a digest of the final
 parameters (equal bits give equal digests, whatever the mesh or process count) and checks that
-all replicas of every parameter agree. --check_devices=N only validates the config for a mesh
-of N devices (no device is touched: a pod slice's launch line checked on a laptop); plan its
-memory with scripts/plan.py --config <the same config>.
+all replicas of every parameter agree. Before anything runs, every process checks that all
+run the same config and the launch checks pass (scripts/_common.py:stop_on_bad_config), else
+all stop with the reason, exit code 2. --dry_run runs those checks for the job at hand and
+exits; --check_devices=N for a job of N devices (no device is touched: a pod slice's launch
+line checked on a laptop), --processes its process count, --device the accelerator whose
+memory the planner checks (scripts/plan.py; docs/scaling.md section 1.1).
 """
 
 import _common  # noqa: F401
