@@ -20,11 +20,12 @@ multihost_slice). The CPU variants above use one_device. Multi-device variants:
         --config configs/rl.py:smoke_8dev --config.rl.init_from=scratch     # 8 fake CPU devices
     python scripts/train_rl.py --config configs/rl.py:small_8dev             # one 8-GPU host
     python scripts/train_rl.py --config configs/rl.py:reference \
-        --config.sharding.mesh=fsdp=16,expert=8,tensor=4                      # a pod slice
+        --check_devices=1024 --processes=128                                  # a pod's check
 
 smoke_8dev is the smoke pipeline on an (data 2, fsdp 2, expert 2) mesh with expert-parallel
 MoE (all_to_all); small_8dev the `small` model on the same mesh (bf16 compute, f32 params);
-reference the reference_2p8t model on the multihost_slice preset (launch: docs/scaling.md).
+reference the reference_2p8t model on the multihost_slice preset (launch lines and their
+memory: docs/scaling.md).
 """
 
 import ml_collections
@@ -321,7 +322,9 @@ def smoke_8dev() -> ml_collections.ConfigDict:
 def small_8dev() -> ml_collections.ConfigDict:
     """The `small` model (16 layers, d_model 1024, 32 experts) on one 8-accelerator host:
     (data 2, fsdp 2, expert 2), expert-parallel MoE (all_to_all), bf16 compute with f32 params
-    and f32 Adam moments; RL from scratch unless an SFT checkpoint is in the workdir."""
+    and f32 Adam moments; RL from a fresh init (rl.init_from="scratch"; after
+    `python scripts/sft.py --config configs/rl.py:small_8dev`, --config.rl.init_from=sft starts
+    from its weights)."""
     c = _base("grpo")
     c.name = "small_8dev"
     c.workdir = "runs/small_8dev"
@@ -329,22 +332,36 @@ def small_8dev() -> ml_collections.ConfigDict:
     c.model.moe.expert_parallel = "all_to_all"
     c.model.remat = "full"
     c.sharding = shd.sharding_config("eight_devices")
+    c.rl.init_from = "scratch"
     c.sandbox.workers = 8
     return c
 
 
 def reference() -> ml_collections.ConfigDict:
-    """reference_2p8t on a multi-host slice (preset multihost_slice: fsdp=-1,expert=8,tensor=4;
-    override --config.sharding.mesh for the slice at hand). Plan its memory first:
-    python scripts/plan.py --config configs/rl.py:reference --devices 512 --device tpu-v5p."""
+    """reference_2p8t on a multi-host slice: fsdp=16,expert=8,tensor=8 (1024 devices: 128 nodes
+    of 8 GPUs, one process per node; the TPU line of docs/scaling.md overrides the mesh and the
+    batch). What makes it train and fit (planner numbers: docs/scaling.md section 4):
+      * experts trained as bf16 with QAT (model.moe.qat: the MXFP4 export's forward) and sampled
+        as packed MXFP4 (rl.rollout_experts; TIS corrects the remaining gap), so the rollouts'
+        gathered expert weights are MXFP4 next to the train state;
+      * 128 prompts x 4 = 512 rollout rows: 4 rows, one whole group, per process on 128 row
+        blocks (the RL pipeline scores and groups per process);
+      * 4 micro-batches: each update trains on 128 rows at a time (one sequence per device).
+    Check a launch line before renting the pod (add --device h200 for the planner's memory):
+        python scripts/train_rl.py --config configs/rl.py:reference --check_devices=1024
+        python scripts/plan.py --config configs/rl.py:reference --devices 1024 --device h200 \
+            --batch 512 --seq 4096"""
     c = _base("grpo")
     c.name = "reference"
     c.workdir = "runs/reference"
     c.model = models.get_config("reference_2p8t")
+    c.model.moe.expert_format = "bf16"  # trained: float experts through MXFP4 fake quantisation
+    c.model.moe.qat = True
     c.model.moe.expert_parallel = "ragged_all_to_all"  # GPU/TPU (XLA:CPU lacks the collective)
     c.sharding = shd.sharding_config("multihost_slice")
-    c.rl.update(dict(prompts_per_batch=64, group_size=4, max_prompt_len=1024,
-                     max_new_tokens=3072))
+    c.rl.update(dict(prompts_per_batch=128, group_size=4, max_prompt_len=1024,
+                     max_new_tokens=3072, micro_batches=4))
+    c.rl.rollout_experts = "mxfp4"
     c.sandbox.update(dict(workers=32))  # per host; or remote=<fleet URLs> with fleet_slots
     return c
 

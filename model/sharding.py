@@ -135,9 +135,10 @@ SHARDING_PRESETS: dict[str, str] = {
     # one host with 8 accelerators (or 8 fake CPU devices): ZeRO-3 over fsdp x expert, experts
     # split in two (every preset model's expert count is even)
     "eight_devices": "data=2,fsdp=2,expert=2",
-    # a multi-host slice: tensor inside a node / 4-chip TPU host, experts over 8, the rest of
-    # the devices (every host's) on fsdp; sized for reference_2p8t (1000 experts / 8)
-    "multihost_slice": "fsdp=-1,expert=8,tensor=4",
+    # a multi-host slice: tensor inside an 8-GPU node, experts over 8, the rest of the devices
+    # (every host's) on fsdp; sized for reference_2p8t (1000 experts / 8). On 4-chip TPU hosts
+    # keep tensor inside a host: --config.sharding.mesh=fsdp=-1,expert=8,tensor=4
+    "multihost_slice": "fsdp=-1,expert=8,tensor=8",
 }
 
 
@@ -383,25 +384,57 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def opt_state_shardings(optimizer, params, param_shardings):
-    """Shardings for `optimizer.init(params)`: every parameter-shaped leaf (Adam moments, ...)
-    gets its parameter's sharding (found with optax.tree_map_params), everything else
-    (step counts, scalars) is replicated; frozen parameters' empty slots (optax.MaskedNode, e.g.
-    make_optimizer(trainable=...)) stay empty. `params` may be arrays or ShapeDtypeStructs."""
+    """Shardings for `optimizer.init(params)`: every parameter-shaped subtree of the state (Adam
+    moments, an f32 master copy, ...) gets its parameters' shardings leaf by leaf, everything
+    else (step counts, scalars) is replicated; empty slots (optax.MaskedNode: frozen parameters
+    of make_optimizer(trainable=...), parameters a master copy does not need) stay empty.
+    `params` may be arrays or ShapeDtypeStructs, the shardings' mesh concrete or abstract.
+
+    A subtree is parameter-shaped when it has the parameters' tree structure with MaskedNode
+    allowed in place of any leaf and each array the shape of its parameter. This reads the state
+    itself rather than optax.tree_map_params's placeholder init, so optimizers whose state
+    structure depends on the parameters' dtypes (rl.train_step.with_master_copy) are mapped
+    too."""
     import optax
 
     mesh = jax.tree.leaves(param_shardings)[0].mesh
     abstract_state = jax.eval_shape(optimizer.init, params)
     rep = replicated(mesh)
+    p_struct = jax.tree.structure(params)
+    p_leaves = jax.tree.leaves(params)
+    s_leaves = jax.tree.leaves(param_shardings)
 
-    def non_param(x):
-        return rep if hasattr(x, "shape") else x
-
-    def masked(x):  # a frozen parameter's slot (optax.multi_transform / masked): no state
+    def masked(x):
         return isinstance(x, optax.MaskedNode)
 
-    return optax.tree_map_params(optimizer, lambda v, s: v if masked(v) else s, abstract_state,
-                                 param_shardings, transform_non_params=non_param,
-                                 is_leaf=masked)
+    def is_array(x):
+        return hasattr(x, "shape") and hasattr(x, "dtype")
+
+    def param_shaped(node) -> bool:
+        if is_array(node) or masked(node):
+            return False
+        if jax.tree.structure(node, is_leaf=masked) != p_struct:
+            return False
+        leaves = jax.tree.leaves(node, is_leaf=masked)
+        return any(is_array(x) for x in leaves) and all(
+            masked(x) or (is_array(x) and tuple(x.shape) == tuple(p.shape))
+            for x, p in zip(leaves, p_leaves))
+
+    def walk(node):
+        if masked(node):
+            return node
+        if is_array(node):
+            return rep
+        if param_shaped(node):
+            leaves = jax.tree.leaves(node, is_leaf=masked)
+            return jax.tree.unflatten(jax.tree.structure(node, is_leaf=masked), [
+                x if masked(x) else s for x, s in zip(leaves, s_leaves)])
+        children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+        if not children or (len(children) == 1 and children[0] is node):
+            return node  # an empty node or a non-array leaf (None)
+        return jax.tree_util.tree_unflatten(treedef, [walk(c) for c in children])
+
+    return walk(abstract_state)
 
 
 def sharded_abstract(tree, shardings):
@@ -754,6 +787,18 @@ def allgather_json(obj: Any) -> list:
     allb = multihost_utils.process_allgather(buf)
     n = np.asarray(n).reshape(-1)
     return [json.loads(bytes(allb[i][: int(n[i])]).decode()) for i in range(allb.shape[0])]
+
+
+def every_process(flag: bool) -> bool:
+    """Whether `flag` holds on every process (one small all-gather; single process: flag). For
+    decisions that must be the same everywhere, e.g. whether every process has its next batch,
+    so that one process's end ends every process instead of leaving the others in a
+    collective."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([int(bool(flag))], np.int32))))
 
 
 def reduce_host_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

@@ -46,8 +46,11 @@ Scale-out (docs/scaling.md): every driver runs on the mesh of config.sharding
 (or restored) straight into their shardings, the optimizer state is created sharded, the frozen
 reference policy is a sharded copy, and the train step, the log-prob forward and the sampler are
 MeshJit programs with explicit shardings (the train state donated). In a multi-process job (one
-process per host, model.sharding.maybe_initialize_distributed) every process reads the same
-global data stream and keeps its rows (rl.pipeline.host_prompt_slice), generates and scores its
+process per host, model.sharding.maybe_initialize_distributed) every process checks at start-up
+that all run the same config (config_agreement), reads only its own rows of each global SFT
+batch (_sft_stream), iterates the same global RL prompt stream and keeps its rows
+(rl.pipeline.host_prompt_slice; a stream that ends on any process ends the job on every one:
+next_global_batch), generates and scores its
 own rollouts in its own sandbox pool, and the global batch the trainer sees is assembled from
 every process's rows (model.sharding.to_global); host-side metrics are reduced over processes
 (model.sharding.reduce_host_metrics) and written by process 0; evaluation is split over the
@@ -401,16 +404,29 @@ def sft_buckets(examples, s) -> list[dict]:
     return buckets
 
 
-def _sft_stream(examples, tok, s, seed):
+def _sft_stream(examples, tok, s, seed, *, mesh=None, rules=None):
     """The SFT batch stream: each bucket of sft_buckets encoded (up front, so a row over its
     width fails before training), shuffled, repeated and batched, the buckets' batches
-    interleaved by their weights (grain.MapDataset.mix, deterministic)."""
+    interleaved by their weights (grain.MapDataset.mix, deterministic). With `mesh`, each
+    process's stream yields only its own rows of each global batch (shd.host_batch_slice; grain
+    reads them by index from the global shuffled order), so the global batches and their order
+    do not depend on the process count and no process assembles the others' rows."""
+    import sys
+
     import grain
     streams, weights = [], []
     for b in sft_buckets(examples, s):
         rows = list(map(_sft_rows(tok, b["width"]), b["examples"]))
-        streams.append(grain.MapDataset.source(rows).shuffle(seed=seed).repeat()
-                       .batch(b["batch_size"], drop_remainder=True))
+        order = grain.MapDataset.source(rows).shuffle(seed=seed).repeat()
+        n = b["batch_size"]
+        mine = (slice(0, n) if mesh is None
+                else shd.host_batch_slice(n, mesh=mesh, rules=rules))
+
+        def local(i, order=order, n=n, mine=mine):  # rows mine of global batch i
+            picked = [order[i * n + r] for r in range(mine.start, mine.stop)]
+            return {k: np.stack([p[k] for p in picked]) for k in picked[0]}
+
+        streams.append(grain.MapDataset.range(sys.maxsize // n).map(local))
         weights.append(b["weight"])
     ds = streams[0] if len(streams) == 1 else grain.MapDataset.mix(streams, weights)
     return iter(ds.to_iter_dataset())
@@ -459,7 +475,8 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
                       first: tuple[int, _SupervisedStep] | None = None):
     """Runs `steps` supervised steps of `objective` from `variables` (sharded on `mesh`;
     resuming from workdir/checkpoints), logging under `name/` (and `config` to config.json).
-    Every process reads the same global batch stream and feeds its rows. `step`: the phase's
+    `it` yields this process's rows of each global batch (_sft_stream with the mesh); a stream
+    that ends on any process ends the phase on every one (next_global_batch). `step`: the phase's
     supervised_step (compiled ahead), else made here. `first` = (n, step'): steps 0..n-1 run
     step' instead (SFT's dense stage: another model over the same train state). Returns the
     final state."""
@@ -479,11 +496,8 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
     writer = MetricsWriter(workdir, config=config) if _primary() else None
     bar = _progress(steps, name, start) if progress and _primary() else None
     for i in range(start, steps):
-        batch = next(it)  # the global batch; this process feeds its rows
-        n = len(batch["tokens"])
-        rows = shd.host_batch_slice(n, mesh=mesh, rules=rules)
-        gb = shd.to_global({k: np.asarray(v)[rows] for k, v in batch.items()}, mesh, rules,
-                           n_global=n)
+        batch = next_global_batch(it, name, i)  # this process's rows of the global batch
+        gb = shd.to_global({k: np.asarray(v) for k, v in batch.items()}, mesh, rules)
         state, met = (first_step.fn if i < first_n else step_fn)(state, gb)
         if (i + 1) % log_every == 0 or i + 1 == steps:
             m = jax.device_get(met)
@@ -502,6 +516,72 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
     if writer is not None:
         writer.close()
     return state
+
+
+class DataExhausted(RuntimeError):
+    """A process's data stream ended; raised on every process at the same step
+    (next_global_batch), so the job ends everywhere instead of hanging in a collective."""
+
+
+def next_global_batch(it, what: str, step: int):
+    """The next batch of `it`, agreed over processes: when any process's stream has ended,
+    every process raises DataExhausted naming the processes and the step."""
+    batch = next(it, None)
+    if shd.every_process(batch is not None):
+        return batch
+    out = shd.allgather_json(batch is None)
+    ended = [i for i, e in enumerate(out) if e]
+    raise DataExhausted(f"{what}: the data stream of process(es) {ended} ended at step {step} "
+                        f"(of {jax.process_count()} processes): every process stops here; give "
+                        "every process the same data (a repeated stream, or as many batches as "
+                        "steps)")
+
+
+def config_fields(config) -> dict[str, str]:
+    """A run config flattened to {dotted field: repr(value)} (what config_agreement compares)."""
+    out = {}
+
+    def walk(node, prefix):
+        for k in sorted(node.keys()):
+            v = node[k]
+            if hasattr(v, "keys") and hasattr(v, "items"):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[prefix + k] = repr(v)
+
+    walk(config, "")
+    return out
+
+
+def config_agreement(config) -> str:
+    """Checks that every process runs this same config (a digest of config_fields exchanged
+    through the distributed runtime: one all-gather of 32 bytes, and the fields only when the
+    digests differ). Raises ValueError on every process naming the differing fields and the
+    processes, so the job stops at start-up instead of training on mixed configs, failing in
+    a collective or hanging. Returns a report line."""
+    import hashlib
+
+    n = jax.process_count()
+    fields = config_fields(config)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    if n == 1:
+        return f"  config digest {digest[:16]} (one process)"
+    digests = shd.allgather_json(digest)
+    if len(set(digests)) == 1:
+        return f"  config digest {digest[:16]}: the same on all {n} processes"
+    every = shd.allgather_json(fields)
+    diff = []
+    for key in sorted(set().union(*every)):
+        vals = [f.get(key, "<absent>") for f in every]
+        if len(set(vals)) > 1:
+            by = {}
+            for i, v in enumerate(vals):
+                by.setdefault(v, []).append(i)
+            diff.append(f"{key} (" + "; ".join(f"{v} on process(es) {ps}"
+                                                for v, ps in by.items()) + ")")
+    raise ValueError(f"the {n} processes run different configs; every process must run the "
+                     f"same command. Differing fields: {', '.join(diff[:20])}"
+                     + (f" and {len(diff) - 20} more" if len(diff) > 20 else ""))
 
 
 def start_phase(config, phase: str, resume: bool, data: dict) -> None:
@@ -540,21 +620,120 @@ def _resume(ckpt: Checkpointer, state, shardings, rng, data_iter, name: str):
     return state, _local_key(rng)
 
 
-def check_run_config(config, num_devices: int, phase: str = "rl") -> str:
-    """Validate a run config for a job of `num_devices` devices without touching any: the model
-    config, the mesh (config.sharding.mesh, -1 resolved), the rules, the expert axis against
-    num_experts when the MoE is expert-parallel, and how the phase's batches split (rows over
-    the batch axes; an axis that does not divide leaves them replicated over it). Raises
-    ValueError on what cannot run; returns a report (warnings included)."""
+def trainable_experts(cfg: ModelConfig, what: str) -> None:
+    """Raises ValueError when `what` (a phase that trains) would take gradients of packed MXFP4
+    experts (uint8: nothing float to differentiate); the fix is float experts, with QAT to keep
+    the MXFP4 export's forward."""
+    if cfg.moe.num_experts and cfg.moe.expert_format == "mxfp4":
+        raise ValueError(
+            f"{what} trains the model, but model.moe.expert_format='mxfp4' holds the routed "
+            "experts packed (uint8), which have no gradient: set "
+            "--config.model.moe.expert_format=bf16 --config.model.moe.qat=True (float experts "
+            "trained through MXFP4 fake quantisation) and, to sample with packed experts, "
+            "--config.rl.rollout_experts=mxfp4")
+
+
+def process_layout(shape: dict, rows: int, processes: int, rules=None) -> tuple[int, int]:
+    """(row blocks, rows per process) of a batch of `rows` on a mesh of `shape` run by
+    `processes` processes, each holding an equal contiguous block of the devices (the mesh's
+    outer axes across hosts): the batch axes split the rows into row blocks, a process holds
+    blocks / processes of them (or shares one block with the others when there are fewer
+    blocks than processes)."""
+    axes = shd.batch_axes(shape, rows, rules)
+    blocks = math.prod(shape[a] for a in axes)
+    return blocks, rows // min(blocks, processes)
+
+
+def check_groups(config, shape: dict, processes: int, rules=None) -> str:
+    """The RL batch's split over processes: each process generates, scores and computes the
+    GRPO-style group statistics of its own rows, so its rows must hold whole groups
+    (rl.pipeline.host_prompt_slice). Raises ValueError naming the numbers and the fix."""
+    r = config.rl
+    rows = r.prompts_per_batch * r.group_size
+    blocks, per = process_layout(shape, rows, processes, rules)
+    need = r.group_size * min(blocks, processes)
+    if rows % need:
+        raise ValueError(
+            f"rl.prompts_per_batch={r.prompts_per_batch} x rl.group_size={r.group_size} = "
+            f"{rows} rollout rows give each of the {processes} processes "
+            f"{rows / min(blocks, processes):g} rows (the batch axes split them into {blocks} "
+            f"blocks), which splits a group of {r.group_size}: "
+            f"make the rollout rows a multiple of {need} (rl.prompts_per_batch a multiple of "
+            f"{need // r.group_size})")
+    return (f"  rollout rows per process: {per} (whole groups of {r.group_size}: "
+            f"{per // r.group_size}; {processes} processes, {blocks} row blocks)")
+
+
+def phase_optimizer(config, phase: str):
+    """The optimizer whose state the phase's train state holds (rl: config.optim; sft: the SFT
+    phase's), built as the drivers build it."""
+    if phase == "rl":
+        return make_optimizer(config.optim)
+    s = config.sft
+    return make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,
+                                 optim_numerics(config)))
+
+
+def abstract_train_state(config, shape: dict, phase: str = "rl"):
+    """The phase's fresh train state as ShapeDtypeStructs with its shardings on an abstract mesh
+    of `shape` (jax.sharding.AbstractMesh: no device needed, so a pod's mesh is built on a
+    laptop; jax.eval_shape only, nothing allocated): the parameters by the rules, the
+    optimizer state (an f32 master copy and moments included) like its parameters. What a run
+    builds at start-up, so a layout that cannot be built fails here."""
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh(tuple(shape.values()), tuple(shape))
+    rules = shd.rules_from_config(config)
+    if phase == "rl":
+        return abstract_rl_state(config, rl_model(config), algo_from_config(config.rl.algo),
+                                 mesh=mesh, rules=rules)
+    model, opt = _model(config), phase_optimizer(config, phase)
+    abstract = jax.eval_shape(lambda: init_train_state(model.init(jax.random.key(0)), opt))
+    return shd.sharded_abstract(abstract, train_state_shardings(model, opt, mesh, rules))
+
+
+def state_bytes_per_device(state) -> int:
+    """Bytes one device holds of an abstract sharded state (each leaf's shard shape)."""
+    total = 0
+    for x in jax.tree.leaves(state):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def default_processes(num_devices: int) -> int:
+    """The process count a launch check assumes: this job's when it checks this job's devices,
+    else one process per 4 devices (a TPU host; an 8-GPU node runs half as many processes, which
+    only makes each hold more rows)."""
+    if num_devices == jax.device_count():
+        return jax.process_count()
+    return max(num_devices // 4, 1)
+
+
+def check_run_config(config, num_devices: int, phase: str = "rl",
+                     processes: int | None = None, state: bool = True) -> str:
+    """Validate a run config for a job of `num_devices` devices run by `processes` processes
+    (default_processes) without touching any device: the model config, the mesh
+    (config.sharding.mesh, -1 resolved), the rules, the expert axis against num_experts when
+    the MoE is expert-parallel, trainable experts (trainable_experts), how the phase's batches
+    split (rows over the batch axes; an axis that does not divide leaves them replicated over
+    it), RL's rows per process against the group size (check_groups), and, with `state`, the
+    phase's train state and optimizer-state shardings built for the real mesh
+    (abstract_train_state). Raises ValueError on what cannot run; returns a report (warnings
+    included)."""
     cfg = model_config(config)
     shape = shd.mesh_shape(config.sharding.mesh, num_devices)
     rules = shd.rules_from_config(config)
+    processes = processes or default_processes(num_devices)
     lines = [f"config {config.name}: model {cfg.name}, mesh "
-             + ",".join(f"{a}={n}" for a, n in shape.items()) + f" ({num_devices} devices)"]
+             + ",".join(f"{a}={n}" for a, n in shape.items()) + f" ({num_devices} devices, "
+             f"{processes} processes)"]
     ep = shape["expert"]
     if cfg.moe.num_experts and cfg.moe.expert_parallel != "none" and cfg.moe.num_experts % ep:
+        divs = [d for d in range(2, 257) if cfg.moe.num_experts % d == 0][:8]
         raise ValueError(f"model.moe.num_experts={cfg.moe.num_experts} is not divisible by the "
-                         f"expert axis ({ep}): expert parallelism cannot run on this mesh")
+                         f"expert axis ({ep}): expert parallelism cannot run on this mesh; use "
+                         f"an expert axis in {divs} (--config.sharding.mesh)")
+    trainable_experts(cfg, {"sft": "SFT", "rl": "RL"}[phase])
     full = math.prod(shape[a] for a in rules["batch"] if a in shape)
     batches = {"sft": {"sft.batch_size": config.sft.batch_size},
                "rl": {"rollout rows (rl.prompts_per_batch x rl.group_size)":
@@ -567,27 +746,61 @@ def check_run_config(config, num_devices: int, phase: str = "rl") -> str:
         if split < full:
             lines.append(f"  warning: {what} = {n} is not divisible by the {full} devices of "
                          f"the batch axes {rules['batch']}: rows are replicated over the rest")
-    lines.append("  OK (memory: python scripts/plan.py --config <this config> --device ...)")
+    if phase == "rl":
+        lines.append(check_groups(config, shape, processes, rules))
+    if state:
+        st = abstract_train_state(config, shape, phase)
+        lines.append(f"  {phase} train state built for this mesh (abstract): "
+                     f"{len(jax.tree.leaves(st))} arrays, "
+                     f"{state_bytes_per_device(st) / 1e9:.2f} GB per device")
     return "\n".join(lines)
 
 
-def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = None) -> str:
+def check_rl_start(config, required: bool = True) -> str:
+    """The weights an RL run starts from (rl.init_from): with "sft", whether the SFT checkpoint
+    (sft_checkpoint_dir) is there. `required`: a missing one raises ValueError (the job at
+    hand would fail at start-up); else (checking another machine's job) a report line."""
+    init_from = config.rl.init_from
+    if init_from == "scratch":
+        return f"  RL starts from a fresh init (seed {config.seed})"
+    if init_from != "sft":
+        raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {init_from!r}")
+    d = sft_checkpoint_dir(config)
+    found = os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
+    if found:
+        return f"  RL starts from the SFT checkpoint in {d}"
+    msg = (f"rl.init_from='sft' but there is no SFT checkpoint under {d}: run scripts/sft.py "
+           "with the same --config first, or set --config.rl.init_from=scratch")
+    if required:
+        raise ValueError(msg)
+    return f"  warning: {msg} (not found on this machine; the job needs it in its workdir)"
+
+
+def resolve_devices(config, num_devices: int | None = None) -> int:
+    """The device count a launch check is for: `num_devices` when given, else the mesh's own
+    size when config.sharding.mesh sizes every axis (a pod launch line), otherwise this host's
+    devices (so XLA_FLAGS' fake device count applies)."""
+    if num_devices:
+        return int(num_devices)
+    d = shd.parse_mesh(config.sharding.mesh)
+    return math.prod(d.values()) if d and -1 not in d.values() else jax.device_count()
+
+
+def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = None,
+                        processes: int | None = None) -> str:
     """What `--dry_run` of the run scripts prints: everything a run would reject at start-up,
     checked without training, sampling or touching the sandbox (so a launch line is cheap to
     check): the model config, the RL algorithm (preset plus overrides, rl/algorithms.py), the
-    task families, and the mesh and batch splits of each phase (check_run_config) for
-    `num_devices` (default: the mesh's own size when config.sharding.mesh sizes every axis,
-    otherwise this host's devices, so XLA_FLAGS' fake device count applies).
+    task families, and each phase's mesh, batch and group splits and train state built for the
+    mesh (check_run_config) for `num_devices` (resolve_devices) run by `processes`.
     Raises ValueError on what cannot run; returns a report."""
-    if num_devices is None:  # a fully sized mesh is checked for its own size (a pod launch line)
-        d = shd.parse_mesh(config.sharding.mesh)
-        num_devices = (math.prod(d.values()) if d and -1 not in d.values()
-                       else jax.device_count())
+    num_devices = resolve_devices(config, num_devices)
     algo = algo_from_config(config.rl.algo)
     oversample = rl_oversample(config.rl) if "rl" in phases else 1
     reuse_verdicts(config.sandbox)
     fams, sft_fams = task_families(config), sft_families(config)
-    lines = [check_run_config(config, num_devices, phase=p) for p in phases]
+    lines = [check_run_config(config, num_devices, phase=p, processes=processes)
+             for p in phases]
     if "sft" in phases and (dense := sft_dense_steps(config, model_config(config))):
         lines.append(f"  SFT dense stage: the first {dense} of {config.sft.steps} steps attend "
                      "densely (indexer KL over every causal key), "
@@ -660,7 +873,7 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     qat_steps = sft_qat_steps(config)
     qmodel = qat_model(model.cfg) if qat_steps else None  # rejected before SFT runs
     mesh, rules = shd.mesh_from_config(config)
-    it = _sft_stream(examples, tok, s, config.seed)
+    it = _sft_stream(examples, tok, s, config.seed, mesh=mesh, rules=rules)
 
     opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,
                                 optim_numerics(config)))
@@ -694,7 +907,8 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     if warm:
         wstate = _supervised_phase(
             "sft_indexer_warmup", wmodel, wopt, variables,
-            _sft_stream(examples, tok, s, config.seed + 1), steps=warm_steps,
+            _sft_stream(examples, tok, s, config.seed + 1, mesh=mesh, rules=rules),
+            steps=warm_steps,
             objective="indexer_warmup", workdir=os.path.join(workdir, "indexer_warmup"),
             seed=config.seed, log_every=s.log_every, checkpoint_every=s.checkpoint_every,
             resume=resume, progress=progress, postfix="indexer_kl", mesh=mesh, rules=rules,
@@ -710,7 +924,8 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     qopt = make_optimizer(_optim(s.qat_lr, max(qat_steps // 10, 1), qat_steps, s.weight_decay,
                                  optim_numerics(config)))
     return _supervised_phase(
-        "sft_qat", qmodel, qopt, state.variables, _sft_stream(examples, tok, s, config.seed + 2),
+        "sft_qat", qmodel, qopt, state.variables,
+        _sft_stream(examples, tok, s, config.seed + 2, mesh=mesh, rules=rules),
         steps=qat_steps, objective="lm", workdir=os.path.join(workdir, "qat"), seed=config.seed,
         log_every=s.log_every, checkpoint_every=s.checkpoint_every,
         resume=resume, progress=progress, postfix="ce", mesh=mesh, rules=rules, config=config)
@@ -1004,7 +1219,8 @@ class _Launcher:
         (the same compiled shapes) and the scored groups go through rl.pipeline.select_groups,
         which keeps one batch's worth (this process's share), informative groups first."""
         self.rng, self._pos = rng, self._data.get_state()
-        tasks, variables = next(self._data), self._to_sampler(state.variables)
+        tasks = next_global_batch(self._data, "RL prompts", int(state.step))
+        variables = self._to_sampler(state.variables)
         pendings = []
         for i in range(self._oversample):
             rng, sub = jax.random.split(rng)

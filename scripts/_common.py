@@ -59,44 +59,182 @@ def setup_jax() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+DEVICE_KINDS = ("h200", "b200", "tpu-v5p", "tpu-v6e")  # scripts/plan.py:DEVICES
+
+
+def define_launch_flags():
+    """The run scripts' launch-check flags: (--dry_run, --check_devices, --device,
+    --processes) as absl flag holders (launch_check says what they check)."""
+    from absl import flags
+
+    dry = flags.DEFINE_bool(
+        "dry_run", False, "only check the config for the job at hand (its fully sized mesh, "
+        "else this host's devices) and exit: model, algorithm, task families, mesh, batch and "
+        "group splits, the train state built for the mesh, memory with --device; exit code 2 "
+        "with the reason when something would fail")
+    check = flags.DEFINE_integer(
+        "check_devices", 0, "--dry_run for a job of this many devices (no device touched: a "
+        "pod slice's launch line checked on a laptop)")
+    device = flags.DEFINE_enum(
+        "device", None, list(DEVICE_KINDS), "the accelerator the launch check plans memory for "
+        "(scripts/plan.py; default: this host's when it is one of them, else memory unchecked)")
+    processes = flags.DEFINE_integer(
+        "processes", 0, "processes of the checked job (default: this job's for its own devices, "
+        "else one per 4 devices)")
+    return dry, check, device, processes
+
+
 def define_dry_run():
-    """The run scripts' --dry_run flag (rl.loop.validate_run_config)."""
+    """--dry_run alone (scripts without the other launch flags): launch_check for this job."""
     from absl import flags
 
     return flags.DEFINE_bool(
-        "dry_run", False, "only validate the config and flags (model, algorithm, task families, "
-        "mesh and batch splits for this host's devices), print what would run, and exit")
+        "dry_run", False, "only check the config for the job at hand (model, algorithm, task "
+        "families, mesh, batch and group splits, the train state built for the mesh), print "
+        "what would run, and exit; exit code 2 with the reason when something would fail")
 
 
-def stop_on_bad_config(config, phases) -> str:
-    """Before anything runs: rl.loop.validate_run_config (what --dry_run prints), and a config it
-    rejects (ValueError: a field out of range, an unknown name, a batch that does not split)
-    ends the script with the message on stderr and exit code 2, not a traceback. Call after
-    setup_jax (on several hosts the device count needs jax.distributed). Returns the report."""
-    from rl.loop import validate_run_config
+def host_device_kind() -> str | None:
+    """This host's accelerator as a planner device name, or None (CPU, or a kind the planner
+    does not know)."""
+    import jax
+
+    kind = jax.devices()[0].device_kind.lower()
+    for name, key in (("h200", "h200"), ("b200", "b200"), ("tpu-v5p", "v5p"),
+                      ("tpu-v6e", "v6")):
+        if key in kind:
+            return name
+    return None
+
+
+def device_memory(config, phase: str, shape: dict, device: str) -> dict:
+    """Per-device bytes the phase needs on a mesh of `shape` of `device`s, by the planner
+    (scripts/plan.py: per_device_plan with the config's run, rows and row width) -> {"train",
+    "rollout" (RL; None otherwise), "usable", "source", "plan"}. The one place the launch check
+    reads memory from: where the target topology can be compiled for ahead of time, the
+    compiled train step's and sampler's memory analysis belongs here instead of the planner."""
+    try:
+        import plan
+    except ImportError:  # imported as scripts._common
+        from scripts import plan
+    from model import sharding as shd
+
+    rules = shd.rules_from_config(config)
+    cfg = plan._model_cfg(config)
+    if phase == "rl":
+        rows, seq = plan.run_batch_from_config(config)
+        run = plan.run_plan_from_config(config)
+    else:
+        rows, seq = int(config.sft.batch_size), int(config.sft.seq_len)
+        run = plan.RunPlan(master_dtype=config.optim.get("master_dtype", "") or "",
+                           mu_dtype=config.optim.get("mu_dtype", "") or "")
+    pd = plan.per_device_plan(cfg, shape, device, rows, seq, rules=rules, run=run)
+    return {"train": pd["train"]["total"],
+            "rollout": pd["rollout"]["total"] if pd.get("rollout") else None,
+            "usable": pd["usable_bytes"], "source": "planner", "plan": pd}
+
+
+def memory_check(config, phase: str, shape: dict, device: str | None) -> str:
+    """A report line on the phase's per-device memory (device_memory), or ValueError naming what
+    does not fit, by how much, and the planner command that shows the breakdown."""
+    if device is None:
+        return (f"  {phase} memory: NOT CHECKED (no --device given and this host is not one of "
+                f"{', '.join(DEVICE_KINDS)})")
+    m = device_memory(config, phase, shape, device)
+    gb = 1e9
+    parts = [("training", m["train"])] + ([("rollouts next to the train state", m["rollout"])]
+                                          if m["rollout"] is not None else [])
+    over = [f"{what} needs {v / gb:.1f} GB per device, {m['usable'] / gb:.1f} GB usable"
+            for what, v in parts if v > m["usable"]]
+    mesh = ",".join(f"{a}={n}" for a, n in shape.items())
+    if over:
+        raise ValueError(
+            f"{phase} does not fit on {device} with mesh {mesh} ({m['source']}): "
+            + "; ".join(over) + f". The breakdown: python scripts/plan.py --config <this "
+            f"config> --mesh {mesh} --device {device} --batch <rows> --seq <row width>")
+    return (f"  {phase} memory on {device} ({m['source']}): "
+            + ", ".join(f"{what} {v / gb:.1f} GB" for what, v in parts)
+            + f" of {m['usable'] / gb:.1f} GB usable per device")
+
+
+def launch_check(config, phases, *, num_devices: int | None = None, device: str | None = None,
+                 processes: int = 0, start: bool = False) -> str:
+    """What --dry_run / --check_devices print: rl.loop.validate_run_config for the job (its
+    mesh for `num_devices`, default the config's fully sized mesh or this host's devices; its
+    `processes`), then the memory of each phase on `device` (memory_check; default this host's
+    accelerator), and for RL alone the weights it starts from (rl.loop.check_rl_start: a
+    missing SFT checkpoint fails a run's start (`start`), and is a warning for --dry_run and
+    --check_devices, which may check a launch line away from the job's files).
+    Raises ValueError with the reason on anything that would fail."""
+    from model import sharding as shd
+    from rl.loop import check_rl_start, default_processes, resolve_devices, validate_run_config
+
+    n = resolve_devices(config, num_devices)
+    try:
+        shape = shd.mesh_shape(config.sharding.mesh, n)
+    except ValueError as e:
+        raise ValueError(f"{e} (sharding.mesh {config.sharding.mesh!r} for {n} devices; to "
+                         "check a job of another size: --check_devices=N)") from None
+    processes = processes or default_processes(n)
+    report = validate_run_config(config, phases=tuple(phases), num_devices=n,
+                                 processes=processes)
+    device = device or host_device_kind()
+    lines = [report] + [memory_check(config, p, shape, device) for p in phases]
+    if "rl" in phases and "sft" not in phases:  # RL alone starts from what rl.init_from names
+        lines.append(check_rl_start(config, required=start))
+    return "\n".join(lines) + "\nOK: nothing above would stop this run at start-up"
+
+
+def stop_on_bad_config(config, phases, **kw) -> str:
+    """Before anything runs (call after setup_jax: on several hosts the device count needs
+    jax.distributed): every process checks that all run the same config
+    (rl.loop.config_agreement: a digest through the distributed runtime, the differing fields
+    named), then launch_check (what --dry_run prints; memory only when this host's accelerator
+    is known), and the processes exchange their verdicts. Anything rejected on any process (a
+    field out of range, an unknown name, a batch that does not split, a state that does not fit,
+    a missing checkpoint on one host) ends every process with the message on stderr and exit
+    code 2, not a traceback or a hang. Returns the report."""
+    from model import sharding as shd
+    from rl.loop import config_agreement
 
     try:
-        return validate_run_config(config, phases=tuple(phases))
+        agreed = config_agreement(config)
+        report, error = launch_check(config, phases, start=True, **kw), None
+    except ValueError as e:
+        report, error = None, str(e)
+    errors = shd.allgather_json(error)  # every process's verdict: all stop, or none
+    bad = [(i, e) for i, e in enumerate(errors) if e]
+    if bad:
+        where = "" if len(errors) == 1 else " (" + ", ".join(
+            f"process {i}" for i, _ in bad) + ")"
+        msgs = sorted({e for _, e in bad})
+        print(f"error: the config is rejected before anything ran{where}: " + " | ".join(msgs),
+              file=sys.stderr)
+        sys.exit(2)
+    return agreed + "\n" + report
+
+
+def dry_run(config, phases, **kw) -> None:
+    """--dry_run / --check_devices: print launch_check's report, or end with the rejection on
+    stderr and exit code 2. Runs without jax.distributed (a launch line checked on a laptop)."""
+    try:
+        print(launch_check(config, phases, **kw))
     except ValueError as e:
         print(f"error: the config is rejected before anything ran: {e}", file=sys.stderr)
         sys.exit(2)
-
-
-def dry_run(config, phases) -> None:
-    """--dry_run: print validate_run_config's report, or end as stop_on_bad_config does (the
-    rejection on stderr, exit code 2)."""
-    print(stop_on_bad_config(config, phases))
 
 
 @contextlib.contextmanager
 def stop_on_workdir_mismatch():
     """A workdir that holds another config's checkpoints (rl.workdir.ResumeConfigError) ends the
     script with its message on stderr and exit code 2, not a traceback: it is the user's input,
-    and the message names the differing fields and the ways out."""
+    and the message names the differing fields and the ways out. So does a data stream that
+    ended on some process (rl.loop.DataExhausted, raised on every process at the same step)."""
+    from rl.loop import DataExhausted
     from rl.workdir import ResumeConfigError
 
     try:
         yield
-    except ResumeConfigError as e:
+    except (ResumeConfigError, DataExhausted) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -4,9 +4,13 @@
     python scripts/multihost_check.py --steps 3 --workdir /tmp/mh
 
 What it runs (CPU, fake devices; configs/rl.py:smoke_8dev from scratch: the test model with
-expert-parallel MoE on a (data 2, fsdp 2, expert 2) mesh, GRPO with KL, sandbox rewards, the
-demo's domains with multi-turn episodes played in lockstep across the processes, held-out
-evaluation at the last step):
+expert-parallel MoE on a (data 2, fsdp 2, expert 2) mesh, GRPO with KL, sandbox rewards,
+held-out evaluation of the demo's domains at the last step). The RL prompts are a task file
+(tasks.task_file, written to the workdir by `check_tasks`): answer_check tasks that a random
+policy solves by chance (the sandbox checks the parity of the answer's first byte), so the
+rewards within a group differ and the advantages, hence the policy gradient and its sync
+over processes, are not zero; and the demo's multi-step terminal episodes, played in lockstep
+across the processes (their rewards stay 0 from scratch).
 
 1. two processes (4 CPU devices each, gloo collectives, JAX_COORDINATOR_ADDRESS /
    JAX_NUM_PROCESSES / JAX_PROCESS_ID) run `scripts/train_rl.py` for --steps RL steps; each
@@ -49,9 +53,31 @@ def _env(devices: int, extra: dict | None = None) -> dict:
     return env
 
 
-def _cmd(workdir: pathlib.Path, steps: int) -> list[str]:
+PARITY_CHECK = """import sys
+answer = open("answer.txt", "rb").read()
+sys.exit(0 if answer and answer[0] % 2 == 0 else 1)
+"""
+
+
+def check_tasks(path: pathlib.Path, n_parity: int = 16, n_episodes: int = 8) -> pathlib.Path:
+    """Writes the check's RL task file: n_parity answer_check tasks solved when the answer's
+    first byte is even (some of a random policy's answers: non-zero advantages from scratch),
+    and n_episodes multi-step terminal episodes of the demo's domain (level 1)."""
+    from sandbox.tasks import Task, save_tasks
+    from sandbox.tasks.domains import multistep
+
+    parity = [Task(id=f"parity-{i}", family="answer_check", timeout_s=5.0,
+                   prompt=f"Task {i}: answer with any text that starts with an even byte.",
+                   check=PARITY_CHECK, check_language="python",
+                   meta={"family_name": "parity"}) for i in range(n_parity)]
+    save_tasks(parity + multistep.make_split("train", n_episodes, seed=0, difficulty=1), path)
+    return path
+
+
+def _cmd(workdir: pathlib.Path, steps: int, tasks: pathlib.Path) -> list[str]:
     return [sys.executable, str(ROOT / "scripts" / "train_rl.py"), "--config", CONFIG,
             f"--config.workdir={workdir}", "--config.rl.init_from=scratch",
+            f"--config.tasks.task_file={tasks}",
             f"--config.rl.steps={steps}", f"--config.rl.checkpoint_every={steps}",
             f"--config.eval.every={steps}", "--config.eval.val_tasks=16", "--noresume"]
 
@@ -119,19 +145,20 @@ def main() -> int:
     base = (ROOT / a.workdir).resolve()
     base.mkdir(parents=True, exist_ok=True)
     two, one = base / "two_processes", base / "one_process"
+    tasks = check_tasks(base / "tasks.jsonl")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
 
     t0 = time.time()
-    outs = _run([(_cmd(two, a.steps), _env(4, {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+    outs = _run([(_cmd(two, a.steps, tasks), _env(4, {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                                                "JAX_NUM_PROCESSES": "2",
                                                "JAX_PROCESS_ID": str(i)}))
                  for i in range(2)], base, "two", a.timeout)
     t_two = time.time() - t0
     d_two = [(_digest(o) or ["missing"])[-1] for o in outs]
     t0 = time.time()
-    d_one = (_digest(_run([(_cmd(one, a.steps), _env(8))], base, "one", a.timeout)[0])
+    d_one = (_digest(_run([(_cmd(one, a.steps, tasks), _env(8))], base, "one", a.timeout)[0])
              or ["missing"])[-1]
     t_one = time.time() - t0
     r = subprocess.run([sys.executable, "-c", RESTORE.format(workdirs=[
@@ -143,7 +170,8 @@ def main() -> int:
     maxdiff = float(re.search(r"maxdiff (\S+)", r.stdout).group(1))
 
     m_two, m_one = _metrics(two), _metrics(one)
-    keys = ("rl/reward_mean", "rl/loss", "rl/kl_ref", "rl/grad_norm", "rl/rows_trained")
+    keys = ("rl/reward_mean", "rl/adv_abs_mean", "rl/loss", "rl/kl_ref", "rl/grad_norm",
+            "rl/rows_trained")
     print(f"two processes x 4 devices: {t_two:.0f} s; one process x 8 devices: {t_one:.0f} s")
     print(f"params digest, process 0: {d_two[0]}")
     print(f"params digest, process 1: {d_two[1]}")

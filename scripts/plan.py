@@ -24,10 +24,8 @@ Per-device table (--mesh; `per_device_plan`): every parameter is mapped through 
 axis rules the runtime uses (model/sharding.py: axes that do not divide a dimension are dropped,
 i.e. that dimension is replicated; those dims are listed). Assumptions, also printed:
   * training keeps a working copy of every parameter in its dtype (bf16 for reference_2p8t;
-    MXFP4 experts are trained as bf16 with QAT, model.moe.qat; the rollouts are counted on these
-    same parameters, so the packed MXFP4 experts that rl.rollout_experts=mxfp4 quantises from
-    them once per rollout batch are not counted; the router and
-    KDA gate parameters are f32), gradients in the same dtypes, an f32 master copy of every
+    MXFP4 experts are trained as bf16 with QAT, model.moe.qat; the router and KDA gate
+    parameters are f32), gradients in the same dtypes, an f32 master copy of every
     non-f32 parameter, and AdamW's two f32 moments; all sharded like the parameters (ZeRO-3 over
     fsdp x expert, experts over the expert axis);
   * activations under the configured rematerialisation policy (`model.remat`: "none", "full"
@@ -46,7 +44,9 @@ i.e. that dimension is replicated; those dims are listed). Assumptions, also pri
     `ep_buffer_bytes`; a warning when the dropless all_to_all's buffers explode);
   * with an RL config (`RunPlan`, `run_plan_from_config`): its optimizer dtypes
     (optim.master_dtype / mu_dtype), the micro-batch gradient accumulator, the reference
-    policy, and a rollout verdict (the sampler next to the train state). For the tiny model on
+    policy, and a rollout verdict (the sampler next to the train state: on the training
+    parameters, or on the packed MXFP4 copy of the experts that rl.rollout_experts=mxfp4
+    quantises once per rollout batch, counted with its gathered weights). For the tiny model on
     8 fake devices the training total is within 10% of XLA's memory analysis of the compiled
     RL train step (tests/rl/test_sharded_rl.py);
   * usable memory = device HBM x (1 - --headroom) (XLA workspace, collectives buffers,
@@ -76,26 +76,6 @@ from model.config import ModelConfig  # noqa: E402
 from model.layers import moe as moe_lib  # noqa: E402
 from model.layers import registry  # noqa: E402
 from model.transformer import Model  # noqa: E402
-
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/models.py:reference_2p8t",
-                                          "model config (or a config with a .model field)")
-_JSON = flags.DEFINE_bool("json", False, "print one JSON object")
-_SHARD_GB = flags.DEFINE_float("shard_gb", 16.5, "bytes per checkpoint shard, in GB (1e9)")
-_MESH = flags.DEFINE_string("mesh", None, "mesh axis sizes, e.g. expert=64,fsdp=16,tensor=8 "
-                            "(axes data,fsdp,expert,tensor; missing axes are 1)")
-_DEVICE = flags.DEFINE_enum("device", "h200", ["h200", "b200", "tpu-v5p", "tpu-v6e"],
-                            "accelerator for the per-device verdict")
-_BATCH = flags.DEFINE_integer("batch", 256, "global batch (sequences) for activations/decode")
-_SEQ = flags.DEFINE_integer("seq", 4096, "sequence length (tokens) for activations/decode")
-_COMPILED = flags.DEFINE_bool("compiled_memory", False, "also compile the training gradient "
-                              "at --batch x --seq for every remat policy on this host's backend "
-                              "and print XLA's memory analysis next to the planner's estimate "
-                              "(small configs; see compiled_train_memory)")
-_DEVICES = flags.DEFINE_integer("devices", 0, "device count for a config mesh with a -1 axis")
-_DRY = flags.DEFINE_bool("dry_run", False, "only validate the config and flags (model config, "
-                         "mesh for the device count) and exit without planning")
-_HEADROOM = flags.DEFINE_float("headroom", 0.10, "fraction of HBM kept free (XLA workspace, "
-                               "collective buffers, fragmentation)")
 
 EXPERT_KEYS = ("w_gate", "w_up", "w_down")
 MXFP4_BITS = 4.25
@@ -162,9 +142,10 @@ ASSUMPTIONS = (
     "without remat, one block with it) plus one block's full-size gradient before its "
     "reduce-scatter; expert parallelism: send/receive buffers of one layer forward and backward "
     "and the dispatched rows beyond k per token kept for the backward",
-    "rollouts: the sampler on the train state's params next to the train state, the decode "
-    "state of the rollout batch, the weight gathers hoisted out of the decode loop (every "
-    "block's gathered weights live)",
+    "rollouts: the sampler next to the train state (params, master, moments, reference; the "
+    "gradients are not live), on the train state's params or, with rl.rollout_experts=mxfp4, "
+    "a packed MXFP4 copy of the experts; the decode state of the rollout batch, the weight "
+    "gathers hoisted out of the decode loop (every block's gathered weights live)",
     "activations: under the configured remat policy (model.remat); per block the residuals JAX "
     "saves for the backward (traced from the real block on this device's tensor-parallel slice, "
     "Pallas kernels as on GPU/TPU), plus one block's recompute and cotangents, plus f32 logits "
@@ -430,7 +411,10 @@ class RunPlan:
       activations' batch.
     reference: RL keeps a frozen reference policy (a sharded copy of the parameters).
     rollout_rows / rollout_len: the sampler's batch (rows, prompt + generated tokens); the
-      sampler runs on the train state's parameters, so rollouts co-reside with the train state.
+      sampler runs next to the train state.
+    rollout_experts: "bf16" = the sampler runs on the train state's parameters; "mxfp4" = on a
+      packed MXFP4 copy of the routed experts (rl.rollout_experts, quantised once per batch),
+      so its gathered expert weights are MXFP4 (4.25 bits) and the copy is counted.
     """
 
     master_dtype: str = "float32"
@@ -439,6 +423,7 @@ class RunPlan:
     reference: bool = False
     rollout_rows: int = 0
     rollout_len: int = 0
+    rollout_experts: str = "bf16"
 
 
 def run_plan_from_config(config) -> RunPlan:
@@ -452,7 +437,16 @@ def run_plan_from_config(config) -> RunPlan:
                    mu_dtype=o.get("mu_dtype", "") or "", micro_batches=int(r.micro_batches),
                    reference=bool(algo.needs_ref),
                    rollout_rows=int(r.prompts_per_batch * r.group_size),
-                   rollout_len=int(r.max_prompt_len + r.max_new_tokens))
+                   rollout_len=int(r.max_prompt_len + r.max_new_tokens),
+                   rollout_experts=str(r.get("rollout_experts", "bf16")))
+
+
+def run_batch_from_config(config) -> tuple[int, int]:
+    """(rows, tokens per row) of an RL config's training batch: the rollout rows
+    (rl.prompts_per_batch x rl.group_size) at the one-shot row width (rl.max_prompt_len +
+    rl.max_new_tokens), what each RL update trains on."""
+    r = config.rl
+    return int(r.prompts_per_batch * r.group_size), int(r.max_prompt_len + r.max_new_tokens)
 
 
 def _leaf_spec_bytes(abstract, mesh_shape: dict, rules, keep_axes) -> int:
@@ -594,10 +588,18 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
         r_loc = run.rollout_rows // math.prod(
             mesh_shape[x] for x in shd.batch_axes(mesh_shape, run.rollout_rows, rules))
         r_logits = r_loc * tcfg.vocab_size * 4
-        r_total = params + master + moments + reference + gathered["all_blocks"] + r_dec + \
+        r_copy, r_gathered = 0, gathered["all_blocks"]
+        if run.rollout_experts == "mxfp4":  # the sampler's packed copy (model/quant.py)
+            from model import quant
+            scfg = quant.mxfp4_config(tcfg)
+            r_copy = _shard_bytes(_abstract(scfg), mesh_shape, rules)["total"]
+            r_gathered = fsdp_gathered_bytes(scfg, mesh_shape, rules)["all_blocks"]
+        r_total = params + master + moments + reference + r_copy + r_gathered + r_dec + \
             r_logits
-        rollout = {"rows": run.rollout_rows, "len": run.rollout_len, "decode_state": r_dec,
-                   "logits": r_logits, **_verdict(r_total, usable)}
+        rollout = {"rows": run.rollout_rows, "len": run.rollout_len,
+                   "experts": run.rollout_experts, "train_state": params + master + moments
+                   + reference, "sampler_copy": r_copy, "gathered_weights": r_gathered,
+                   "decode_state": r_dec, "logits": r_logits, **_verdict(r_total, usable)}
     dropped = sorted({f"{p}: {name} ({dim_size}) not divisible by {axis}={size} -> replicated"
                       for p, _, name, axis, size, dim_size in train_report + report})
     summary = sorted({f"{name} ({dim_size}) / {axis}={size}"
@@ -759,8 +761,12 @@ def format_per_device(pd: dict) -> str:
     if pd.get("rollout"):
         r = pd["rollout"]
         lines.append("    " + _fmt_verdict(
-            f"rollouts next to the train state ({r['rows']} rows x {r['len']} tokens)", r,
-            pd["usable_bytes"]))
+            f"rollouts next to the train state ({r['rows']} rows x {r['len']} tokens, "
+            f"{r['experts']} experts)", r, pd["usable_bytes"]))
+        lines.append(f"      train state {_fmt_bytes(r['train_state'])}, sampler's MXFP4 copy "
+                     f"{_fmt_bytes(r['sampler_copy'])}, gathered weights "
+                     f"{_fmt_bytes(r['gathered_weights'])}, decode state "
+                     f"{_fmt_bytes(r['decode_state'])}, logits {_fmt_bytes(r['logits'])}")
     for w in pd["warnings"]:
         lines.append(f"  warning: {w}")
     if pd["not_divisible"]:
@@ -771,7 +777,100 @@ def format_per_device(pd: dict) -> str:
     return "\n".join(lines)
 
 
+# The pod launches of docs/scaling.md section 3 for configs/rl.py:reference (and the slice that
+# is too small): (what, mesh, device, devices per process, config.rl overrides). `launch_plans`
+# plans each with the config's own batch; the page's table is `format_launch_table`'s output.
+LAUNCHES = (
+    ("1024 x H200 (128 nodes of 8)", "fsdp=16,expert=8,tensor=8", "h200", 8, {}),
+    ("2048 x TPU v5p (v5p-4096, 512 hosts)", "fsdp=64,expert=8,tensor=4", "tpu-v5p", 4,
+     {"prompts_per_batch": 512}),
+    ("512 x TPU v5p (v5p-1024, 128 hosts)", "fsdp=16,expert=8,tensor=4", "tpu-v5p", 4, {}),
+)
+
+
+def launch_plans(launches=LAUNCHES, variant: str = "reference") -> list[dict]:
+    """Per-device plans of configs/rl.py:<variant> for each launch: the config's rows and row
+    width (run_batch_from_config), its run (run_plan_from_config), and the rows per process."""
+    from configs import rl as rl_configs
+    from rl.loop import process_layout
+
+    out = []
+    for what, mesh, device, per_process, overrides in launches:
+        c = rl_configs.get_config(variant)
+        c.sharding.mesh = mesh
+        c.rl.update(overrides)
+        rows, seq = run_batch_from_config(c)
+        shape = shd.mesh_shape(mesh)
+        processes = math.prod(shape.values()) // per_process
+        blocks, per = process_layout(shape, rows, processes, shd.rules_from_config(c))
+        pd = per_device_plan(_model_cfg(c), mesh, device, rows, seq,
+                             rules=shd.rules_from_config(c), run=run_plan_from_config(c))
+        out.append({"what": what, "mesh": mesh, "device": device, "processes": processes,
+                    "rows": rows, "seq": seq, "micro_batches": int(c.rl.micro_batches),
+                    "rows_per_process": per, "group_size": int(c.rl.group_size),
+                    "overrides": overrides, "plan": pd})
+    return out
+
+
+def format_launch_table(plans: list[dict]) -> str:
+    """The markdown table of launch_plans (docs/scaling.md section 4)."""
+    def gb(n):
+        return f"{n / 1e9:.1f}"
+
+    lines = ["| devices | mesh | rows x tokens (micro-batches) | rows per process | train state "
+             "| training | rollouts (MXFP4 experts) | usable | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in plans:
+        t, r, pd = p["plan"]["train"], p["plan"]["rollout"], p["plan"]
+        state = t["params_bf16"] + t["master_f32"] + t["adam_moments_f32"] + \
+            t["reference_policy"]
+        ok = t["fits"] and r["fits"]
+        verdict = "fits" if ok else "does NOT fit: " + ", ".join(
+            f"{what} over by {gb(v['over_by'])} GB" for what, v in (("training", t),
+                                                                      ("rollouts", r))
+            if not v["fits"])
+        extra = "".join(f", `--config.rl.{k}={v}`" for k, v in p["overrides"].items())
+        lines.append(
+            f"| {p['what']} | `{p['mesh']}`{extra} | {p['rows']} x {p['seq']} "
+            f"({p['micro_batches']}) | {p['rows_per_process']} (groups of {p['group_size']}) | "
+            f"{gb(state)} GB | {gb(t['total'])} GB | {gb(r['total'])} GB "
+            f"(gathered {gb(r['gathered_weights'])}, decode {gb(r['decode_state'])}) | "
+            f"{gb(pd['usable_bytes'])} GB | {verdict} |")
+    return "\n".join(lines)
+
+
+def define_flags() -> None:
+    """The command line's flags, defined when the planner runs as a script (importing the
+    module, as the run scripts' launch checks do, defines none)."""
+    global _CONFIG, _JSON, _SHARD_GB, _MESH, _DEVICE, _BATCH, _SEQ, _COMPILED, _DEVICES, _DRY
+    global _HEADROOM, _LAUNCHES
+    _CONFIG = config_flags.DEFINE_config_file("config", "configs/models.py:reference_2p8t",
+                                              "model config (or a config with a .model field)")
+    _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
+    _SHARD_GB = flags.DEFINE_float("shard_gb", 16.5, "bytes per checkpoint shard, in GB (1e9)")
+    _MESH = flags.DEFINE_string("mesh", None, "mesh axis sizes, e.g. expert=64,fsdp=16,tensor=8 "
+                                "(axes data,fsdp,expert,tensor; missing axes are 1)")
+    _DEVICE = flags.DEFINE_enum("device", "h200", ["h200", "b200", "tpu-v5p", "tpu-v6e"],
+                                "accelerator for the per-device verdict")
+    _BATCH = flags.DEFINE_integer("batch", 256, "global batch (sequences) for activations/decode")
+    _SEQ = flags.DEFINE_integer("seq", 4096, "sequence length (tokens) for activations/decode")
+    _COMPILED = flags.DEFINE_bool("compiled_memory", False, "also compile the training gradient "
+                                  "at --batch x --seq for every remat policy on this host's backend "
+                                  "and print XLA's memory analysis next to the planner's estimate "
+                                  "(small configs; see compiled_train_memory)")
+    _DEVICES = flags.DEFINE_integer("devices", 0, "device count for a config mesh with a -1 axis")
+    _DRY = flags.DEFINE_bool("dry_run", False, "only validate the config and flags (model config, "
+                             "mesh for the device count) and exit without planning")
+    _LAUNCHES = flags.DEFINE_bool("launch_table", False, "print the per-device table of the "
+                                  "reference launches of docs/scaling.md (LAUNCHES) and exit")
+    _HEADROOM = flags.DEFINE_float("headroom", 0.10, "fraction of HBM kept free (XLA workspace, "
+                                   "collective buffers, fragmentation)")
+
+
 def main(_):
+    if _LAUNCHES.value:
+        print(format_launch_table(launch_plans()))
+        return
     cfg = _model_cfg(_CONFIG.value)
     kw = {}
     mesh = _MESH.value
@@ -835,4 +934,5 @@ def format_compiled_memory(cfg: ModelConfig, batch: int, seq: int) -> str:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

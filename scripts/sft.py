@@ -21,7 +21,9 @@ Scale-out: runs on the mesh of config.sharding, one process per host in a multi-
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/sft.py \
         --config configs/rl.py:smoke_8dev
 
---check_devices=N only validates the config for a job of N devices (no device touched).
+Before anything runs every process checks that all run the same config and the launch checks
+pass (--dry_run prints them; --check_devices=N, --processes, --device: a job of another size and
+its memory, no device touched; docs/scaling.md section 1.1).
 """
 
 import _common  # noqa: F401  (XLA flags before jax)
@@ -29,22 +31,17 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:demo", "RL/SFT config")
-_DRY = _common.define_dry_run()
+_DRY, _CHECK, _DEVICE, _PROCESSES = _common.define_launch_flags()
 _RESUME = flags.DEFINE_bool("resume", True, "continue from the last good checkpoint")
-_CHECK = flags.DEFINE_integer("check_devices", 0, "only validate the config (mesh, rules, "
-                              "batch and expert splits) for a job of this many devices, then exit")
 
 
 def main(_):
-    if _DRY.value:
-        _common.dry_run(_CONFIG.value, ('sft',))
-        return
-    if _CHECK.value:
-        from rl.loop import check_run_config
-        print(check_run_config(_CONFIG.value, _CHECK.value, phase="sft"))
+    if _DRY.value or _CHECK.value:  # nothing runs: the checks of a start-up, then exit
+        _common.dry_run(_CONFIG.value, ('sft',), num_devices=_CHECK.value or None,
+                        device=_DEVICE.value, processes=_PROCESSES.value)
         return
     _common.setup_jax()
-    _common.stop_on_bad_config(_CONFIG.value, ('sft',))
+    _common.stop_on_bad_config(_CONFIG.value, ('sft',), device=_DEVICE.value)
     from rl.loop import run_sft
 
     with _common.stop_on_workdir_mismatch():

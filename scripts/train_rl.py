@@ -15,9 +15,12 @@ Scale-out: the run uses the mesh of config.sharding (docs/scaling.md); in a mult
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or JAX_DISTRIBUTED_AUTO=1) every
 process runs this same command. At the end every process prints a digest of the final
 parameters (equal bits give equal digests, whatever the mesh or process count) and checks that
-all replicas of every parameter agree. --check_devices=N only validates the config for a mesh
-of N devices (no device is touched: a pod slice's launch line checked on a laptop); plan its
-memory with scripts/plan.py --config <the same config>.
+all replicas of every parameter agree. Before anything runs, every process checks that all
+run the same config and the launch checks pass (scripts/_common.py:stop_on_bad_config), else
+all stop with the reason, exit code 2. --dry_run runs those checks for the job at hand and
+exits; --check_devices=N for a job of N devices (no device is touched: a pod slice's launch
+line checked on a laptop), --processes its process count, --device the accelerator whose
+memory the planner checks (scripts/plan.py; docs/scaling.md section 1.1).
 """
 
 import _common  # noqa: F401
@@ -25,22 +28,17 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:grpo_tiny", "RL config")
-_DRY = _common.define_dry_run()
+_DRY, _CHECK, _DEVICE, _PROCESSES = _common.define_launch_flags()
 _RESUME = flags.DEFINE_bool("resume", True, "continue from the last good checkpoint")
-_CHECK = flags.DEFINE_integer("check_devices", 0, "only validate the config (mesh, rules, "
-                              "batch and expert splits) for a job of this many devices, then exit")
 
 
 def main(_):
-    if _DRY.value:
-        _common.dry_run(_CONFIG.value, ('rl',))
-        return
-    if _CHECK.value:
-        from rl.loop import check_run_config
-        print(check_run_config(_CONFIG.value, _CHECK.value, phase="rl"))
+    if _DRY.value or _CHECK.value:  # nothing runs: the checks of a start-up, then exit
+        _common.dry_run(_CONFIG.value, ('rl',), num_devices=_CHECK.value or None,
+                        device=_DEVICE.value, processes=_PROCESSES.value)
         return
     _common.setup_jax()
-    _common.stop_on_bad_config(_CONFIG.value, ('rl',))
+    _common.stop_on_bad_config(_CONFIG.value, ('rl',), device=_DEVICE.value)
     import jax
 
     from model import sharding as shd

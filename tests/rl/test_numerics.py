@@ -113,6 +113,7 @@ def test_planner_warns_about_the_dropless_all_to_all():
 
     c = rl_configs.get_config("reference")
     c.model.moe.expert_parallel = "all_to_all"
+    c.rl.micro_batches = 1  # the whole batch of 256 at once: 8192 tokens per device
     pd = per_device_plan(ModelConfig.from_dict(c.model), "fsdp=16,expert=8,tensor=8", "h200",
                          batch=256, seq=4096, run=run_plan_from_config(c))
     w = [x for x in pd["warnings"] if "dropless" in x]

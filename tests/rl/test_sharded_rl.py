@@ -15,6 +15,9 @@ preset's KDA + DSA trunk (MoE, all_to_all) with a DSA top-k of 8, so its 6-token
 over a 12-position cache crosses top-k: the first steps attend densely by the run-time choice
 (model/layers/dsa.py RUNTIME_DENSE_DECODE), the later ones select, on every mesh.
 
+bf16 parameters with the default numerics (an f32 master copy, f32 Adam moments) take the same
+step on one device and on a mesh (the `master` child, ~15 s).
+
 The gradients are read from the optimizer state: the step's optimizer is the real
 `make_optimizer` (clipping + AdamW with the weight-decay mask) behind a transformation that
 keeps the last gradient in its state, so one compiled step per mesh yields everything.
@@ -114,6 +117,16 @@ def test_planner_matches_compiled_rl_step_memory(outcomes):
     if isinstance(text, Exception):
         raise text
     assert "OK planner" in text, text[-3000:]
+
+
+def test_bf16_params_with_f32_master_copy_on_one_device_and_on_a_mesh():
+    """bf16 parameters with the default numerics (optim.master_dtype="float32": an f32 master
+    copy and f32 Adam moments) build their train state and take a real RL step on one device
+    and on the (2,2,2,1) mesh of 8 fake devices: the master copy and both moments are f32 and
+    laid out like their parameters, the parameters stay bf16 and are their master rounded, and
+    the mesh step's master copy equals the single-device one (f32 sums in another order)."""
+    out = _run_child("master")
+    assert "OK master one device" in out and "OK master mesh" in out, out[-3000:]
 
 
 # =========================================================================== children
@@ -410,7 +423,70 @@ def planner_vs_compiled():
     print(f"OK planner {plan['train']['total']} bytes vs compiled {xla} (ratio {ratio:.3f})")
 
 
-CHILDREN = {"reference": child_reference, "meshes": child_meshes}
+def child_master():
+    """See test_bf16_params_with_f32_master_copy_on_one_device_and_on_a_mesh."""
+    _setup()
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from ml_collections import ConfigDict
+
+    from model import sharding as shd
+    from model.transformer import Model
+    from rl.train_step import (
+        MasterCopyState,
+        init_train_state,
+        init_train_state_sharded,
+        make_optimizer,
+        make_train_step,
+        train_state_shardings,
+    )
+
+    model, algo, _, sampling = _parts()
+    # bf16 parameters, f32 compute: the two layouts' gradients then differ by f32 rounding only
+    # (with bf16 compute, Adam's first step lr * g / |g| flips on gradients near 0)
+    model = Model(dataclasses.replace(model.cfg, param_dtype="bfloat16", dtype="float32"))
+    opt = make_optimizer(ConfigDict(dict(
+        lr=1e-4, warmup_steps=1, total_steps=10, final_lr_frac=0.1, weight_decay=0.1, b1=0.9,
+        b2=0.99, eps=1e-8, clip_norm=1.0, mu_dtype="float32", master_dtype="float32")))
+    _, _, host_batch = _inputs()
+    variables = model.init(jax.random.key(0))
+
+    def check(state, where):
+        assert isinstance(state.opt_state, MasterCopyState), type(state.opt_state)
+        w = state.params["layer_0"]["ffn"]["w_gate"]
+        m = state.opt_state.master["layer_0"]["ffn"]["w_gate"]
+        adam = [s for s in jax.tree.leaves(state.opt_state.inner, is_leaf=lambda x: hasattr(
+            x, "mu")) if hasattr(s, "mu")][0]
+        mu, nu = (x["layer_0"]["ffn"]["w_gate"] for x in (adam.mu, adam.nu))
+        assert w.dtype == jnp.bfloat16 and m.dtype == mu.dtype == nu.dtype == jnp.float32
+        assert w.sharding == m.sharding == mu.sharding == nu.sharding, where
+        np.testing.assert_array_equal(np.asarray(m.astype(jnp.bfloat16), np.float32),
+                                      np.asarray(w, np.float32))
+        return np.asarray(jax.device_get(state.opt_state.master["layer_0"]["ffn"]["w_gate"]))
+
+    step = make_train_step(model, algo, opt, sampling=sampling, donate=False)
+    one, met = step(init_train_state(variables, opt),
+                    {k: jnp.asarray(v) for k, v in host_batch.items()})
+    want = check(one, "one device")
+    assert int(one.step) == 1 and np.isfinite(float(met["loss"]))
+    print("OK master one device")
+
+    mesh = shd.make_mesh((2, 2, 2, 1))
+    sh = train_state_shardings(model, opt, mesh)
+    state = init_train_state_sharded(shd.init_sharded(model, jax.random.key(0), mesh), opt, sh)
+    step = make_train_step(model, algo, opt, sampling=sampling, mesh=mesh)
+    new, met = step(state, shd.to_global(host_batch, mesh))
+    got = check(new, "mesh")
+    assert new.opt_state.master["layer_0"]["ffn"]["w_gate"].addressable_shards[0].data.shape[0] \
+        == got.shape[0] // 2  # experts over "expert"
+    assert int(new.step) == 1
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    print(f"OK master mesh (max abs master difference {np.max(np.abs(got - want)):.1e})")
+
+
+CHILDREN = {"reference": child_reference, "meshes": child_meshes, "master": child_master}
 
 if __name__ == "__main__":
     CHILDREN[sys.argv[1]](*sys.argv[2:])
