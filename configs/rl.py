@@ -238,10 +238,9 @@ def demo() -> ml_collections.ConfigDict:
     c.workdir = "runs/demo"
     # measured on one SFT checkpoint (100 GRPO steps, sampled pass@1 on 200 held-out tasks per
     # domain): lr 1e-4 / kl 0.05 gave code +11, terminal +5; lr 3e-4 / kl 0.01 code +23,
-    # terminal +9. 250 steps (130 until the thirty-seventh session): the speed-ups since issue
-    # 19 (the demo 1336 -> 778 s at 130 steps) spent on RL samples inside the 20-minute budget;
-    # on the thirty-sixth session's SFT checkpoint 250 steps gave arithmetic +19.0 (pass@4
-    # +10.0) against +15.5 (+6.0) at 130, code and multistep as at 130 (docs/results.md)
+    # terminal +9. 250 RL steps fit the 20-minute budget; on one SFT checkpoint they gave
+    # arithmetic +19.0 (pass@4 +10.0) against +15.5 (+6.0) at 130 steps, code and multistep as
+    # at 130 (docs/results.md)
     c.optim.lr = 3e-4
     c.rl.algo.kl_coef = 0.01
     c.rl.steps = 250
@@ -295,10 +294,10 @@ def agent() -> ml_collections.ConfigDict:
     c.workdir = "runs/agent"
     # SFT is the demo's (its three domains, 1200 steps: the same weights, so a copy of
     # runs/demo/sft resumes here); RL and evaluation take the episodes alone. SFT on episodes
-    # alone formed their name copying on the ninth session's machine after 600 steps, but not on
-    # the twenty-third's (0 of 64 val episodes after 600 or 900 dense steps), where the demo's
-    # mix (720 episode batches beside 480 one-shot ones, whose completions copy names and
-    # numbers from their prompts) formed it at 95% (README, "Agents")
+    # alone formed their name copying on one host after 600 steps, but not on another (0 of 64
+    # val episodes after 600 or 900 dense steps), where the demo's mix (720 episode batches
+    # beside 480 one-shot ones, whose completions copy names and numbers from their prompts)
+    # formed it at 95% (docs/results.md)
     c.sft.families = c.tasks.families
     c.tasks.families = "multistep"
     c.rl.update(dict(steps=80))
