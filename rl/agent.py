@@ -69,6 +69,7 @@ from model.tokenizer import ASSISTANT
 from rl.envs import EnvConfig, SessionEnv, StepResult
 from rl.pipeline import ScoredGroup, pad_row_ids
 from rl.sampler import Sampler, SamplingConfig
+from sandbox.tasks.domains import is_multi_turn_task
 
 TOOL_CALL_END = "</tool_call>"
 
@@ -484,15 +485,6 @@ class AgentRolloutWorker:
         return g
 
 
-def is_agent_task(task) -> bool:
-    """Whether a task is played as a multi-turn episode (a multi-turn domain such as multistep, or a
-    terminal task that asks for it with meta["agent"] = True, e.g. a folder task)."""
-    from sandbox.tasks.domains import is_multi_turn
-
-    meta = getattr(task, "meta", {}) or {}
-    return is_multi_turn(meta.get("family_name")) or bool(meta.get("agent"))
-
-
 class _Merged:
     """Scores of a batch split between a one-shot and an agent worker, rows in task order."""
 
@@ -542,7 +534,7 @@ class _Merged:
 
 class RoutingWorker:
     """One rollout interface over two workers: one-shot tasks go to `one_shot`
-    (rl.pipeline.RolloutWorker), multi-turn tasks (`is_agent_task`) to `agent`
+    (rl.pipeline.RolloutWorker), multi-turn tasks (`is_multi_turn_task`) to `agent`
     (AgentRolloutWorker); the merged group has every row in task order (one-shot rows get an
     all-true target mask). pad_to is passed to both (fixed batch shapes: one compiled sampler
     program each; the agent's padding rows open no session)."""
@@ -558,7 +550,7 @@ class RoutingWorker:
     def start(self, variables, tasks: list, rng, group_size: int | None = None,
               pad_to: int | None = None, version: int = 0, row_ids=None):
         G = group_size or self.group_size
-        agent_idx = [i for i, t in enumerate(tasks) if is_agent_task(t)]
+        agent_idx = [i for i, t in enumerate(tasks) if is_multi_turn_task(t)]
         if agent_idx and self.agent is None:
             raise ValueError(f"task {tasks[agent_idx[0]].id} is a multi-turn task but this run "
                              "has no agent worker (rl.agent)")

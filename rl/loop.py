@@ -37,7 +37,7 @@ threads, SFT's own while the indexer warm-up trains (supervised_step).
 
 Row widths: one-shot rows and multi-turn episodes (rl/agent.py) never share a batch. SFT
 batches come from one length bucket each (sft_buckets: sft.seq_len / sft.episode_seq_len, mixed
-by step share), RL prompt batches from one kind each (task_dataset(group_by=is_agent_task)), and
+by step share), RL prompt batches from one kind each (task_dataset(group_by=is_multi_turn_task)), and
 each RL batch is packed at its kind's width (train_width): two compiled shapes per phase, and a
 one-shot row is never padded to an episode's width.
 
@@ -104,6 +104,7 @@ from rl.train_step import (
     train_state_shardings,
 )
 from rl.workdir import check_resumable, phase_data, record_data, set_aside
+from sandbox.tasks.domains import is_multi_turn_task
 
 log = logging.getLogger(__name__)
 
@@ -275,13 +276,12 @@ def sft_examples(config, pairs) -> list:
     domain well-formed but wrong: one-shot domains through sandbox.tasks.sft.sft_examples,
     multi-step episodes through sandbox.tasks.sft.sft_episodes rendered exactly as the rollouts'
     environment renders turns (rl.envs.demo_turns with agent_env_config)."""
-    from rl.agent import is_agent_task
     from rl.envs import demo_turns
     from sandbox.tasks import sft
 
     s = config.sft
-    one = [p for p in pairs if not is_agent_task(p[0])]
-    agent = [p[0] for p in pairs if is_agent_task(p[0])]
+    one = [p for p in pairs if not is_multi_turn_task(p[0])]
+    agent = [p[0] for p in pairs if is_multi_turn_task(p[0])]
     out = sft.sft_examples(one, s.imperfect_frac, config.seed) if one else []
     if agent:
         env = agent_env_config(config.rl.agent)
@@ -311,7 +311,7 @@ def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_si
     in an rl.agent.RoutingWorker with an AgentRolloutWorker (rl.agent: width, turn_tokens, the
     environment's caps) when any of `tasks` is a multi-turn task. A mesh of one device in a
     single process counts as none."""
-    from rl.agent import AgentRolloutWorker, RoutingWorker, is_agent_task
+    from rl.agent import AgentRolloutWorker, RoutingWorker
 
     if mesh is not None and mesh.size == 1 and jax.process_count() == 1:
         # one device: nothing to shard, so the samplers run as plain jitted programs on it, fed
@@ -324,7 +324,7 @@ def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_si
     worker = RolloutWorker(model, tok, sampling, verifier, group_size=group_size,
                            max_prompt_len=r.max_prompt_len, mesh=mesh, rules=rules,
                            share_prefix=bool(r.share_prefix), slots=int(r.rollout_slots))
-    if not any(is_agent_task(t) for t in tasks):
+    if not any(is_multi_turn_task(t) for t in tasks):
         return worker
     a = r.agent
     agent = AgentRolloutWorker(
@@ -370,10 +370,9 @@ def train_width(r, tasks=()) -> int:
     """Width of the packed train rows from the RL section `r` (config.rl): one-shot rows
     (max_prompt_len + max_new_tokens), or the multi-turn episode width (agent.width) when any
     task is multi-turn."""
-    from rl.agent import is_agent_task
 
     w = r.max_prompt_len + r.max_new_tokens
-    return max(w, int(r.agent.width)) if any(is_agent_task(t) for t in tasks) else w
+    return max(w, int(r.agent.width)) if any(is_multi_turn_task(t) for t in tasks) else w
 
 
 def sft_buckets(examples, s) -> list[dict]:
@@ -1047,14 +1046,14 @@ def load_warmup_variables(config, model: Model, *, mesh=None, rules=None) -> dic
 def heldout_text(config, tokenizer, n: int = 64, width: int = 128):
     """Held-out demonstration text for diagnostics: the first n test tasks' chat prompt +
     reference completion, right-padded ([n,width] int32, valid [n,width] bool)."""
-    from rl.agent import encode_episode, is_agent_task
+    from rl.agent import encode_episode
     from rl.envs import demo_turns
 
     rows = []
     for task, demo in load_task_splits(config)["test"]:
         if demo is None:
             continue
-        if is_agent_task(task):
+        if is_multi_turn_task(task):
             ids = encode_episode(tokenizer, task.prompt,
                                  demo_turns(task, agent_env_config(config.rl.agent), demo))[0]
         else:
@@ -1356,7 +1355,6 @@ def _train_on(group, state, *, algo, width, forward: _RolloutForward, step_fn, m
 def placeholder_group(task, rows: int, group_size: int) -> ScoredGroup:
     """A scored group of `rows` one-token rollouts of `task`, all zeros: packed at a width, it
     gives a train batch of the real batches' shapes and dtypes (precompile_updates)."""
-    from rl.agent import is_agent_task
 
     zeros, ones = np.zeros((rows, 1), np.int32), np.ones((rows, 1), bool)  # [N,1]
     return ScoredGroup(
@@ -1364,7 +1362,7 @@ def placeholder_group(task, rows: int, group_size: int) -> ScoredGroup:
         prompt_lengths=np.ones(rows, np.int32), completions=zeros, completion_mask=ones,
         sampler_logp=np.zeros((rows, 1), np.float32), texts=[""] * rows,
         rewards=np.zeros(rows, np.float32), failed=np.zeros(rows, bool), details=[], gen_s=0.0,
-        target_mask=ones if is_agent_task(task) else None)
+        target_mask=ones if is_multi_turn_task(task) else None)
 
 
 def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
@@ -1382,14 +1380,13 @@ def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
     the processes meet at a barrier before running it."""
     if jax.process_count() > 1:
         return None
-    from rl.agent import is_agent_task
 
     if forward.runs and any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
         raise ValueError("precompile_updates: the rollout-time forward runs on the state's "
                          "weights; pass the train state itself, not its abstract form")
     kinds = {}  # one task per row kind, in the order the kinds first appear
     for t in tasks:
-        kinds.setdefault(is_agent_task(t), t)
+        kinds.setdefault(is_multi_turn_task(t), t)
 
     def compile_all():
         fw = forward.at(state)
@@ -1479,11 +1476,10 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     on_mesh = dict(mesh=mesh, rules=rules)
     val_tasks = _balanced([t for t, _ in splits["val"]], e.val_tasks)
     # one-shot and multi-turn tasks in separate batches (each trains at its own row width)
-    from rl.agent import is_agent_task
     oversample = rl_oversample(r)  # draw this many batches' prompts, train on one batch
     seed = rl_seed(config)  # the prompts' order and the rollouts' draws
     data = iter(task_dataset(train_tasks, seed=seed,
-                             batch_size=r.prompts_per_batch * oversample, group_by=is_agent_task,
+                             batch_size=r.prompts_per_batch * oversample, group_by=is_multi_turn_task,
                              template_power=rl_template_power(r)))
 
     # the update (the jit train step on the mesh) and its programs, compiling on a thread from

@@ -42,6 +42,7 @@ from rl import losses
 from rl.algorithms import AlgoConfig, PreparedAdvantages, prepare_advantages
 from rl.metrics import clustered_interval, mean_interval, pass_at_k
 from rl.sampler import Sampler, SamplingConfig, check_row_ids, pack
+from sandbox.tasks.domains import is_multi_turn_task
 
 
 # --------------------------------------------------------------------------- data
@@ -83,7 +84,8 @@ def task_dataset(tasks: list, *, seed: int, batch_size: int, shuffle: bool = Tru
 
     group_by(task) -> key (repeat only): every batch holds tasks of one key, the keys' batches
     interleaved in proportion to their task counts (grain.MapDataset.mix, deterministic), e.g.
-    rl.agent.is_agent_task, so one-shot batches train at their own row width, not an episode's.
+    sandbox.tasks.domains.is_multi_turn_task, so one-shot batches train at their own row width,
+    not an episode's.
 
     template_power < 1 (repeat only; rl.template_power, `template_shares`): within each key's
     stream, tasks are drawn per (domain, template) from their own shuffled, repeated streams,
@@ -561,8 +563,8 @@ def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: i
     # multi-turn tasks apart, so that every chunk is of one kind on all of them (one program
     # per kind and chunk over every process's rows, rl.agent.RoutingWorker)
     if blocks > 1:
-        from rl.agent import is_agent_task
-        kinds = [[i for i, t in enumerate(tasks) if is_agent_task(t) == a] for a in (False, True)]
+        kinds = [[i for i, t in enumerate(tasks) if is_multi_turn_task(t) == a]
+                 for a in (False, True)]
     else:
         kinds = [list(range(len(tasks)))]
     # (task index in `tasks`, correct samples, [turns, tokens] summed or None, the samples'

@@ -16,9 +16,10 @@ from ml_collections import ConfigDict
 from configs import rl as rl_configs
 from model.tokenizer import TOOL_TAGS, ByteTokenizer, load_tokenizer
 from rl import loop, pipeline
-from rl.agent import encode_episode, is_agent_task
+from rl.agent import encode_episode
 from rl.envs import EnvConfig, demo_turns
 from rl.pipeline import task_dataset
+from sandbox.tasks.domains import is_multi_turn_task as is_agent_task
 from sandbox.tasks.domains import multistep
 from sandbox.tasks.sampling import make_split
 

@@ -8,7 +8,7 @@ A domain makes tasks (data, prompt, check spec, demonstrations, corruptions; see
 interface); a scoring method judges them (sandbox/verifiers.py, the one list of those). Adding a
 domain: a new file here defining `DOMAIN` (a base.Domain) and its entry below; sampling
 (sandbox/tasks/sampling.py), SFT mixing (sandbox/tasks/sft.py), config.tasks.families
-(rl.loop.task_families) and multi-turn routing (rl.agent.is_agent_task) read this registry.
+(rl.loop.task_families) and multi-turn routing (`is_multi_turn_task`) read this registry.
 """
 
 from __future__ import annotations
@@ -43,3 +43,11 @@ def is_multi_turn(name: str | None) -> bool:
     no domain has, e.g. tasks loaded from a file)."""
     d = DOMAINS.get(name) if name is not None else None
     return d is not None and d.multi_turn
+
+
+def is_multi_turn_task(task) -> bool:
+    """Whether a task is a multi-turn task, played as an episode over a sandbox session (rl.agent):
+    a task of a multi-turn domain (multistep), or a terminal task that asks for it with
+    meta["agent"] = True (e.g. a folder task). Every other task is one-shot: one completion."""
+    meta = getattr(task, "meta", {}) or {}
+    return is_multi_turn(meta.get("family_name")) or bool(meta.get("agent"))
