@@ -305,6 +305,28 @@ def agent() -> ml_collections.ConfigDict:
     return c
 
 
+def hf() -> ml_collections.ConfigDict:
+    """Post-training a released checkpoint (docs/checkpoints.md): a directory in transformers'
+    kimi_linear or deepseek_v32 layout with its tokenizer files and chat template. At start-up
+    the model section becomes the checkpoint's config.json translated and the tokenizer its
+    own (rl/loop.py:resolve_checkpoint); SFT starts from its weights, and so does RL
+    (rl.init_from="hf"; "sft" continues from this workdir's SFT). The smoke pipeline's domains
+    and sizes, with rows wide enough for a chat template.
+
+        python scripts/sft.py --config configs/rl.py:hf --config.hf_dir=tests/model/hf_fixtures/kimi_chat
+        python scripts/train_rl.py --config configs/rl.py:hf --config.hf_dir=tests/model/hf_fixtures/kimi_chat
+        python scripts/evaluate.py --config configs/rl.py:hf --config.hf_dir=tests/model/hf_fixtures/kimi_chat --checkpoint=hf
+    """
+    c = smoke()
+    c.name = "hf"
+    c.workdir = "runs/hf"
+    c.hf_dir = ""  # the checkpoint directory (required)
+    c.sft.update(dict(indexer_warmup_steps=0, seq_len=256, episode_seq_len=512))
+    c.rl.update(dict(init_from="hf", max_prompt_len=160))
+    c.rl.agent.update(dict(width=640))
+    return c
+
+
 def smoke_8dev() -> ml_collections.ConfigDict:
     """The smoke pipeline on 8 devices (data 2, fsdp 2, expert 2) with expert-parallel MoE:
     runs on 8 fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) and is the
@@ -366,7 +388,7 @@ def reference() -> ml_collections.ConfigDict:
 
 
 VARIANTS = {"demo": demo, "smoke": smoke, "smoke_8dev": smoke_8dev, "small_8dev": small_8dev,
-            "reference": reference, "agent": agent}
+            "reference": reference, "agent": agent, "hf": hf}
 for _a in ("grpo", "dapo", "gspo", "drgrpo", "rloo", "ppo"):
     VARIANTS[f"{_a}_tiny"] = (lambda a: lambda: _base(a))(_a)
 

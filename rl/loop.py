@@ -175,6 +175,34 @@ def _model(config) -> Model:
     return Model(model_config(config))
 
 
+def resolve_checkpoint(config) -> None:
+    """A run from a released checkpoint (`config.hf_dir`, configs/rl.py:hf): its model section
+    becomes the checkpoint's config.json translated (model.hf.hf_config; the run keeps its own
+    dtype, param_dtype and scan_layers) and its tokenizer the checkpoint's tokenizer files and
+    chat template. Called first by validate_run_config, run_sft, run_rl and evaluation; a
+    second call changes nothing. Without hf_dir: nothing to do."""
+    if "hf_dir" not in config:
+        return
+    d = config.hf_dir
+    if not d:
+        raise ValueError("this config starts from a released checkpoint: set --config.hf_dir=DIR "
+                         "(a directory in transformers' layout: config.json, *.safetensors, "
+                         "tokenizer files; docs/checkpoints.md)")
+    if not os.path.isdir(d):
+        raise ValueError(f"hf_dir={d!r} is not a directory: give a checkpoint directory in "
+                         "transformers' layout (config.json, *.safetensors, tokenizer files)")
+    from ml_collections import ConfigDict
+
+    from model.hf import hf_config
+
+    m = config.model
+    cfg = hf_config(d, dtype=m.dtype, param_dtype=m.param_dtype).replace(
+        scan_layers=bool(m.get("scan_layers", False)))
+    with config.unlocked():
+        config.model = ConfigDict(dataclasses.asdict(cfg))
+        config.tokenizer = d
+
+
 def model_config(config) -> ModelConfig:
     """config.model as a ModelConfig, checked against config.tokenizer: every token id must
     have an embedding row (e.g. "byte_tools" needs model.vocab_size >= 263)."""
@@ -755,6 +783,11 @@ def check_run_config(config, num_devices: int, phase: str = "rl",
     return "\n".join(lines)
 
 
+# where RL's weights come from: this workdir's SFT checkpoint, a fresh init, or a released
+# checkpoint (config.hf_dir, configs/rl.py:hf)
+INIT_FROM = ("sft", "scratch", "hf")
+
+
 def check_rl_start(config, required: bool = True) -> str:
     """The weights an RL run starts from (rl.init_from): with "sft", whether the SFT checkpoint
     (sft_checkpoint_dir) is there. `required`: a missing one raises ValueError (the job at
@@ -762,8 +795,10 @@ def check_rl_start(config, required: bool = True) -> str:
     init_from = config.rl.init_from
     if init_from == "scratch":
         return f"  RL starts from a fresh init (seed {config.seed})"
-    if init_from != "sft":
-        raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {init_from!r}")
+    if init_from == "hf":
+        return f"  RL starts from the released checkpoint in {_hf_dir(config)}"
+    if init_from not in INIT_FROM:
+        raise ValueError(f"rl.init_from must be one of {INIT_FROM}, got {init_from!r}")
     d = sft_checkpoint_dir(config)
     found = os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
     if found:
@@ -793,6 +828,7 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     task families, and each phase's mesh, batch and group splits and train state built for the
     mesh (check_run_config) for `num_devices` (resolve_devices) run by `processes`.
     Raises ValueError on what cannot run; returns a report."""
+    resolve_checkpoint(config)
     num_devices = resolve_devices(config, num_devices)
     algo = algo_from_config(config.rl.algo)
     oversample = rl_oversample(config.rl) if "rl" in phases else 1
@@ -864,6 +900,7 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     Resuming picks up whichever phase was unfinished (a finished SFT skips the warm-up; a
     finished SFT is restored, not rerun, before the QAT phase)."""
 
+    resolve_checkpoint(config)
     s = config.sft
     workdir = os.path.join(config.workdir, "sft")
     examples = sft_train_examples(config)
@@ -876,7 +913,9 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
 
     opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,
                                 optim_numerics(config)))
-    variables = shd.init_sharded(model, jax.random.key(config.seed), mesh, rules)
+    variables = (checkpoint_variables(config, model, mesh=mesh, rules=rules)
+                 if config.get("hf_dir") else
+                 shd.init_sharded(model, jax.random.key(config.seed), mesh, rules))
     done = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     latest = done.latest_step() if resume else None
     done.close()
@@ -1192,7 +1231,32 @@ def _initial_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
         return load_sft_variables(config, model, mesh=mesh, rules=rules)
     if init_from == "scratch":
         return shd.init_sharded(model, jax.random.key(config.seed), mesh, rules)
-    raise ValueError(f"rl.init_from must be 'sft' or 'scratch', got {init_from!r}")
+    if init_from == "hf":
+        return checkpoint_variables(config, model, mesh=mesh, rules=rules)
+    raise ValueError(f"rl.init_from must be one of {INIT_FROM}, got {init_from!r}")
+
+
+def _hf_dir(config) -> str:
+    d = config.get("hf_dir")
+    if not d:
+        raise ValueError("rl.init_from='hf' needs the checkpoint directory: set "
+                         "--config.hf_dir=DIR (configs/rl.py:hf)")
+    return d
+
+
+def checkpoint_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
+    """The released checkpoint's weights (config.hf_dir, model.hf.import_hf) in `model`'s layout,
+    streamed onto the model's shardings on `mesh` (one device without one)."""
+    from model.hf import import_hf
+
+    m = model.cfg
+    cfg, variables = import_hf(_hf_dir(config), dtype=m.dtype, param_dtype=m.param_dtype,
+                               scan_layers=m.scan_layers, mesh=mesh, rules=rules)
+    if cfg != m:
+        raise ValueError(f"the checkpoint in {config.hf_dir} translates to another model config "
+                         "than this run's model section: run with the section that "
+                         "resolve_checkpoint gives (do not override model fields of an hf run)")
+    return variables
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -1464,6 +1528,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     default in configs/rl.py) corrects for it. `pool`: a sandbox executor to score with (default:
     one opened from config.sandbox and closed at the end); on_eval(step, results) after each
     evaluation."""
+    resolve_checkpoint(config)
     r, e = config.rl, config.eval
     if r.init_from == "sft":  # the weights RL starts from must be this config's SFT
         check_resumable(config, "sft")

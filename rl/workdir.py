@@ -18,7 +18,8 @@ or tasks.families when that is empty), not on those RL uses, and ignores the RL 
 optimizer (config.optim) except rl.agent (it renders the demonstrations' episodes) and the
 optimizer's numerics fields (rl.loop.optim_numerics), and the model fields only sampling reads
 (model.kda.recurrent_max_len: SFT never samples); RL depends on everything SFT does and on those,
-since it starts from SFT's weights and samples, unless both configs have rl.init_from="scratch".
+since it starts from SFT's weights and samples, unless both configs have rl.init_from="scratch"
+(or "hf": a released checkpoint's weights, whose model section and hf_dir RL depends on).
 
 Each phase directory also records what its weights were trained on (data.json: a digest of
 SFT's demonstrations, `rl.loop.sft_train_examples`, or of RL's train tasks): the same config
@@ -163,7 +164,7 @@ def phase_diff(old, new, phase: str) -> list[tuple[str, object, object]]:
         old, new = (_sft_view(_plain(c)) for c in (old, new))
     diff = [(p, a, b) for p, a, b in config_diff(old, new)
             if not (a == "<absent>" and p in ADDED_DEFAULTS and b == ADDED_DEFAULTS[p])]
-    if phase == "rl" and all(_plain(c).get("rl", {}).get("init_from") == "scratch"
+    if phase == "rl" and all(_plain(c).get("rl", {}).get("init_from") in ("scratch", "hf")
                              for c in (old, new)):
         ignored = ignored + ("sft",)
     return [d for d in diff if not _under(d[0], ignored) or _under(d[0], kept)]

@@ -29,9 +29,7 @@ import time
 
 import _common  # noqa: F401  (XLA flags before jax)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "tiktoken.model", "chat_template.jinja",
-                   "generation_config.json")
+from model.hf.tokenizer import TOKENIZER_FILES  # noqa: E402
 
 
 def _param_count(variables) -> int:

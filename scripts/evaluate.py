@@ -45,7 +45,8 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:demo", "RL config")
 _DRY = _common.define_dry_run()
-_CKPT = flags.DEFINE_string("checkpoint", "rl", "rl | sft | a checkpoint directory")
+_CKPT = flags.DEFINE_string("checkpoint", "rl", "rl | sft | hf (the released checkpoint of "
+                            "config.hf_dir, configs/rl.py:hf) | a checkpoint directory")
 _SPLIT = flags.DEFINE_enum("split", "test", ["val", "test"], "generator split to evaluate")
 _TASKS = flags.DEFINE_string("task_file", "", "a task JSONL file instead of the generators")
 _HE = flags.DEFINE_string("humaneval", "", "a HumanEval-format JSONL(.gz) file")
@@ -165,14 +166,17 @@ def main(_):
     from rl.loop import (
         _model,
         _open_pool,
+        checkpoint_variables,
         load_sft_variables,
         load_task_splits,
         make_rollout_worker,
+        resolve_checkpoint,
     )
     from rl.pipeline import evaluate
     from rl.sampler import SamplingConfig
 
     config = _CONFIG.value
+    resolve_checkpoint(config)  # a released checkpoint's run: its model section and tokenizer
     pool, verifier = _open_pool(config)
     tables = None  # title -> result, when not the one table of `res`
     try:
@@ -195,6 +199,8 @@ def main(_):
                 cfg, variables = interchange.import_safetensors(_CKPT.value)
             elif _CKPT.value == "sft":
                 cfg, variables = model.cfg, load_sft_variables(config, model)
+            elif _CKPT.value == "hf":
+                cfg, variables = model.cfg, checkpoint_variables(config, model)
             else:
                 from rl.loop import load_rl_variables
                 path = None if _CKPT.value == "rl" else _CKPT.value

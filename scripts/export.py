@@ -4,6 +4,8 @@
     python3 scripts/export.py --mode=export --config=configs/rl.py:smoke --checkpoint=sft \
         --out=runs/smoke/export --max_shard_mb=0.2        # after scripts/sft.py (same config)
     python3 scripts/export.py --mode=import --out=runs/smoke/export
+    python3 scripts/export.py --mode=hf --config=configs/rl.py:hf \
+        --config.hf_dir=tests/model/hf_fixtures/kimi_chat --checkpoint=rl --out=runs/hf/export_hf
 
 plan: the shard plan (files, bytes per file, total) from `jax.eval_shape` alone, nothing
 allocated; for reference_2p8t it is compared with the article's 1.56 TB in 96 shards.
@@ -11,7 +13,10 @@ export: the config's model restored from --checkpoint (sft | rl | an orbax direc
 config's workdir layout) or, with --checkpoint=init, freshly initialised; experts are written as
 MXFP4 (post-training quantised unless they already are), one shard at a time
 (model/interchange.py). import: reads the export back one tensor at a time, rebuilds the model
-config from config.json and prints parameter and expert byte counts.
+config from config.json and prints parameter and expert byte counts. hf: a run of a released
+checkpoint (configs/rl.py:hf) written back in transformers' layout (model.hf.export_hf: the
+trained parameters as they are, f32 or bf16 with --dtype=bfloat16, loadable by from_pretrained)
+with the checkpoint's token ids and its tokenizer files beside the weights.
 Flags: --experts=mxfp4|bf16, --dtype=keep|bfloat16 (the non-expert tensors), --max_shard_mb.
 --dry_run validates the config and the flags (check_request) and exits without planning,
 exporting or importing; a missing input (the checkpoint to export, the export to import) is
@@ -28,7 +33,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:demo",
                                           "an RL config (its .model) or a model config")
-_MODE = flags.DEFINE_enum("mode", "plan", ["plan", "export", "import"], "what to do")
+_MODE = flags.DEFINE_enum("mode", "plan", ["plan", "export", "import", "hf"], "what to do")
 _CKPT = flags.DEFINE_string("checkpoint", "rl", "export: sft | rl | init | a checkpoint dir")
 _OUT = flags.DEFINE_string("out", "", "export / import directory")
 _EXPERTS = flags.DEFINE_enum("experts", "mxfp4", ["mxfp4", "bf16"], "expert tensors format")
@@ -45,12 +50,16 @@ ARTICLE_SHARDS = 96
 # the flags each --mode reads (--dry_run aside); giving another one is an error
 MODE_FLAGS = {"plan": {"config", "experts", "dtype", "max_shard_mb"},
               "export": {"config", "checkpoint", "out", "experts", "dtype", "max_shard_mb"},
-              "import": {"out"}}
+              "import": {"out"},
+              "hf": {"config", "checkpoint", "out", "dtype"}}
 CHECKPOINT_KINDS = ("sft", "rl", "init")
 
 
 def _model_config(config):
     from model.config import ModelConfig
+    if "model" in config:
+        from rl.loop import resolve_checkpoint
+        resolve_checkpoint(config)  # a released checkpoint's run: its model section
     return ModelConfig.from_dict(config.model if "model" in config else config)
 
 
@@ -111,7 +120,10 @@ def check_request(config, *, mode: str, checkpoint: str, out: str, experts: str,
     cfg = _model_config(config)  # raises ValueError on an invalid model config
     hp = quant.parse_modules(config.quant.high_precision) if "quant" in config else         quant.DEFAULT_HIGH_PRECISION
     quantised = quant.check_high_precision(hp)
-    if experts == "mxfp4":
+    if mode == "hf":
+        from model.hf.convert import family_of
+        family_of(cfg)  # CheckpointError (a ValueError) when no released layout holds this model
+    elif experts == "mxfp4":
         if cfg.moe.num_experts == 0:
             notes.append(f"model {cfg.name} has no routed experts: --experts=mxfp4 quantises "
                          "nothing")
@@ -121,12 +133,13 @@ def check_request(config, *, mode: str, checkpoint: str, out: str, experts: str,
                                  "--experts=bf16")
         else:
             quant.mxfp4_config(cfg, hp)  # d_model and expert_dim multiples of 32
-    notes.append(f"model {cfg.name}: experts {experts}, other tensors {dtype}")
+    notes.append(f"model {cfg.name}: " + (f"transformers' layout, tensors {dtype}" if mode == "hf"
+                                           else f"experts {experts}, other tensors {dtype}"))
     if mode == "plan":
         return notes
 
     if not out:
-        raise ValueError("--out=DIR is required for --mode=export")
+        raise ValueError(f"--out=DIR is required for --mode={mode}")
     is_rl_config = "model" in config and "workdir" in config
     if checkpoint != "init" and not is_rl_config:
         raise ValueError(f"--checkpoint={checkpoint} restores a training run, which needs an "
@@ -214,6 +227,35 @@ def export(config):
           f"(experts {s['expert_bytes']}, other {s['other_bytes']}) to {_OUT.value}")
 
 
+def export_hf(config):
+    import shutil
+
+    from model.hf import export_hf as write_hf
+    from model.hf import token_ids
+    from model.hf.tokenizer import TOKENIZER_FILES
+    from model.transformer import Model
+    from rl import loop
+
+    cfg = _model_config(config)
+    model = Model(cfg)
+    if _CKPT.value == "init":
+        import jax
+        variables = model.init(jax.random.key(config.get("seed", 0)))
+    elif _CKPT.value == "sft":
+        variables = loop.load_sft_variables(config, model)
+    else:
+        variables = loop.load_rl_variables(config, model,
+                                           None if _CKPT.value == "rl" else _CKPT.value)
+    src = config.get("hf_dir") or None
+    s = write_hf(cfg, variables, _OUT.value, dtype=None if _DTYPE.value == "keep" else _DTYPE.value,
+                 extra=token_ids(src) if src else None)
+    copied = [f for f in TOKENIZER_FILES if src and os.path.exists(os.path.join(src, f))]
+    for f in copied:
+        shutil.copy(os.path.join(src, f), os.path.join(_OUT.value, f))
+    print(f"exported {s['tensors']} tensors in {s['files']} files ({s['bytes']} bytes) to "
+          f"{_OUT.value} in transformers' layout; tokenizer files: {', '.join(copied) or 'none'}")
+
+
 def do_import():
     from model import interchange, quant
 
@@ -225,7 +267,7 @@ def do_import():
 
 def _check_flags() -> list[str]:
     """check_request on this command line's flags."""
-    given = {name for name in MODE_FLAGS["export"] if flags.FLAGS[name].present}
+    given = {name for name in set().union(*MODE_FLAGS.values()) if flags.FLAGS[name].present}
     cli = _config_cli(config_flags.get_config_filename(flags.FLAGS["config"]),
                       config_flags.get_override_values(flags.FLAGS["config"]))
     return check_request(_CONFIG.value, mode=_MODE.value, checkpoint=_CKPT.value,
@@ -251,6 +293,8 @@ def main(_):
         plan(_CONFIG.value)
     elif _MODE.value == "export":
         export(_CONFIG.value)
+    elif _MODE.value == "hf":
+        export_hf(_CONFIG.value)
     else:
         do_import()
 

@@ -68,6 +68,13 @@ KIMI_PATTERN = "|".join([
 _PROBE_USER, _PROBE_ANSWER = "Probe question 7?", "Probe answer 7."
 
 
+
+# the files of a checkpoint directory that make up its tokenizer and chat template (what an
+# export copies beside the weights)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "tiktoken.model", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+
 class TokenizerFileError(ValueError):
     """A checkpoint's tokenizer file that is missing or cannot be read (the message names it)."""
 

@@ -180,3 +180,36 @@ def deepseek_dir(path, vocab: int = 400, specials=DEEPSEEK_SPECIALS) -> pathlib.
            "chat_template": DEEPSEEK_TEMPLATE, "tokenizer_class": "LlamaTokenizerFast"}
     (path / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=1))
     return path
+
+
+KIMI_LINEAR_WEIGHTS = pathlib.Path(__file__).parent / "hf_fixtures" / "kimi_linear"
+
+
+def kimi_chat_checkpoint(path, seed: int = 0) -> pathlib.Path:
+    """A whole Kimi-Linear checkpoint to post-train in the tests and the `hf` config's docstring
+    commands: the Kimi-format tokenizer of `kimi_dir` (316 ids) beside random weights in
+    transformers' kimi_linear layout, written by model.hf.export_hf (whose parity with
+    transformers' classes tests/model/test_hf_kimi_linear.py checks) for the tiny fixture
+    model's config with a vocabulary of 320 (the tokenizer's ids and the token-id fields).
+
+        python tests/model/hf_tokenizer_fixtures.py tests/model/hf_fixtures/kimi_chat
+    """
+    import jax
+
+    from model.hf import export_hf, hf_config, load_tokenizer
+    from model.transformer import Model
+
+    path = kimi_dir(path)
+    tok = load_tokenizer(str(path))
+    cfg = hf_config(str(KIMI_LINEAR_WEIGHTS)).replace(vocab_size=320)
+    assert tok.vocab_size <= cfg.vocab_size, (tok.vocab_size, cfg.vocab_size)
+    model = Model(cfg)
+    ids = {"bos_token_id": 300, "eos_token_id": 301, "pad_token_id": 315}  # [BOS] [EOS] [PAD]
+    export_hf(cfg, model.init(jax.random.key(seed)), str(path), dtype="bfloat16", extra=ids)
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(kimi_chat_checkpoint(sys.argv[1]))
