@@ -23,6 +23,10 @@ their tables take the call):
                rows' prompts (max_prompt_len wide) and rollout_sampling's config
   ref_forward  rl.train_step.make_logp_fn, the separate log-prob forward on the rows
 
+When jax.make_mesh cannot lay the config's mesh on the slice's physical torus (an axis size that
+would split a physical axis, e.g. fsdp=16 on v5p:8x8x8), the result records it under
+"mesh_error" and the devices are taken in order instead.
+
 Per program (`compile_program`): ok or the compiler's error; per device: arguments, outputs,
 temporaries and aliased bytes from `Compiled.memory_analysis()`, total = arguments + outputs +
 temporaries - aliased (the measure tests/rl/test_sharded_rl.py holds the planner to); XLA's
@@ -135,7 +139,20 @@ def compiled_memory(run_config, topology: str, *, programs=PROGRAMS,
     kind = devices[0].device_kind
     out = {"topology": tpu_compile.topology_name(topology), "devices": len(devices),
            "device_kind": kind, "hbm_bytes": HBM_BYTES.get(kind)}
-    mesh, rules = shd.mesh_from_config(c, devices=list(devices))
+    try:
+        mesh, rules = shd.mesh_from_config(c, devices=list(devices))
+    except NotImplementedError as e:
+        # jax.make_mesh could not lay the logical mesh on the physical torus (an axis would
+        # split a physical one): recorded, and the devices taken in order instead (the memory
+        # analysis does not depend on which device holds which shard)
+        out["mesh_error"] = f"{type(e).__name__}: {e}"[:600]
+        import numpy as np  # noqa: PLC0415
+        from jax.sharding import AxisType, Mesh  # noqa: PLC0415
+
+        full = shd.mesh_shape(shd.parse_mesh(c.sharding.mesh), len(devices))
+        mesh = Mesh(np.array(devices).reshape(tuple(full[a] for a in shd.MESH_AXES)),
+                    shd.MESH_AXES, axis_types=(AxisType.Auto,) * len(shd.MESH_AXES))
+        rules = shd.rules_from_config(c)
     out["mesh"] = dict(mesh.shape)
     r = c.rl
     model = Model(ModelConfig.from_dict(c.model))
@@ -197,6 +214,9 @@ def format_memory(result: dict) -> str:
     gib = 2**30
     lines = [f"{result['topology']} ({result['devices']} x {result['device_kind']}, mesh "
              f"{result['mesh']}):"]
+    if "mesh_error" in result:
+        lines.append(f"  the run's make_mesh failed on this topology (devices taken in order "
+                     f"instead): {result['mesh_error'][:300]}")
     for p in PROGRAMS:
         row = result.get(p)
         if row is None:
@@ -209,3 +229,48 @@ def format_memory(result: dict) -> str:
                      f"{row['temp_bytes'] / gib:8.2f} GiB  total {row['total_bytes'] / gib:8.2f} "
                      f"GiB  fits: {fit}  ({row['seconds']} s, {row['mosaic_calls']} Mosaic calls)")
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """python -m model.aot --config configs/rl.py:smoke_8dev --topology v5p:2x2x2 [--json OUT]
+    [--set model.moe.qat=true ...] [--programs train_step rollout ref_forward]"""
+    import argparse  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # nothing runs: no local TPU to probe for
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="a run config, configs/rl.py:<variant>")
+    p.add_argument("--topology", required=True, help="topology or slice name: v5p:4x8x8, v5p-512")
+    p.add_argument("--programs", nargs="+", default=list(PROGRAMS), choices=PROGRAMS)
+    p.add_argument("--set", nargs="*", default=[], metavar="PATH=VALUE",
+                   help="config overrides (values parsed as JSON, else kept as strings)")
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+    path, _, variant = args.config.partition(":")
+    if path != "configs/rl.py":
+        p.error("--config must be configs/rl.py:<variant>")
+    from configs import rl as rl_configs  # noqa: PLC0415
+
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--set takes PATH=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    result = compiled_memory(rl_configs.get_config(variant or None), args.topology,
+                             programs=args.programs, overrides=overrides)
+    print(format_memory(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: ({kk: vv for kk, vv in v.items() if kk != "traceback"}
+                           if isinstance(v, dict) else v) for k, v in result.items()}, f,
+                      indent=2)
+    return 0 if all(result[p]["ok"] for p in args.programs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
