@@ -188,3 +188,29 @@ def test_preset_slices_follow_the_model_presets():
     assert x.shape == (4096 * 8, 7168)
     with pytest.raises(ValueError, match="preset must be one of"):
         tpu_compile.cases("huge")
+
+
+def test_pod_compile_overrides_fit_and_report():
+    """model.aot's pieces that need no compile: overrides copy the config (an unknown path
+    raises), the HBM fit, and the report of a failed program (its compiler message)."""
+    from configs import rl as rl_configs
+    from model import aot
+
+    c = rl_configs.get_config("smoke_8dev")
+    c2 = aot.apply_overrides(c, {"model.moe.qat": True, "optim.master_dtype": ""})
+    assert c2.model.moe.qat is True and c2.optim.master_dtype == ""
+    assert c.model.moe.qat is False and c.optim.master_dtype == "float32"  # original untouched
+    with pytest.raises(KeyError, match="model.moe.qatt"):
+        aot.apply_overrides(c, {"model.moe.qatt": True})
+    gib = 2**30
+    assert aot.fits(80 * gib, 95 * gib) is True and aot.fits(90 * gib, 95 * gib) is False
+    assert aot.fits(1, None) is None
+    text = aot.format_memory({
+        "topology": "v5p:2x2x2", "devices": 8, "device_kind": "TPU v5", "mesh": {"data": 8},
+        "hbm_bytes": 95 * gib,
+        "train_step": {"ok": False, "error": "NotImplementedError: Mosaic kernels cannot be "
+                       "automatically partitioned", "seconds": 1.0},
+        "rollout": {"ok": True, "argument_bytes": gib, "temp_bytes": 2 * gib,
+                    "total_bytes": 3 * gib, "seconds": 2.0, "mosaic_calls": 6}})
+    assert "train_step   FAILED" in text and "automatically partitioned" in text
+    assert "total     3.00 GiB  fits: True" in text and "ref_forward" not in text
