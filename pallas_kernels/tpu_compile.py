@@ -403,14 +403,15 @@ def format_row(r: dict) -> str:
     head = f"{r['preset']:<15}{r['kernel']:<14}{r['name']:<44}{r['mode']:<4}"
     if not r["ok"]:
         return head + f" NO   {r['seconds']:6.1f}s {r['error']}"
-    return (head + f" yes  {r['seconds']:6.1f}s {_mib(r['vmem_used_bytes']):>7} "
+    limit = _mib(r["vmem_limit_bytes"]) if r["vmem_limit_bytes"] else "dflt"
+    return (head + f" yes  {r['seconds']:6.1f}s {_mib(r['vmem_used_bytes']):>7} {limit:>6} "
             f"{_mib(r['argument_bytes']):>9} {_mib(r['temp_bytes']):>9} "
             f"{r['flops'] / 1e9:>10.2f} {r['bytes_accessed'] / 1e9:>9.3f}")
 
 
 def format_table(rows: list[dict], vmem_capacity: int | None = None) -> str:
     head = (f"{'preset':<15}{'kernel':<14}{'shape (per device)':<44}{'mode':<4} ok   "
-            f"{'compile':>7} {'VMEM MiB':>7} {'args MiB':>9} {'temp MiB':>9} {'GFLOP':>10} "
+            f"{'compile':>7} {'VMEM MiB':>7} {'limit':>6} {'args MiB':>9} {'temp MiB':>9} {'GFLOP':>10} "
             f"{'GB acc.':>9}")
     lines = [head, "-" * len(head), *map(format_row, rows)]
     kinds = sorted({r["device_kind"] for r in rows})
@@ -418,7 +419,8 @@ def format_table(rows: list[dict], vmem_capacity: int | None = None) -> str:
     cap = f"; the chip has {_mib(vmem_capacity)} MiB VMEM per core" if vmem_capacity else ""
     lines.append(f"{ok}/{len(rows)} compiled for {', '.join(kinds)} ({rows[0]['devices']} "
                  f"devices, shard_map) by the TPU compiler; VMEM = the most scoped VMEM a "
-                 f"Mosaic kernel uses (used_scoped_memory_configs){cap}; args/temp = per-device HBM (memory "
+                 f"Mosaic kernel uses (used_scoped_memory_configs), limit = the largest granted "
+                 f"(dflt: the compiler's default){cap}; args/temp = per-device HBM (memory "
                  f"analysis); GFLOP / GB accessed = XLA's cost analysis")
     return "\n".join(lines)
 
