@@ -111,11 +111,12 @@ def _batch_specs(n: int, length: int, old_src: str, ref_src: str, sharding) -> d
 
 
 def compiled_memory(run_config, topology: str, *, programs=PROGRAMS,
-                    overrides: dict | None = None) -> dict:
+                    overrides: dict | None = None, on_program=None) -> dict:
     """Compile the run config's pod programs for a TPU topology; -> {"topology", "devices",
     "device_kind", "mesh", "hbm_bytes", program: row} with one row per program (see the module
     docstring). topology: a topology name ("v5p:4x8x8") or a slice name ("v5p-512",
-    pallas_kernels.tpu_compile.SLICES); overrides: dotted config paths applied first."""
+    pallas_kernels.tpu_compile.SLICES); overrides: dotted config paths applied first;
+    on_program(name, row): called as each program's compile ends (progress of long compiles)."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -177,6 +178,8 @@ def compiled_memory(run_config, topology: str, *, programs=PROGRAMS,
             extra = (state.variables,) if ref_src == "step" else ()
             out["train_step"] = compile_program(lambda: step.lower(state, batch, *extra), mesh)
             out["train_step"].update(old_logp=old_src, ref_logp=ref_src)
+            if on_program:
+                on_program("train_step", out["train_step"])
         if "rollout" in programs:
             sampler = Sampler(model, sampling, mesh=mesh, rules=rules)
             prompts = jax.ShapeDtypeStruct((n, r.max_prompt_len), jnp.int32, sharding=rows)
@@ -194,11 +197,16 @@ def compiled_memory(run_config, topology: str, *, programs=PROGRAMS,
                 raise RuntimeError("rl.sampler's mesh program changed shape: update model/aot.py")
             out["rollout"] = compile_program(lambda: mesh_jit[False].lower(
                 state.variables, prompts, lengths, key, temp, ids), mesh)
+            if on_program:
+                on_program("rollout", out["rollout"])
         if "ref_forward" in programs:
             fwd = make_logp_fn(model, sampling, mesh=mesh, rules=rules)
             tok = jax.ShapeDtypeStruct((n, length), jnp.int32, sharding=rows)
             mask = jax.ShapeDtypeStruct((n, length), jnp.bool_, sharding=rows)
-            out["ref_forward"] = compile_program(lambda: fwd.lower(state.variables, tok, mask), mesh)
+            out["ref_forward"] = compile_program(lambda: fwd.lower(state.variables, tok, mask),
+                                                 mesh)
+            if on_program:
+                on_program("ref_forward", out["ref_forward"])
     return out
 
 
@@ -261,8 +269,12 @@ def main(argv=None) -> int:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
+    def progress(name, row):
+        keep = {k: v for k, v in row.items() if k != "traceback"}
+        print(f"{name}: {json.dumps(keep)}", flush=True)
+
     result = compiled_memory(rl_configs.get_config(variant or None), args.topology,
-                             programs=args.programs, overrides=overrides)
+                             programs=args.programs, overrides=overrides, on_program=progress)
     print(format_memory(result), flush=True)
     if args.json:
         with open(args.json, "w") as f:
