@@ -52,7 +52,7 @@ from collections.abc import Callable
 KERNEL_NAMES = ("kda", "dsa_indexer", "dsa_attention", "mxfp4_matmul", "mxfp4_grouped")
 MODES = ("fwd", "bwd")
 # --target -> topology name (get_topology_desc); the check compiles over every device of it
-TARGETS = {"tpu:v5p": "v5p:2x2x1", "tpu:v5e": "v5litepod:2x2", "tpu:v6e": "v6e:2x2"}
+TARGETS = {"tpu:v5p": "v5p:2x2x1", "tpu:v5e": "v5e:2x2", "tpu:v6e": "v6e:2x2"}
 # Slice names (TensorCores, as the cloud names them; one v5p chip = 2 cores = one JAX device)
 # -> topology names.
 SLICES = {"v5p-8": "v5p:2x2x1", "v5p-64": "v5p:2x4x4", "v5p-128": "v5p:4x4x4",

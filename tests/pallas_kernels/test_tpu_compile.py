@@ -162,6 +162,7 @@ def test_mosaic_vmem_reads_the_kernels_scoped_memory():
 
 def test_topology_names_and_the_missing_libtpu_message(monkeypatch):
     assert tpu_compile.topology_name("tpu:v5p") == "v5p:2x2x1"
+    assert tpu_compile.topology_name("tpu:v5e") == "v5e:2x2"
     assert tpu_compile.topology_name("v5p-512") == "v5p:4x8x8"  # 512 cores = 256 chips
     assert tpu_compile.topology_name("v5p:8x8x8") == "v5p:8x8x8"
     with pytest.raises(ValueError, match="unknown TPU target 'tpu:v9'"):
