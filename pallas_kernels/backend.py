@@ -13,11 +13,18 @@ running platform: on a CPU host the call then only *lowers* (e.g. under
 ``jax.export.export(..., platforms=["cuda"])`` or ``["tpu"]``; see
 tests/pallas_kernels/test_lowering.py); executing it on the wrong platform fails in Pallas.
 
+Compiling ahead of time for a TPU from a CPU host (``pallas_kernels.tpu_compile``, model/aot.py):
+``with target_platform("tpu"):`` makes ``platform()`` answer "tpu" while a function is traced, so
+``impl="auto"`` dispatch and the ``kernel`` / ``interpret`` defaults choose what a TPU runs.
+
 The GPU family always passes Triton ``CompilerParams``: jax >= 0.10 lowers a ``pallas_call``
 without compiler params through Mosaic GPU, which these kernels are not written for.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 
@@ -25,9 +32,31 @@ KERNELS = ("tpu", "gpu")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("pallas_target",
+                                                                    default=None)
+
+
 def platform() -> str:
-    """The running platform: "cpu", "gpu" or "tpu"."""
-    return jax.default_backend()
+    """The running platform ("cpu", "gpu" or "tpu"), or the `target_platform` in effect."""
+    return _TARGET.get() or jax.default_backend()
+
+
+_platform = platform  # for functions whose argument shadows the name
+
+
+@contextlib.contextmanager
+def target_platform(name: str):
+    """Trace as if running on platform `name` (e.g. "tpu" while compiling for a TPU topology
+    from a CPU host): `platform()`, the dispatch tables and the kernel/interpret defaults follow
+    it. Read at trace time, like every dispatch decision."""
+    if name not in PLATFORMS:
+        raise ValueError(f"target platform must be one of {PLATFORMS}, got {name!r}")
+    token = _TARGET.set(name)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 def normalize_kernel(kernel: str) -> str:
@@ -66,5 +95,5 @@ def resolve(kernel: str | None, interpret: bool | None, *, cpu_default: str = "g
 def accelerated(platform: str | None = None) -> bool:
     """Whether `platform` (default: the running one) compiles Pallas kernels of some family
     (a TPU, or a CUDA/ROCm GPU); a CPU only interprets them."""
-    p = platform or jax.default_backend()
+    p = platform or _platform()
     return p == "tpu" or p in GPU_PLATFORMS

@@ -3,6 +3,7 @@
     python -m pallas_kernels.check                      # small shapes (interpret mode on CPU)
     python -m pallas_kernels.check --size bench         # benchmark shapes (meant for GPU/TPU)
     python -m pallas_kernels.check --kernels kda --json OUT.json
+    python -m pallas_kernels.check --target=tpu:v5p     # compile for a TPU, no TPU (libtpu)
 
 Used by notebooks/kernels.ipynb and scripts/gpu_check.sh (the same cases, the same numbers).
 
@@ -35,6 +36,12 @@ Per case:
             (every CPU run) Pallas times measure the Python interpreter of the kernel, not the
             kernel: `format_table` says so and the speedups are not a performance result.
 
+--target=tpu:v5p (or tpu:v5e, tpu:v6e, a topology name such as v5p:2x2x1) checks something
+else: every Pallas TPU kernel at the model presets' per-device shapes compiled by the real TPU
+compiler on this host (no numerics, nothing run): compiled or the compiler's error, scoped VMEM,
+HBM memory and cost analysis per kernel and shape (`pallas_kernels.tpu_compile`; --presets,
+--modes fwd bwd). Needs libtpu (the [tpu] extra); exits non-zero on any compile error.
+
 Not covered here: the lowering of each kernel for a platform not present (`python -m
 pallas_kernels.lowering`), edge cases the tests pin (rows with no valid key, NaN blocks, decode
 parity) and the benchmark tables (`scripts/bench.py kda dsa mxfp4`).
@@ -50,9 +57,15 @@ import time
 from collections.abc import Callable
 
 if __name__ == "__main__":  # a command-line run: XLA's CPU flags are set before jax is imported
+    import os
+    import sys
+
     from model._xla_env import configure_xla_env
 
     configure_xla_env()
+    if any(a.startswith("--target") for a in sys.argv[1:]):
+        # compiling for a TPU topology from this host: no local TPU to probe for
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -373,7 +386,24 @@ def main(argv=None) -> int:
     p.add_argument("--no-timing", dest="timing", action="store_false",
                    help="numerics only")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--target", help="compile for this TPU instead of checking numerics here: "
+                   "tpu:v5p, tpu:v5e, tpu:v6e or a topology name (pallas_kernels.tpu_compile)")
+    p.add_argument("--presets", nargs="+", default=None,
+                   help="with --target: model presets whose per-device shapes are compiled "
+                   "(default: tiny small reference_2p8t)")
+    p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"],
+                   help="with --target: forward and/or forward+backward programs")
     args = p.parse_args(argv)
+    if args.target:
+        from pallas_kernels import tpu_compile  # noqa: PLC0415
+
+        presets = args.presets or list(tpu_compile.PRESETS)
+        bad = sorted(set(presets) - set(tpu_compile.PRESETS))
+        if bad:
+            p.error(f"unknown presets {bad}; valid: {sorted(tpu_compile.PRESETS)}")
+        return tpu_compile.main(args.target, presets, args.kernels, args.modes, args.json)
+    if args.presets:
+        p.error("--presets needs --target (it picks TPU compile shapes)")
     rows = run(args.size, args.kernels, timing=args.timing)
     print(format_table(rows), flush=True)
     if args.json:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from pallas_kernels import backend as _backend
 
 __all__ = ["DSABlockConfig", "get_config", "default_backend"]
@@ -85,7 +83,7 @@ def get_config(*, t: int, s: int, topk: int | None = None, heads: int | None = N
     """
     backend = default_backend() if backend is None else _backend.normalize_kernel(backend)
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = _backend.platform() == "cpu"
     if interpret:
         # Interpret mode: cost grows with grid steps and loop trips, not tile size.
         bt, bs, bk = 64, 128, 64

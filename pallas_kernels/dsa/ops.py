@@ -19,6 +19,8 @@ platform's (the "gpu" flavour when interpreting on CPU), or ``config.backend`` w
 given; ``interpret=None`` -> interpret unless the platform compiles that flavour.
 ``impl="pallas", kernel="tpu", interpret=False`` forces the compiled Mosaic kernels (on a CPU
 host: lowering only, e.g. under ``jax.export`` for "tpu").
+A compiled Pallas call on a device mesh (model.sharding.use_mesh) runs under shard_map, each
+device on its batch rows (and, for sparse attention, heads): ``pallas_kernels.partition``.
 ``select_topk`` and ``dense_causal_attention`` have no Pallas kernel (XLA's top_k / a dense
 baseline); they accept ``impl`` for a uniform call signature and always run XLA.
 
@@ -36,7 +38,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels import backend as _backend
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, partition
 from pallas_kernels.dsa import reference
 
 __all__ = [
@@ -120,8 +122,18 @@ def indexer_scores(q_idx, k_idx, w, *, impl: str = "auto", interpret=None, confi
     from pallas_kernels.dsa import pallas_indexer
 
     kernel, interpret = _kernel_args(kernel, interpret, config)
-    return pallas_indexer.indexer_scores(q_idx, k_idx, w, interpret=interpret, config=config,
-                                         kernel=kernel)
+
+    def run(q_idx, k_idx, w):
+        return pallas_indexer.indexer_scores(q_idx, k_idx, w, interpret=interpret,
+                                             config=config, kernel=kernel)
+
+    if interpret:
+        return run(q_idx, k_idx, w)
+    # compiled, on a mesh: batch rows per device (the scores sum the heads: heads stay whole)
+    return partition.per_device(run, (q_idx, k_idx, w), (("batch", None, None, None),
+                                                         ("batch", None, None),
+                                                         ("batch", None, None)),
+                                ("batch", None, None))
 
 
 def select_topk(scores, topk: int, *, q_offset=0, approx: bool = False, impl: str = "auto"):
@@ -160,9 +172,19 @@ def sparse_attention_with_lse(q, kv, indices, *, scale: float, v_dim: int, impl:
     from pallas_kernels.dsa import pallas_attention
 
     kernel, interpret = _kernel_args(kernel, interpret, config)
-    return pallas_attention.sparse_attention(
-        q, kv, indices, scale=float(scale), v_dim=int(v_dim), interpret=interpret,
-        config=config, kernel=kernel)
+
+    def run(q, kv, indices):
+        return pallas_attention.sparse_attention(
+            q, kv, indices, scale=float(scale), v_dim=int(v_dim), interpret=interpret,
+            config=config, kernel=kernel)
+
+    if interpret:
+        return run(q, kv, indices)
+    # compiled, on a mesh: batch rows and heads per device (pallas_kernels.partition)
+    bthd = ("batch", None, "act_heads", None)
+    return partition.per_device(run, (q, kv, indices),
+                                (bthd, ("batch", None, None), ("batch", None, None)),
+                                (bthd, ("batch", None, "act_heads")))
 
 
 def dense_causal_attention(q, kv, *, scale: float, v_dim: int, q_offset=0, impl: str = "auto"):

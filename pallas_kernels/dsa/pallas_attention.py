@@ -500,5 +500,15 @@ def sparse_attention(q, kv, indices, *, scale: float, v_dim: int, interpret: boo
     assert 0 < v_dim <= d, (v_dim, d)
     cfg = config or get_config(t=t, s=kv.shape[1], topk=indices.shape[-1], heads=h, dim=d,
                                backend=kernel, interpret=bool(interpret))
+    if cfg.backend == "tpu" and jnp.dtype(q.dtype).itemsize < 4:
+        # The Mosaic compiler rejects the one-row DMAs into a VMEM tile of a 16-bit kv
+        # ("Offsets along tiled dimensions must be aligned to tiles": a bf16 tile packs two
+        # rows per sublane, so row r's slice is not tile-aligned); 32-bit rows are. The TPU
+        # flavour therefore gathers from an f32 copy of kv (2x its bytes in HBM and per DMA)
+        # and returns o in q's dtype (tests/pallas_kernels/test_tpu_compile.py).
+        o, lse = _sparse(q.astype(jnp.float32), kv.astype(jnp.float32),
+                         indices.astype(jnp.int32), float(scale), int(v_dim), cfg,
+                         bool(interpret))
+        return o.astype(q.dtype), lse
     return _sparse(q, kv.astype(q.dtype), indices.astype(jnp.int32), float(scale), int(v_dim),
                    cfg, bool(interpret))

@@ -28,6 +28,8 @@ impl (the dispatch table `DISPATCH`, `pallas_kernels.dispatch`):
   "pallas"               the Pallas kernels (forward + custom_vjp backward, also Pallas); a call
                          they cannot take (K or V not a power of two, other dtypes) raises
                          `dispatch.UnsupportedImpl` before tracing, saying why.
+A compiled Pallas call on a device mesh (model.sharding.use_mesh) runs under shard_map, each
+device on its batch rows and heads (`pallas_kernels.partition`).
 kernel / interpret (Pallas only; the rule of `pallas_kernels.backend`): kernel "tpu" (Mosaic,
 chunks walked on the grid) or "gpu" (Triton, chunks walked in-kernel), None -> the running
 platform's (the "tpu" form when interpreting on CPU); interpret None -> interpret unless the
@@ -44,7 +46,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels import backend as _backend
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, partition
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.chunked_vjp import kda_chunked_vjp
 
@@ -142,8 +144,19 @@ def kda(
     from pallas_kernels.kda import pallas_kda  # noqa: PLC0415 (keeps CPU imports light)
 
     kernel, interpret = _backend.resolve(kernel, interpret, cpu_default="tpu")
-    return pallas_kda.kda_pallas(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, chunk_size=chunk_size, interpret=interpret,
-        kernel=kernel,
-    )
+
+    def run(q, k, v, g, beta, h0):
+        return pallas_kda.kda_pallas(
+            q, k, v, g, beta, scale=scale, initial_state=h0,
+            output_final_state=output_final_state, chunk_size=chunk_size, interpret=interpret,
+            kernel=kernel,
+        )
+
+    if interpret:
+        return run(q, k, v, g, beta, initial_state)
+    # compiled: one device's batch rows and heads per call on a mesh (pallas_kernels.partition)
+    bthk, bhkv = ("batch", "length", "act_heads", None), ("batch", "act_heads", None, None)
+    return partition.per_device(
+        run, (q, k, v, g, beta, initial_state),
+        (bthk, bthk, bthk, bthk, ("batch", "length", "act_heads"), bhkv),
+        (bthk, bhkv if output_final_state else None))

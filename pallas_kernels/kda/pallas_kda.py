@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import backend as _backend
 from pallas_kernels.kda import tiles
 
 f32 = jnp.float32
@@ -82,7 +83,7 @@ def get_config(*, T: int, K: int, V: int, chunk_size: int = 64, backend: str | N
     `backend`: a kernel family ("tpu" / "gpu") or a platform name ("cpu", "cuda", "rocm");
     None -> the running platform.
     """
-    backend = backend or jax.default_backend()
+    backend = backend or _backend.platform()
     family = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu"
     C = max(16, min(_next_pow2(chunk_size), _next_pow2(T)))
     c = min(16, C)

@@ -63,7 +63,11 @@ def expand_scales_onehot(s_bytes: jax.Array) -> jax.Array:
     rows = lax.broadcasted_iota(jnp.int32, (nb, width), 0)
     cols = lax.broadcasted_iota(jnp.int32, (nb, width), 1)
     onehot = ((cols >> 4) == rows).astype(jnp.bfloat16)
-    rep = jnp.dot(s_bytes.astype(jnp.bfloat16), onehot, preferred_element_type=jnp.float32)
+    # explicit DEFAULT: exact here (one bf16 product per output), and a global
+    # jax_default_matmul_precision="highest" would otherwise ask Mosaic for an fp32-contract
+    # bf16 matmul, which it rejects ("Bad lhs type")
+    rep = jnp.dot(s_bytes.astype(jnp.bfloat16), onehot, preferred_element_type=jnp.float32,
+                  precision=lax.Precision.DEFAULT)
     return rep.astype(jnp.int32)
 
 
@@ -79,13 +83,14 @@ def decode_tile(w_bytes: jax.Array, scale_rep: jax.Array, dtype) -> tuple[jax.Ar
 
 
 def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [m, k] @ b [n, k]^T with float32 accumulation."""
+    """a [m, k] @ b [n, k]^T with float32 accumulation: HIGHEST for f32 operands, DEFAULT (bf16
+    products are exact in f32) otherwise, never the global default (see `expand_scales_onehot`)."""
     return lax.dot_general(
         a,
         b,
         (((1,), (1,)), ((), ())),
         preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST if a.dtype == jnp.float32 else None,
+        precision=lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT,
     )
 
 
