@@ -200,23 +200,28 @@ def plan(config) -> dict:
     return s
 
 
-def export(config):
+def _restore(config, cfg):
+    """The variables --checkpoint names: a fresh init (init), the run's SFT or RL weights, or an
+    orbax directory of the run's layout."""
     import jax
 
-    from model import interchange
-    from model.quant import parse_modules
     from model.transformer import Model
     from rl import loop
 
-    cfg = _model_config(config)
     model = Model(cfg)
     if _CKPT.value == "init":
-        variables = model.init(jax.random.key(config.get("seed", 0)))
-    elif _CKPT.value == "sft":
-        variables = loop.load_sft_variables(config, model)
-    else:
-        variables = loop.load_rl_variables(config, model,
-                                           None if _CKPT.value == "rl" else _CKPT.value)
+        return model.init(jax.random.key(config.get("seed", 0)))
+    if _CKPT.value == "sft":
+        return loop.load_sft_variables(config, model)
+    return loop.load_rl_variables(config, model, None if _CKPT.value == "rl" else _CKPT.value)
+
+
+def export(config):
+    from model import interchange
+    from model.quant import parse_modules
+
+    cfg = _model_config(config)
+    variables = _restore(config, cfg)
     hp = parse_modules(config.quant.high_precision) if "quant" in config else None
     max_bytes = int((_SHARD_MB.value or 5000) * 1e6)
     kw = {"high_precision": hp} if hp else {}
@@ -233,19 +238,9 @@ def export_hf(config):
     from model.hf import export_hf as write_hf
     from model.hf import token_ids
     from model.hf.tokenizer import TOKENIZER_FILES
-    from model.transformer import Model
-    from rl import loop
 
     cfg = _model_config(config)
-    model = Model(cfg)
-    if _CKPT.value == "init":
-        import jax
-        variables = model.init(jax.random.key(config.get("seed", 0)))
-    elif _CKPT.value == "sft":
-        variables = loop.load_sft_variables(config, model)
-    else:
-        variables = loop.load_rl_variables(config, model,
-                                           None if _CKPT.value == "rl" else _CKPT.value)
+    variables = _restore(config, cfg)
     src = config.get("hf_dir") or None
     s = write_hf(cfg, variables, _OUT.value, dtype=None if _DTYPE.value == "keep" else _DTYPE.value,
                  extra=token_ids(src) if src else None)
