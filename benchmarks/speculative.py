@@ -41,14 +41,15 @@ def _timed(fn):
 def _demo_model(workdir: str, batch: int):
     from configs import rl as rl_configs
     from model.tokenizer import load_tokenizer
-    from rl.loop import _balanced, _model, load_rl_variables, load_task_splits
+    from rl.data import balanced, load_task_splits
+    from rl.loop import _model, load_rl_variables
     from rl.pipeline import encode_prompts
 
     config = rl_configs.get_config("demo")
     config.workdir = workdir
     model, tok = _model(config), load_tokenizer(config.tokenizer)
     variables = load_rl_variables(config, model)
-    tasks = _balanced([t for t, _ in load_task_splits(config)["test"]], batch)  # all domains
+    tasks = balanced([t for t, _ in load_task_splits(config)["test"]], batch)  # all domains
     prompts, lengths = encode_prompts(tok, [t.prompt for t in tasks], config.rl.max_prompt_len)
     return (model, variables, jnp.asarray(prompts), jnp.asarray(lengths),
             config.rl.max_new_tokens, tok.eos_id, f"demo RL checkpoint ({workdir})")

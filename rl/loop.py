@@ -1,5 +1,6 @@
 """Drivers: SFT on generated demonstrations and the RL loop, plus what the evaluation scripts share
-with them (task splits, rollout workers, checkpoint loaders).
+with them (rollout workers, checkpoint loaders; the task splits and SFT's demonstrations are
+rl/data.py's, re-exported here).
 
     run_sft(config)    -> TrainState     workdir/sft/{checkpoints, metrics.jsonl, events}
     run_rl(config)     -> TrainState     workdir/rl/{checkpoints, metrics.jsonl, events}
@@ -37,8 +38,8 @@ threads, SFT's own while the indexer warm-up trains (supervised_step).
 
 Row widths: one-shot rows and multi-turn episodes (rl/agent.py) never share a batch. SFT
 batches come from one length bucket each (sft_buckets: sft.seq_len / sft.episode_seq_len, mixed
-by step share), RL prompt batches from one kind each (task_dataset(group_by=is_multi_turn_task)), and
-each RL batch is packed at its kind's width (train_width): two compiled shapes per phase, and a
+by step share), RL prompt batches from one kind each
+(task_dataset(group_by=is_multi_turn_task)), and each RL batch is packed at its kind's width (train_width): two compiled shapes per phase, and a
 one-shot row is never padded to an episode's width.
 
 Scale-out (docs/scaling.md): every driver runs on the mesh of config.sharding
@@ -79,6 +80,17 @@ from model.transformer import Model
 from rl.algorithms import algo_from_config
 from rl.checkpoint import Checkpointer
 from rl.critic import CriticConfig, critic_optim_config, init_value_params
+from rl.data import (
+    agent_env_config,
+    load_task_splits,
+    phase_data,
+    sft_examples,  # noqa: F401  (re-exported: rl.loop is where scripts import it)
+    sft_families,
+    sft_train_examples,
+    task_families,
+)
+from rl.data import balanced as _balanced
+from rl.data import is_episode as _is_episode
 from rl.metrics import MetricsWriter
 from rl.pipeline import (
     PendingSelection,
@@ -103,74 +115,13 @@ from rl.train_step import (
     make_train_step,
     train_state_shardings,
 )
-from rl.workdir import check_resumable, phase_data, record_data, set_aside
+from rl.workdir import check_resumable, record_data, set_aside
 from sandbox.tasks.domains import is_multi_turn_task
 
 log = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- tasks
-def _families(spec: str, field: str) -> list[str]:
-    from sandbox.tasks.domains import generated_domains
-
-    fams = [f.strip() for f in spec.split(",") if f.strip()]
-    valid = generated_domains()
-    unknown = [f for f in fams if f not in valid]
-    if unknown or not fams:
-        raise ValueError(f"{field}: unknown family {(unknown or [''])[0]!r}; give a "
-                         f"comma-separated list of {valid}")
-    return fams
-
-
-def task_families(config) -> list[str]:
-    """config.tasks.families (RL's and evaluation's) as a list, each checked against the task
-    domain registry."""
-    return _families(config.tasks.families, "tasks.families")
-
-
-def sft_families(config) -> list[str]:
-    """The families SFT's demonstrations come from: config.sft.families, or tasks.families when
-    it is empty or absent."""
-    spec = config.sft.get("families", "")
-    return _families(spec, "sft.families") if spec else task_families(config)
-
-
-def load_task_splits(config, families: list[str] | None = None) -> dict:
-    """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generated domains
-    `families` (default: task_families) (or tasks.task_file for RL prompts, without
-    demonstrations)."""
-    from sandbox.tasks.sampling import make_split
-
-    t = config.tasks
-    fams = task_families(config) if families is None else families
-    diff = {f: (t.difficulty.get(f, 0) or None) for f in fams}
-    n = {"train": t.train_per_family, "val": t.val_per_family, "test": t.test_per_family}
-
-    def split(f, s):  # a multi-turn domain's demo is its list of turns (meta["demo_turns"])
-        return make_split(f, s, n[s], t.seed, difficulty=diff[f])
-
-    out = {s: [p for f in fams for p in split(f, s)] for s in n}
-    if t.task_file:
-        from sandbox.tasks import load_tasks
-        out["train"] = [(task, None) for task in load_tasks(t.task_file)]
-    return out
-
-
-def _balanced(tasks: list, n: int) -> list:
-    """The first n tasks taken round-robin over domains (so every domain is represented)."""
-    from rl.pipeline import task_domain
-
-    by = {}
-    for t in tasks:
-        by.setdefault(task_domain(t), []).append(t)
-    out, queues = [], list(by.values())
-    while len(out) < n and any(queues):
-        for q in queues:
-            if q and len(out) < n:
-                out.append(q.pop(0))
-    return out
-
-
+# --------------------------------------------------------------------------- model
 def _model(config) -> Model:
     return Model(model_config(config))
 
@@ -267,12 +218,6 @@ def _progress(total, desc, initial=0):
 
 
 # --------------------------------------------------------------------------- SFT
-def _is_episode(ex) -> bool:
-    """Whether an SFT example (prompt, completion, ok) is a multi-turn episode: its completion
-    is a list of (assistant text, observation) turns."""
-    return isinstance(ex[1], (list, tuple))
-
-
 def _sft_rows(tokenizer, seq_len):
     """(prompt, completion, ok) -> dict(tokens [L], loss_mask [L]) with the completion + EOS as
     targets; a multi-turn episode (_is_episode) is rendered by rl.agent.encode_episode (the
@@ -297,39 +242,6 @@ def _sft_rows(tokenizer, seq_len):
         mask[: len(ids)] = target
         return {"tokens": tok, "loss_mask": mask}
     return encode
-
-
-def sft_examples(config, pairs) -> list:
-    """(prompt, completion, ok) for SFT from (task, demo) pairs, sft.imperfect_frac of each
-    domain well-formed but wrong: one-shot domains through sandbox.tasks.sft.sft_examples,
-    multi-step episodes through sandbox.tasks.sft.sft_episodes rendered exactly as the rollouts'
-    environment renders turns (rl.envs.demo_turns with agent_env_config)."""
-    from rl.envs import demo_turns
-    from sandbox.tasks import sft
-
-    s = config.sft
-    one = [p for p in pairs if not is_multi_turn_task(p[0])]
-    agent = [p[0] for p in pairs if is_multi_turn_task(p[0])]
-    out = sft.sft_examples(one, s.imperfect_frac, config.seed) if one else []
-    if agent:
-        env = agent_env_config(config.rl.agent)
-        out += [(t.prompt, demo_turns(t, env, turns), ok)
-                for t, turns, ok in sft.sft_episodes(agent, s.imperfect_frac, config.seed)]
-    return out
-
-
-def sft_train_examples(config) -> list:
-    """SFT's examples (sft_examples) from the train split of its own families (sft_families)."""
-    return sft_examples(config, load_task_splits(config, sft_families(config))["train"])
-
-
-def agent_env_config(a):
-    """rl.envs.EnvConfig of multi-turn episodes from the agent section (config.rl.agent)."""
-    from rl.envs import EnvConfig
-
-    return EnvConfig(max_turns=int(a.max_turns), observation_tokens=int(a.observation_tokens),
-                     command_timeout_s=float(a.command_timeout_s),
-                     format_penalty=float(a.format_penalty))
 
 
 def make_rollout_worker(r, model, tok, sampling, verifier, executor, *, group_size: int,

@@ -33,15 +33,14 @@ other code changes under the same config and data (another objective, another mo
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import hashlib
 import json
 import logging
 import os
 import shutil
 
 from rl.checkpoint import latest_committed_step
+from rl.data import phase_data
 
 log = logging.getLogger(__name__)
 
@@ -77,35 +76,6 @@ DATA_RECORD = "data.json"  # in each phase directory: what its weights were trai
 class ResumeConfigError(ValueError):
     """A phase directory holds checkpoints of a run whose config (or data) differs from this
     one."""
-
-
-def data_digest(items) -> str:
-    """sha256 of a list of training items (tuples, dicts, dataclasses such as Task) as
-    canonical JSON."""
-    def plain(x):
-        if dataclasses.is_dataclass(x):
-            return dataclasses.asdict(x)
-        if isinstance(x, (set, frozenset)):  # in an order that does not depend on hashing
-            return sorted(x, key=repr)
-        return repr(x)
-    return hashlib.sha256(json.dumps(items, sort_keys=True, default=plain).encode()).hexdigest()
-
-
-def phase_data(config, phase: str, items=None) -> dict:
-    """The data record of `phase`: "sft" -> SFT's demonstrations (rl.loop.sft_train_examples),
-    "rl" -> RL's train tasks (the train split of rl.loop.load_task_splits); `items`: those, when
-    the caller has them already. {"data", "count", "sha256"}."""
-    from rl import loop
-
-    if phase == "sft":
-        items = loop.sft_train_examples(config) if items is None else items
-    elif phase == "rl":
-        items = ([t for t, _ in loop.load_task_splits(config)["train"]] if items is None
-                 else items)
-    else:
-        raise ValueError(f"phase must be 'sft' or 'rl', got {phase!r}")
-    what = "SFT demonstrations" if phase == "sft" else "RL train tasks"
-    return {"data": what, "count": len(items), "sha256": data_digest(items)}
 
 
 def record_data(config, phase: str, record: dict) -> None:

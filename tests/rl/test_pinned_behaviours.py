@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 from rl import advantages as adv
 from rl import checkpoint as ck

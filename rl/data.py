@@ -1,0 +1,137 @@
+"""The data of a run: the task splits of its domains and SFT's demonstrations, and the digest of
+what a phase trains on (what a resumed phase must see again: rl/workdir.py).
+
+    splits = load_task_splits(config)          # {"train"|"val"|"test": [(Task, demo)]}
+    examples = sft_train_examples(config)      # [(prompt, completion or turns, ok)]
+    record = phase_data(config, "rl")          # {"data", "count", "sha256"}
+
+Tasks come from the generated domains (config.tasks.families, sandbox/tasks/domains) or, for
+RL's prompts, a task file (config.tasks.task_file); SFT reads its own families (sft.families).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from rl.envs import EnvConfig, demo_turns
+from rl.pipeline import task_domain
+from sandbox.tasks import load_tasks, sft
+from sandbox.tasks.domains import generated_domains, is_multi_turn_task
+from sandbox.tasks.sampling import make_split
+
+
+def _families(spec: str, field: str) -> list[str]:
+    fams = [f.strip() for f in spec.split(",") if f.strip()]
+    valid = generated_domains()
+    unknown = [f for f in fams if f not in valid]
+    if unknown or not fams:
+        raise ValueError(f"{field}: unknown family {(unknown or [''])[0]!r}; give a "
+                         f"comma-separated list of {valid}")
+    return fams
+
+
+def task_families(config) -> list[str]:
+    """config.tasks.families (RL's and evaluation's) as a list, each checked against the task
+    domain registry."""
+    return _families(config.tasks.families, "tasks.families")
+
+
+def sft_families(config) -> list[str]:
+    """The families SFT's demonstrations come from: config.sft.families, or tasks.families when
+    it is empty or absent."""
+    spec = config.sft.get("families", "")
+    return _families(spec, "sft.families") if spec else task_families(config)
+
+
+def load_task_splits(config, families: list[str] | None = None) -> dict:
+    """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generated domains
+    `families` (default: task_families) (or tasks.task_file for RL prompts, without
+    demonstrations)."""
+    t = config.tasks
+    fams = task_families(config) if families is None else families
+    diff = {f: (t.difficulty.get(f, 0) or None) for f in fams}
+    n = {"train": t.train_per_family, "val": t.val_per_family, "test": t.test_per_family}
+
+    def split(f, s):  # a multi-turn domain's demo is its list of turns (meta["demo_turns"])
+        return make_split(f, s, n[s], t.seed, difficulty=diff[f])
+
+    out = {s: [p for f in fams for p in split(f, s)] for s in n}
+    if t.task_file:
+        out["train"] = [(task, None) for task in load_tasks(t.task_file)]
+    return out
+
+
+def balanced(tasks: list, n: int) -> list:
+    """The first n tasks taken round-robin over domains (so every domain is represented)."""
+    by = {}
+    for t in tasks:
+        by.setdefault(task_domain(t), []).append(t)
+    out, queues = [], list(by.values())
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    return out
+
+
+def is_episode(ex) -> bool:
+    """Whether an SFT example (prompt, completion, ok) is a multi-turn episode: its completion
+    is a list of (assistant text, observation) turns."""
+    return isinstance(ex[1], (list, tuple))
+
+
+def sft_examples(config, pairs) -> list:
+    """(prompt, completion, ok) for SFT from (task, demo) pairs, sft.imperfect_frac of each
+    domain well-formed but wrong: one-shot domains through sandbox.tasks.sft.sft_examples,
+    multi-step episodes through sandbox.tasks.sft.sft_episodes rendered exactly as the rollouts'
+    environment renders turns (rl.envs.demo_turns with agent_env_config)."""
+    s = config.sft
+    one = [p for p in pairs if not is_multi_turn_task(p[0])]
+    agent = [p[0] for p in pairs if is_multi_turn_task(p[0])]
+    out = sft.sft_examples(one, s.imperfect_frac, config.seed) if one else []
+    if agent:
+        env = agent_env_config(config.rl.agent)
+        out += [(t.prompt, demo_turns(t, env, turns), ok)
+                for t, turns, ok in sft.sft_episodes(agent, s.imperfect_frac, config.seed)]
+    return out
+
+
+def sft_train_examples(config) -> list:
+    """SFT's examples (sft_examples) from the train split of its own families (sft_families)."""
+    return sft_examples(config, load_task_splits(config, sft_families(config))["train"])
+
+
+def agent_env_config(a):
+    """rl.envs.EnvConfig of multi-turn episodes from the agent section (config.rl.agent)."""
+    return EnvConfig(max_turns=int(a.max_turns), observation_tokens=int(a.observation_tokens),
+                     command_timeout_s=float(a.command_timeout_s),
+                     format_penalty=float(a.format_penalty))
+
+
+def phase_data(config, phase: str, items=None) -> dict:
+    """The data record of `phase`: "sft" -> SFT's demonstrations (sft_train_examples), "rl" ->
+    RL's train tasks (the train split of load_task_splits); `items`: those, when the caller has
+    them already. {"data", "count", "sha256"}."""
+    if phase == "sft":
+        items = sft_train_examples(config) if items is None else items
+    elif phase == "rl":
+        items = ([t for t, _ in load_task_splits(config)["train"]] if items is None
+                 else items)
+    else:
+        raise ValueError(f"phase must be 'sft' or 'rl', got {phase!r}")
+    what = "SFT demonstrations" if phase == "sft" else "RL train tasks"
+    return {"data": what, "count": len(items), "sha256": data_digest(items)}
+
+
+def data_digest(items) -> str:
+    """sha256 of a list of training items (tuples, dicts, dataclasses such as Task) as
+    canonical JSON."""
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return dataclasses.asdict(x)
+        if isinstance(x, (set, frozenset)):  # in an order that does not depend on hashing
+            return sorted(x, key=repr)
+        return repr(x)
+    return hashlib.sha256(json.dumps(items, sort_keys=True, default=plain).encode()).hexdigest()
