@@ -39,8 +39,9 @@ threads, SFT's own while the indexer warm-up trains (supervised_step).
 Row widths: one-shot rows and multi-turn episodes (rl/agent.py) never share a batch. SFT
 batches come from one length bucket each (sft_buckets: sft.seq_len / sft.episode_seq_len, mixed
 by step share), RL prompt batches from one kind each
-(task_dataset(group_by=is_multi_turn_task)), and each RL batch is packed at its kind's width (train_width): two compiled shapes per phase, and a
-one-shot row is never padded to an episode's width.
+(task_dataset(group_by=is_multi_turn_task)), and each RL batch is packed at its kind's width
+(train_width): two compiled shapes per phase, and a one-shot row is never padded to an
+episode's width.
 
 Scale-out (docs/scaling.md): every driver runs on the mesh of config.sharding
 (model.sharding.mesh_from_config; one device for the CPU configs). Parameters are initialised
