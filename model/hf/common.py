@@ -62,3 +62,19 @@ def dense_prefix(c: dict, n: int, default_first_k: int) -> int:
         raise bad("mlp_layer_types", mlp, "only dense layers first, then sparse ones, are "
                   "supported (moe.first_dense_layers)")
     return dense
+
+
+def check_expressible(cfg, family: str, checks: list) -> None:
+    """Stop export when a ModelConfig field has no place in `family`'s layout: `checks` are the
+    family's own (ok, field, value) triples; the MoE, MTP and tied-embedding ones every family
+    shares are added here. CheckpointError names the first field that is not expressible."""
+    m = cfg.moe
+    checks = [*checks,
+              (m.num_experts > 0 and m.router == "sigmoid", "moe.router", m.router),
+              (m.expert_format == "bf16", "moe.expert_format", m.expert_format),
+              (cfg.mtp.depth == 0, "mtp.depth", cfg.mtp.depth),
+              (not cfg.tie_embeddings, "tie_embeddings", cfg.tie_embeddings)]
+    for ok, field, value in checks:
+        if not ok:
+            raise CheckpointError(f"model.{field}={value!r}: not expressible as a {family} "
+                                  "checkpoint")

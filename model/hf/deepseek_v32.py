@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from model.config import ModelConfig
-from model.hf.common import bad, check_fields, dense_prefix
+from model.hf.common import bad, check_expressible, check_fields, dense_prefix
 from model.hf.recipes import Recipe, copy, linear, mla_kv_b, stacked_linears
 from model.hf.safetensors_io import CheckpointError
 
@@ -177,15 +177,8 @@ def from_config(cfg: ModelConfig) -> dict:
         ((a.index_norm_eps or cfg.norm_eps) == NORM_EPS, "dsa.index_norm_eps", a.index_norm_eps),
         (a.rope_scaling == "none" or a.rope_mscale == a.rope_mscale_all_dim > 0,
          "dsa.rope_mscale", a.rope_mscale),
-        (m.num_experts > 0 and m.router == "sigmoid", "moe.router", m.router),
-        (m.expert_format == "bf16", "moe.expert_format", m.expert_format),
-        (cfg.mtp.depth == 0, "mtp.depth", cfg.mtp.depth),
-        (not cfg.tie_embeddings, "tie_embeddings", cfg.tie_embeddings),
     ]
-    for ok, field, value in checks:
-        if not ok:
-            raise CheckpointError(f"model.{field}={value!r}: not expressible as a deepseek_v32 "
-                                  "checkpoint")
+    check_expressible(cfg, "deepseek_v32", checks)
     rope = {"rope_type": "default", "rope_theta": a.rope_theta}
     if a.rope_scaling == "yarn":
         rope.update(rope_type="yarn", factor=a.rope_factor,

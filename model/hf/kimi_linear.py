@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from model.config import ModelConfig
 from model.hf.common import bad as _bad
-from model.hf.common import check_fields, dense_prefix, period
+from model.hf.common import check_expressible, check_fields, dense_prefix, period
 from model.hf.recipes import (
     Recipe,
     concat_convs,
@@ -158,15 +158,8 @@ def from_config(cfg: ModelConfig) -> dict:
         (a.positions == "nope", "dsa.positions", a.positions),
         ((a.latent_norm_eps or cfg.norm_eps) == LATENT_NORM_EPS, "dsa.latent_norm_eps",
          a.latent_norm_eps),
-        (m.num_experts > 0 and m.router == "sigmoid", "moe.router", m.router),
-        (m.expert_format == "bf16", "moe.expert_format", m.expert_format),
-        (cfg.mtp.depth == 0, "mtp.depth", cfg.mtp.depth),
-        (not cfg.tie_embeddings, "tie_embeddings", cfg.tie_embeddings),
     ]
-    for ok, field, value in checks:
-        if not ok:
-            raise CheckpointError(f"model.{field}={value!r}: not expressible as a kimi_linear "
-                                  "checkpoint")
+    check_expressible(cfg, "kimi_linear", checks)
     n = cfg.num_layers
     inv = {v: t for t, v in KINDS.items()}
     return {
