@@ -46,9 +46,11 @@ exact conversion exists that `==` in the judging process sees the same way:
   The process that ran the completion is untrusted anyway (it can forge its records, see
   sandbox/python_tests.py): what decides is that only plain JSON reaches the judge.
 
-Not covered: any other type (functions, user classes, numpy arrays, dict views, deques, ranges:
-a range is not an iterator and stays refused, so `list(candidate(n))` over a returned range fails
-with a message); a dict
+  - a range travels as {"range": [start, stop, step]}, a collections.deque as {"deque": [maxlen,
+    [...]]} (its iterators as {"iter": ...}), dict views as {"keys": [...]}, {"values": [...]}
+    and {"items": [[k, v], ...]}; each is rebuilt as the same type from its parts (a view over a
+    new dict: keys and items compare as sets, values by identity, as the originals do).
+Not covered: any other type (functions, user classes, numpy arrays, array.array); a dict
 key or set element of an unhashable type cannot occur in a real dict or set anyway.
 
 This file is also embedded verbatim into the programs that run inside the sandbox, so it uses
@@ -62,7 +64,7 @@ MAX_NODES = 1_000_000
 MAX_CHARS = 64 << 20
 _SAFE_INT = 1 << 53
 _TAGS = ("int", "float", "complex", "bytes", "tuple", "dict", "set", "frozenset", "counter",
-         "odict", "iter")
+         "odict", "iter", "range", "deque", "keys", "values", "items")
 # special methods a subclass may define and still be converted by encode_result: none of them
 # changes how a built value compares, hashes, iterates, indexes, measures or converts
 INERT_DUNDERS = frozenset({
@@ -82,6 +84,9 @@ def _builtin_iterator_types():
 
 
 _ITER_TYPES = _builtin_iterator_types()
+# dict views: keys and items compare as sets, values only by identity; rebuilt from a new dict
+_VIEW_TYPES = ((type({}.keys()), "keys"), (type({}.values()), "values"),
+               (type({}.items()), "items"))
 
 
 class PlainDataError(ValueError):
@@ -164,6 +169,15 @@ def _items(pairs, depth, budget, loose):
 
 def _enc_converted(x, t, depth, budget):
     """encode_result's conversions (module docstring); PlainDataError when none applies."""
+    if t is range:  # its three ints rebuild it exactly (equality, len, indexing, iteration)
+        return {"range": [_enc(v, depth + 1, budget) for v in (x.start, x.stop, x.step)]}
+    for view, tag in _VIEW_TYPES:
+        if t is view:
+            items = list(x)
+            if tag == "items":
+                return {tag: [[_enc(k, depth + 1, budget, True), _enc(v, depth + 1, budget, True)]
+                              for k, v in items]}
+            return {tag: [_enc(v, depth + 1, budget, True) for v in items]}
     for it in _ITER_TYPES:
         if t is it:
             out = []
@@ -172,6 +186,11 @@ def _enc_converted(x, t, depth, budget):
             return {"iter": out}
     coll = __import__("sys").modules.get("collections")
     if coll is not None:
+        if t is getattr(coll, "deque", None):  # its items and maxlen rebuild it exactly
+            return {"deque": [_enc(x.maxlen, depth + 1, budget),
+                              [_enc(v, depth + 1, budget, True) for v in coll.deque.__iter__(x)]]}
+        if t is type(iter(coll.deque())) or t is type(reversed(coll.deque())):
+            return {"iter": [_enc(v, depth + 1, budget, True) for v in x]}
         known = [(getattr(coll, n, None), n) for n in ("Counter", "OrderedDict", "defaultdict")]
         for cls, name in known:
             if t is cls:
@@ -340,6 +359,27 @@ def _dec(e, depth):
     if tag in ("set", "frozenset"):
         items = [_hashable(_dec(v, depth + 1)) for v in p]
         return set(items) if tag == "set" else frozenset(items)
+    if tag == "range" and len(p) == 3:
+        a, b, c = (_dec(v, depth + 1) for v in p)
+        if not (type(a) is int and type(b) is int and type(c) is int and c != 0):
+            raise PlainDataError("a range is three ints with a non-zero step")
+        return range(a, b, c)
+    if tag == "deque" and len(p) == 2 and type(p[1]) is list:
+        maxlen = _dec(p[0], depth + 1)
+        if maxlen is not None and (type(maxlen) is not int or maxlen < 0):
+            raise PlainDataError("a deque's maxlen is None or an int >= 0")
+        return __import__("collections").deque([_dec(v, depth + 1) for v in p[1]], maxlen)
+    if tag == "keys":
+        return dict.fromkeys(_hashable(_dec(v, depth + 1)) for v in p).keys()
+    if tag == "values":
+        return dict(enumerate(_dec(v, depth + 1) for v in p)).values()
+    if tag == "items":
+        out = {}
+        for kv in p:
+            if type(kv) is not list or len(kv) != 2:
+                raise PlainDataError("items must be [key, value] pairs")
+            out[_hashable(_dec(kv[0], depth + 1))] = _dec(kv[1], depth + 1)
+        return out.items()
     raise PlainDataError(f"unknown tag {tag!r} (known: {', '.join(_TAGS)})")
 
 

@@ -154,6 +154,18 @@ CONVERT = [
      "    d.move_to_end('a')\n    return d\n"),
     ("assert candidate(250) == candidate(250) and len(str(candidate(250))) == 502",
      "def f(n):\n    x = []\n    for _ in range(n):\n        x = [x]\n    return x\n"),
+    ("assert list(candidate(3)) == [0, 1, 2] and candidate(3) == range(3)",
+     "def f(n):\n    return range(n)\n"),
+    ("assert candidate(10**20)[-1] == 10**20 - 1 and len(candidate(5)) == 5",
+     "def f(n):\n    return range(n)\n"),
+    ("assert list(candidate(3)) == [2, 1, 0] and candidate(3) == __import__('collections').deque([2, 1, 0])",
+     "import collections\ndef f(n):\n    d = collections.deque(maxlen=n)\n"
+     "    for i in range(n):\n        d.appendleft(i)\n    return d\n"),
+    ("assert candidate({'b': 1, 'a': 2}) == {'a', 'b'}", "def f(d):\n    return d.keys()\n"),
+    ("assert sorted(candidate({'b': 1, 'a': 2})) == [1, 2]", "def f(d):\n    return d.values()\n"),
+    ("assert candidate({'b': [1]}) == {'b': [1]}.items()", "def f(d):\n    return d.items()\n"),
+    ("assert list(candidate(3)) == [0, 1, 2]",
+     "import collections\ndef f(n):\n    return iter(collections.deque(range(n)))\n"),
 ]
 REFUSED = [  # (test, completion): look-alikes that must still score 0
     ("assert candidate('ab') == {'a': 1, 'b': 1}",
@@ -169,6 +181,12 @@ REFUSED = [  # (test, completion): look-alikes that must still score 0
     ("from collections import OrderedDict\n    assert candidate(2) == OrderedDict([('b', 2), ('a', 1)])",
      "from collections import OrderedDict\ndef f(n):\n    return OrderedDict([('a', 1), ('b', n)])\n"),
     ("assert list(candidate(3)) == [0, 1, 2]", "def f(n):\n    while True:\n        yield 0\n"),
+    # a range is not a list, a deque is not a list, a values view equals nothing but itself
+    ("assert candidate(3) == [0, 1, 2]", "def f(n):\n    return range(n)\n"),
+    ("assert candidate(3) == [0, 1, 2]",
+     "import collections\ndef f(n):\n    return collections.deque(range(n))\n"),
+    ("assert candidate({'a': 1}) == [1]", "def f(d):\n    return d.values()\n"),
+    ("assert candidate(3) == range(3)", "def f(n):\n    return range(1, n)\n"),
 ]
 
 
