@@ -114,7 +114,8 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
         steps=100, prompts_per_batch=8, group_size=4, max_prompt_len=72, max_new_tokens=48,
         temperature=1.0, top_p=1.0, top_k=0, micro_batches=1, train_indexer=True,
         speculative="none", overlap_scoring=True, log_every=1, checkpoint_every=25, keep_checkpoints=3,
-        init_from="sft"))  # "sft": the SFT checkpoint in workdir/sft; "scratch": random init
+        init_from="sft"))  # "sft": the SFT checkpoint in workdir/sft; "scratch": random init;
+    # "hf": a released checkpoint's weights (the hf variant, its hf_dir)
     # rl.rollout_experts="mxfp4": rollouts (and the evals during RL) sample with packed MXFP4
     # experts (the trained weights quantised once per batch, model/quant.py; grouped MXFP4
     # matmul) while the trainer keeps bf16/f32 (or QAT: model.moe.qat=True) experts; the
@@ -321,6 +322,10 @@ def hf() -> ml_collections.ConfigDict:
     c.name = "hf"
     c.workdir = "runs/hf"
     c.hf_dir = ""  # the checkpoint directory (required)
+    # the model section is the checkpoint's; a run chooses only these three (any other
+    # --config.model.* override is an unknown field, not silently replaced)
+    c.model = ml_collections.ConfigDict(dict(dtype="float32", param_dtype="float32",
+                                             scan_layers=False))
     c.sft.update(dict(indexer_warmup_steps=0, seq_len=256, episode_seq_len=512))
     c.rl.update(dict(init_from="hf", max_prompt_len=160))
     c.rl.agent.update(dict(width=640))

@@ -73,9 +73,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from ml_collections import ConfigDict
 
 from model import sharding as shd
 from model.config import ModelConfig
+from model.hf import hf_config, import_hf
 from model.tokenizer import load_tokenizer
 from model.transformer import Model
 from rl.algorithms import algo_from_config
@@ -130,7 +132,7 @@ def _model(config) -> Model:
 def resolve_checkpoint(config) -> None:
     """A run from a released checkpoint (`config.hf_dir`, configs/rl.py:hf): its model section
     becomes the checkpoint's config.json translated (model.hf.hf_config; the run keeps its own
-    dtype, param_dtype and scan_layers) and its tokenizer the checkpoint's tokenizer files and
+    dtype, param_dtype and scan_layers, the only fields configs/rl.py:hf gives it) and its tokenizer the checkpoint's tokenizer files and
     chat template. Called first by validate_run_config, run_sft, run_rl and evaluation; a
     second call changes nothing. Without hf_dir: nothing to do."""
     if "hf_dir" not in config:
@@ -143,10 +145,6 @@ def resolve_checkpoint(config) -> None:
     if not os.path.isdir(d):
         raise ValueError(f"hf_dir={d!r} is not a directory: give a checkpoint directory in "
                          "transformers' layout (config.json, *.safetensors, tokenizer files)")
-    from ml_collections import ConfigDict
-
-    from model.hf import hf_config
-
     m = config.model
     cfg = hf_config(d, dtype=m.dtype, param_dtype=m.param_dtype).replace(
         scan_layers=bool(m.get("scan_layers", False)))
@@ -1160,8 +1158,6 @@ def _hf_dir(config) -> str:
 def checkpoint_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
     """The released checkpoint's weights (config.hf_dir, model.hf.import_hf) in `model`'s layout,
     streamed onto the model's shardings on `mesh` (one device without one)."""
-    from model.hf import import_hf
-
     m = model.cfg
     cfg, variables = import_hf(_hf_dir(config), dtype=m.dtype, param_dtype=m.param_dtype,
                                scan_layers=m.scan_layers, mesh=mesh, rules=rules)

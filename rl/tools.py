@@ -117,6 +117,20 @@ def _parse_body(body: str) -> ToolCall | str:
     return ToolCall(name.strip(), args)
 
 
+def _add_call(out, parsed, max_calls) -> bool:
+    """Append a parsed call to `out` (True), or its error: a parse error (a str) or a call past
+    `max_calls` (False)."""
+    if isinstance(parsed, str):
+        out.errors.append(parsed)
+        return False
+    if max_calls is not None and len(out.calls) >= max_calls:
+        out.errors.append(f"at most {max_calls} tool call(s) per turn: the call to "
+                          f"{parsed.name!r} was not run")
+        return False
+    out.calls.append(parsed)
+    return True
+
+
 def parse_tool_calls(text: str, max_calls: int | None = None) -> ParsedTurn:
     """Splits one assistant turn into calls, errors and plain text (see the module docstring)."""
     out = ParsedTurn()
@@ -138,14 +152,7 @@ def parse_tool_calls(text: str, max_calls: int | None = None) -> ParsedTurn:
         if j == -1:
             out.errors.append(f"unterminated {CALL_OPEN} (no {CALL_CLOSE} after it)")
             break
-        parsed = _parse_body(text[i + len(CALL_OPEN):j].strip())
-        if isinstance(parsed, str):
-            out.errors.append(parsed)
-        elif max_calls is not None and len(out.calls) >= max_calls:
-            out.errors.append(f"at most {max_calls} tool call(s) per turn: the call to "
-                              f"{parsed.name!r} was not run")
-        else:
-            out.calls.append(parsed)
+        _add_call(out, _parse_body(text[i + len(CALL_OPEN):j].strip()), max_calls)
         pos = j + len(CALL_CLOSE)
     out.text = "".join(rest).strip()
     if "tool_call" in out.text:
@@ -239,14 +246,7 @@ def _parse_sections(text: str, markers, split, max_calls: int | None) -> ParsedT
                 out.errors.append(got)
                 continue
             name, body, cid = got
-            parsed = _parse_named(name, body)
-            if isinstance(parsed, str):
-                out.errors.append(parsed)
-            elif max_calls is not None and len(out.calls) >= max_calls:
-                out.errors.append(f"at most {max_calls} tool call(s) per turn: the call to "
-                                  f"{parsed.name!r} was not run")
-            else:
-                out.calls.append(parsed)
+            if _add_call(out, _parse_named(name, body), max_calls):
                 out.ids.append(cid)
     out.text = "".join(rest).strip()
     stray = [m for m in markers if m in out.text]

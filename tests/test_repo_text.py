@@ -1,9 +1,9 @@
 """The repository's text describes the software as it is: no work-log history in it.
 
 Every tracked text file (README, docs, tests/README, code comments and docstrings, configs,
-notebooks) is searched for the marks of a work log: ordinal references to work sessions ("the
-<ordinal> session" from the second on, "sessions 22-36"), issue numbers ("issue 19") and numbered benchmark runs
-("run 30", "runs 22-29"). Measurements belong in the dated entries of docs/results.md and
+notebooks) is searched for the marks of a work log: a work session named by its ordinal (from
+the second on) or its number or range of numbers, an issue's number, and benchmark runs named by
+number (PATTERNS; the test below gives examples of each). Measurements belong in the dated entries of docs/results.md and
 docs/speed.md (a date and a commit each). "session" alone stays: it names a sandbox session.
 
 Not covered: history written in other words (a reviewer's eye, not a pattern, catches those).
@@ -46,26 +46,23 @@ def history_marks(text: str) -> list[tuple[str, str]]:
 
 
 def test_the_patterns_find_history_and_leave_the_software_alone():
-    s = " session"
-    found = history_marks(f"measured in the thirty-seventh{s} on the host of sessions 22-36; "
-                          "issue 19's target; peer run 30 (4.7 min), runs 22-29, and run 5.")
+    # the examples are assembled, so that this file does not read as history to a text search
+    s, i, r = " session", "iss" + "ue", "ru" + "n"
+    found = history_marks(f"measured in the thirty-seventh{s} on the host of{s}s 22-36; "
+                          f"{i} 19's target; peer {r} 30 (4.7 min), {r}s 22-29, and {r} 5.")
     assert [w for w, _ in found] == ["a work session by ordinal", "work sessions by number",
                                      "an issue number", "a numbered run", "a numbered run",
                                      "a numbered run"], found
-    assert history_marks("a sandbox session runs 3 commands; the first session of an episode; "
-                         "run 2 processes; --runs 3000; they run 24.0 episodes per second; `--run 2` profiles; "
-                         "sessions 8 per worker"
-                         ) == []
+    assert history_marks(f"a sandbox{s} {r}s 3 commands; the first{s} of an episode; {r} 2 "
+                         f"processes; --{r}s 3000; they {r} 24.0 episodes per second; `--{r} 2` "
+                         f"profiles;{s}s 8 per worker") == []
 
 
 def test_no_work_log_history_in_the_repository_text():
-    here = os.path.relpath(os.path.abspath(__file__), ROOT)
     files = tracked_text_files()
     assert "README.md" in files and len(files) > 100
     bad = []
     for rel in files:
-        if rel == here:
-            continue
         try:
             with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
                 lines = f.read().splitlines()
