@@ -12,7 +12,8 @@
 #     sandbox must be readable by an unprivileged uid, so it is Debian's /usr/bin/python3);
 #     python3-venv when the venv module cannot create environments (Debian splits it out).
 #   - user namespaces enabled where a sysctl disables them (bubblewrap runs unprivileged).
-#   - this repository installed editable with its [test] extra, into .venv (created from
+#   - this repository installed editable with its [test] extra (and inspect-evals without its
+#     dependencies: AgentBench's task data), into .venv (created from
 #     $PYTHON, default /usr/bin/python3: on Debian 12 that interpreter is "externally managed"
 #     (PEP 668), so pip refuses to install into it directly) or, with --system, into $PYTHON
 #     (default python3).
@@ -84,4 +85,9 @@ if ! "$PY" -c "import model, rl, sandbox, pallas_kernels, jax, flax, grain, orba
    || [ ! -e "$stamp" ] || [ setup.cfg -nt "$stamp" ]; then
   "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
   mkdir -p "$(dirname "$stamp")" && touch "$stamp"
+fi
+# AgentBench's OS tasks (sandbox/tasks/agentbench.py) are read from inspect-evals' data files;
+# the package is never imported, so its dependencies (inspect_ai, Docker tooling) are left out
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('inspect_evals') is None)" 2>/dev/null; then
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps "inspect-evals==0.28.0"
 fi
