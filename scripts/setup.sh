@@ -25,7 +25,7 @@ mode=venv
 for arg in "$@"; do
   case "$arg" in
     --system) mode=system ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (use --system, or nothing for .venv)" >&2; exit 2 ;;
   esac
 done
