@@ -44,6 +44,16 @@ An episode (one task, one session):
     `max_episode_tokens` tokens (actions + observations, `count_tokens`;
     a turn that starts at the cap runs nothing), or when the session refuses a command (its
     limits) or fails (sandbox_error: `info["sandbox_error"]`, for the trainer to drop).
+  - tasks written for a container say so in their meta: meta["workspace"] (the session's
+    sandbox.session.Workspace: working directory, HOME, persistent directories, root inside),
+    meta["start"] (a start command run with `Session.start` after setup: what it leaves in the
+    background runs for the whole episode), meta["max_task_runs"] (setup, start, reference and
+    check; default 2).
+  - answer tasks (meta["answer_task"]): the model's last turn is its answer (`final_answer`:
+    the inside of a trailing `answer(...)`, else the whole text, stripped; "" when the episode
+    is truncated). The expected answer is `Task.answer`, or the stdout of meta["reference"] run
+    right after setup, before the model acts (a failing or silent reference raises EnvError:
+    the task is broken here). The check receives [answer, expected] as JSON on stdin.
   - reward: at the end, the task's `check` runs isolated on the session's final state
     (`Session.check`, the terminal verifier's rules): 1.0 if it exits 0, else 0.0; with
     `check_on_truncation` (default) a truncated episode is checked too. A turn with any
@@ -62,6 +72,8 @@ sandbox commands, partial (streamed) turns.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -176,6 +188,13 @@ class BashTool:
 # ---- the environment --------------------------------------------------------------------------
 
 
+def final_answer(text: str) -> str:
+    """The answer in a final turn: the inside of a trailing `answer(...)` (AgentBench's
+    protocol) when the text ends with one, else the whole text; surrounding whitespace removed."""
+    found = re.findall(r"answer\((.*)\)\s*$", text.strip(), flags=re.S)
+    return (found[-1] if found else text).strip()
+
+
 def _short(text: str, n: int = 300) -> str:
     return text if len(text) <= n else text[:n] + f"... [{len(text) - n} more chars]"
 
@@ -230,7 +249,8 @@ class SessionEnv:
         wall = float(task.meta.get("agent_timeout_s", n * c.command_timeout_s + 1.0))
         return SessionLimits(max_commands=n, max_wall_s=wall,
                              disk_mb=int(task.meta.get("disk_mb", c.session_disk_mb)),
-                             idle_timeout_s=c.session_idle_timeout_s, max_task_runs=2)
+                             idle_timeout_s=c.session_idle_timeout_s,
+                             max_task_runs=int(task.meta.get("max_task_runs", 2)))
 
     # ---- reset ------------------------------------------------------------------------------
     def _pick(self, seed: int | None) -> Task:
@@ -251,15 +271,31 @@ class SessionEnv:
                              int(task.meta.get("max_turns", self.config.max_turns)))
         if self.max_turns < 1:
             raise EnvError(f"task {task.id}: max_turns must be >= 1")
+        extra = {"workspace": task.meta["workspace"]} if task.meta.get("workspace") else {}
         self.session = self.executor.session(files=task.files,
-                                             limits=self.session_limits(task, self.max_turns))
-        if task.setup:
-            r = self.session.run(task.setup, language="bash", budget=False,
-                                 timeout_s=task.timeout_s, memory_mb=task.memory_mb)
+                                             limits=self.session_limits(task, self.max_turns),
+                                             **extra)
+        self.expected = task.answer
+
+        def task_run(what: str, code: str, start: bool = False) -> ExecutionResult:
+            kw = dict(language="bash", timeout_s=task.timeout_s, memory_mb=task.memory_mb)
+            r = self.session.start(code, **kw) if start else self.session.run(code, budget=False, **kw)
             if r.status != "ok":
                 self.close()
-                raise EnvError(f"task {task.id}: setup failed ({r.status}, exit {r.exit_code}): "
+                raise EnvError(f"task {task.id}: {what} failed ({r.status}, exit {r.exit_code}): "
                                f"{_short(r.stderr or r.message)}")
+            return r
+
+        if task.setup:
+            task_run("setup", task.setup)
+        if task.meta.get("start"):
+            task_run("start", task.meta["start"], start=True)
+        if task.meta.get("reference"):
+            self.expected = task_run("reference", task.meta["reference"]).stdout.strip()
+            if not self.expected:
+                self.close()
+                raise EnvError(f"task {task.id}: the reference printed nothing, so no answer "
+                               "can match it here")
         self.task = task
         self.turn = self.tokens = self.malformed = 0
         self.penalties = 0.0
@@ -328,9 +364,13 @@ class SessionEnv:
         if info.get("sandbox_error") or (not terminated and not c.check_on_truncation):
             return finish(None, "sandbox_error" if info.get("sandbox_error") else "unchecked")
         t = self.task
+        kw = {}
+        if t.meta.get("answer_task"):
+            info["answer"] = final_answer(turn.parsed.text) if terminated else ""
+            kw["stdin"] = json.dumps([info["answer"], self.expected])
         try:
             fut = session.submit_check(t.check, language=t.check_language, timeout_s=t.timeout_s,
-                                       memory_mb=t.memory_mb)
+                                       memory_mb=t.memory_mb, **kw)
         except Exception as e:  # noqa: BLE001 - e.g. the pool closed under us
             info["sandbox_error"] = f"check not run: {type(e).__name__}: {e}"
             return finish(None, "sandbox_error")
@@ -489,6 +529,33 @@ def play(env: SessionEnv, seed: int | None, actions: Sequence[str]) -> list[Step
     steps: list[StepResult] = []
     for a in list(actions) + [DONE_TEXT]:
         steps.append(env.step(a))
+        if steps[-1].terminated or steps[-1].truncated:
+            break
+    return steps
+
+
+def play_reference(env: SessionEnv, seed: int | None, empty: bool = False) -> list[StepResult]:
+    """Plays the task's reference solution as one episode (the harness's own check: every
+    runnable task should score 1 this way, and 0 with empty=True, a final turn at once):
+    meta["solution"] commands as bash tool calls; for answer tasks the solution's command runs
+    in the session and its stdout, as `answer(...)`, is the final turn (meta["solution_answer"]
+    when the task has only a match)."""
+    env.reset(seed)
+    task = env.task
+    if empty:
+        return [env.step(DONE_TEXT)]
+    sol = list(task.meta.get("solution") or [])
+    if task.meta.get("answer_task"):
+        text = task.meta.get("solution_answer", "")
+        if sol:
+            r = env.session.run(sol[0], language="bash", timeout_s=task.timeout_s,
+                                memory_mb=task.memory_mb)
+            text = r.stdout.strip()
+        return [env.step(f"answer({text})")]
+    steps = []
+    for cmd in sol + [None]:
+        action = DONE_TEXT if cmd is None else format_tool_call("bash", {"command": cmd})
+        steps.append(env.step(action))
         if steps[-1].terminated or steps[-1].truncated:
             break
     return steps

@@ -10,6 +10,12 @@
         --samples_out=runs/demo/eval_sft_samples.jsonl   # which templates fail, and every text
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=canonical
     python scripts/evaluate.py --humaneval sandbox/tasks/data/HumanEval.jsonl.gz --completions=empty
+    python scripts/evaluate.py --agentbench=all --completions=canonical   # every runnable AgentBench
+                                           # OS task played with its reference solution (100%)
+    python scripts/evaluate.py --tb2_dir=sandbox/tasks/data/terminal_bench2 --completions=empty
+    python scripts/evaluate.py --config configs/rl.py:demo --checkpoint=rl --agentbench=all \
+        --config.model.max_seq_len=2048 --config.rl.agent.width=2048 --by_template \
+        --samples_out=runs/demo/agentbench_transcripts.jsonl   # a checkpoint on AgentBench OS
     python scripts/evaluate.py --config configs/rl.py:demo --experts=mxfp4     # MXFP4 experts (PTQ)
     python scripts/evaluate.py --config configs/rl.py:demo --checkpoint=runs/demo/export \
         --experts=mxfp4                                    # an MXFP4 export (scripts/export.py)
@@ -33,7 +39,17 @@ template, with the tasks any sample solved), --json FILE for the full result, an
 and scoring details; with --temperatures the test split's samples, each with its temperature
 and the metrics whose evaluation drew it).
 --completions=canonical|empty checks the harness itself on a HumanEval-format file (no model
-involved): 100% and 0%.
+involved): 100% and 0%; on episode task sets (--agentbench, --tb2_dir) canonical plays each
+task's reference solution in a session (rl.envs.play_reference) and empty ends the episode at
+once.
+
+--agentbench=dev|test|all: AgentBench's operating-system tasks from the installed inspect-evals
+package (sandbox/tasks/agentbench.py; the skipped ones are counted with their reasons);
+--tb2_dir=DIR: Terminal-Bench 2 task folders (sandbox/tasks/terminal_bench.py). Both are played
+as multi-turn episodes in sandbox sessions (config.rl.agent: their prompts are long, so a byte
+model needs a wider row, --config.rl.agent.width and --config.model.max_seq_len); the table has
+episode success with its 95% interval, turns and tokens per episode, --by_template the
+breakdown by AgentBench label set / TB2 folder, and --samples_out every transcript.
 """
 
 import json
@@ -49,6 +65,9 @@ _CKPT = flags.DEFINE_string("checkpoint", "rl", "rl | sft | hf (the released che
                             "config.hf_dir, configs/rl.py:hf) | a checkpoint directory")
 _SPLIT = flags.DEFINE_enum("split", "test", ["val", "test"], "generator split to evaluate")
 _TASKS = flags.DEFINE_string("task_file", "", "a task JSONL file instead of the generators")
+_AB = flags.DEFINE_enum("agentbench", "", ["", "dev", "test", "all"],
+                        "AgentBench OS tasks (inspect-evals package) of this split")
+_TB2 = flags.DEFINE_string("tb2_dir", "", "a folder of Terminal-Bench 2 task folders")
 _HE = flags.DEFINE_string("humaneval", "", "a HumanEval-format JSONL(.gz) file")
 _COMP = flags.DEFINE_enum("completions", "model", ["model", "canonical", "empty"],
                           "what to score: model samples, or the file's canonical/empty solutions")
@@ -120,6 +139,64 @@ def score_given(tasks, completions, verifier, keep_samples: bool = False) -> dic
     return out
 
 
+def score_episodes(tasks, pool, empty: bool, keep_samples: bool = False, threads: int = 4) -> dict:
+    """Episode task sets without a model: each task's reference solution (or an empty episode)
+    played in a session (rl.envs.play_reference); the table of score_given plus turns and
+    tokens per episode."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rl.envs import EnvConfig, SessionEnv, play_reference
+    from rl.metrics import wilson_interval
+    from rl.pipeline import sample_record, task_domain, task_template, template_breakdown
+
+    def one(task):
+        cfg = EnvConfig(max_turns=len(task.meta.get("solution") or []) + 2, command_timeout_s=30.0,
+                        max_episode_tokens=1 << 20, session_disk_mb=64)
+        env = SessionEnv([task], executor=pool, config=cfg)
+        try:
+            steps = play_reference(env, 0, empty=empty)
+        finally:
+            env.close()
+        return steps[-1].reward if steps[-1].info.get("status") != "sandbox_error" else 0.0, \
+            len(steps), steps[-1].info
+
+    with ThreadPoolExecutor(max_workers=threads) as ex:
+        played = list(ex.map(one, tasks))
+    per, out = {}, {}
+    for t, (reward, turns, info) in zip(tasks, played):
+        per.setdefault(task_domain(t), []).append((t, reward, turns, info))
+    for d, rows in per.items():
+        p = sum(r >= 1.0 for _, r, _, _ in rows) / len(rows)
+        lo, hi = wilson_interval(p, len(rows))
+        by_tpl = {}
+        for t, r, _, _ in rows:
+            by_tpl.setdefault(task_template(t), []).append(int(r >= 1.0))
+        out[d] = {"tasks": len(rows), "pass@1": p, "pass@1_lo": lo, "pass@1_hi": hi,
+                  "turns_mean": sum(n for _, _, n, _ in rows) / len(rows),
+                  "episode_tokens_mean": sum(i.get("tokens", 0) for *_, i in rows) / len(rows),
+                  "by_template": template_breakdown(by_tpl, 1)}
+    if keep_samples:
+        out["_samples"] = [sample_record(t, 0, float(r), json.dumps(info, default=str), info)
+                           for t, (r, _, info) in zip(tasks, played)]
+    return out
+
+
+def _episode_tasks() -> list:
+    """--agentbench / --tb2_dir tasks (the skipped ones printed with their reasons)."""
+    tasks = []
+    if _AB.value:
+        from sandbox.tasks.agentbench import load_agentbench_os
+        found = load_agentbench_os(_AB.value)
+        print(found.summary())
+        tasks += found.tasks
+    if _TB2.value:
+        from sandbox.tasks.terminal_bench import load_tb2_dir
+        found = load_tb2_dir(_TB2.value)
+        print(found.summary())
+        tasks += found.tasks
+    return tasks
+
+
 def write_samples(res: dict, path: str) -> None:
     """Move res["_samples"] (one record per task and sample) to a JSONL file at path."""
     samples = res.pop("_samples")
@@ -139,7 +216,7 @@ def _temperatures() -> tuple:
     except ValueError:
         raise SystemExit(f"--temperatures={_TEMPS.value}: give comma-separated numbers, "
                          "e.g. 0,0.5,1") from None
-    if _HE.value or _TASKS.value or _COMP.value != "model":
+    if _HE.value or _TASKS.value or _AB.value or _TB2.value or _COMP.value != "model":
         raise SystemExit("--temperatures chooses on the config's val split: use it with the "
                          "generator tasks and model completions (no --humaneval/--task_file)")
     if _SPLIT.value != "test":
@@ -152,7 +229,7 @@ def _temperatures() -> tuple:
 
 def main(_):
     if _DRY.value:
-        for f in (_HE.value, _TASKS.value):
+        for f in (_HE.value, _TASKS.value, _TB2.value):
             if f and not os.path.exists(f):
                 raise SystemExit(f"no such file: {f}")
         _temperatures()
@@ -180,7 +257,10 @@ def main(_):
     pool, verifier = _open_pool(config)
     tables = None  # title -> result, when not the one table of `res`
     try:
-        if _HE.value:
+        episodes = bool(_AB.value or _TB2.value)
+        if episodes:
+            tasks = _episode_tasks()
+        elif _HE.value:
             from sandbox.tasks import load_humaneval
             tasks = load_humaneval(_HE.value)
         elif _TASKS.value:
@@ -188,7 +268,10 @@ def main(_):
             tasks = load_tasks(_TASKS.value)
         else:
             tasks = [t for t, _ in load_task_splits(config)[_SPLIT.value]]
-        if _COMP.value != "model":
+        if _COMP.value != "model" and episodes:
+            res = score_episodes(tasks, pool, empty=_COMP.value == "empty",
+                                 keep_samples=bool(_SAMPLES_OUT.value))
+        elif _COMP.value != "model":
             comps = [t.canonical_solution if _COMP.value == "canonical" else "" for t in tasks]
             res = score_given(tasks, comps, verifier, keep_samples=bool(_SAMPLES_OUT.value))
         else:

@@ -34,7 +34,14 @@ What a record becomes (a terminal-family `Task`, played by rl.envs.SessionEnv):
     value in this sandbox wins (the dev set's matches were measured in the package's Docker
     image: CPU count, users, sizes differ here);
   - state tasks (a check command or check script): the check runs isolated over the final state
-    (exit 0 = solved), as the other terminal checks do;
+    (exit 0 = solved), as the other terminal checks do. The package's check scripts run with
+    the system's directories first on PATH and python3 pinned to /usr/bin/python3 (a python3
+    or wc the model leaves in its home cannot answer for the check), and the calc checks, which
+    paste calc's output into a python expression, accept only a number from it (a "calc" that
+    prints `0)or(True` computes nothing and would otherwise pass);
+  - paths: the package rewrites /root and /usr to /home/agent in its records; the same rewrite
+    is applied to its scripts here (an example installs `calc` into /home/agent/local/bin,
+    which exists in every task, the image's /usr/local/bin);
   - `meta["solution"]`: the record's example as commands (a check script's example file, or the
     example command; for answer tasks the answer is its output), used by the tests;
     `meta["labels"]` the record's labels, `meta["template"]` them joined by "/" (the breakdown
@@ -78,6 +85,22 @@ EXACT = "import sys\nsys.exit(0 if sys.argv[1].strip() == sys.argv[2].strip() el
 # package's comparison scripts read
 ARGV_FROM_STDIN = "import json, sys\nsys.argv = ['compare'] + json.loads(sys.stdin.read())\n"
 
+# Prepended to the package's check scripts: the commands a task asks for are found after the
+# system's (a python3 or wc the model leaves in its home never shadows the check's), and the
+# calc checks (check/0.sh, checking/0.sh), which paste calc's output into a python expression
+# (`0)or(True` from a "calc" that computes nothing would read as True), get only a plain number.
+CHECK_PRELUDE = f"""export PATH="/usr/bin:/bin:{HOME}/local/bin:{HOME}/bin"
+python3() {{ /usr/bin/python3 "$@"; }}
+"""
+CALC_GUARD = r"""calc() {
+    local out
+    out=$(command calc "$@") || return 1
+    [[ $out =~ ^[[:space:]]*[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?[[:space:]]*$ ]] \
+        || { echo "calc printed a non-number" >&2; return 1; }
+    echo "$out"
+}
+"""
+
 _OTHER_USERS = re.compile(r"\b(useradd|adduser|groupadd|usermod|runuser|su\s+-|sudo)\b")
 _APT = re.compile(r"\bapt(-get)?\s+(update|install)\b")
 
@@ -114,12 +137,18 @@ def package_dir() -> str:
     return d
 
 
+def to_home(text: str) -> str:
+    """The package's path convention for its records, applied to its scripts too: /root and
+    /usr become the agent's home (/usr/local/bin -> /home/agent/local/bin)."""
+    return text.replace("/root", HOME).replace("/usr", HOME)
+
+
 def _script(rel: str) -> str:
     path = os.path.join(package_dir(), "data", "scripts", rel)
     if not os.path.isfile(path):
         raise TaskFormatError(f"check or example script {rel} is not in the package ({path})")
     with open(path, encoding="utf-8") as f:
-        return f.read()
+        return to_home(f.read())
 
 
 def _code(step: Any) -> str | None:
@@ -139,6 +168,7 @@ def _init(record: dict, tid: str) -> tuple[str, str, str | None]:
     setup: list[str] = []
     if "bin/find" in json.dumps(record):  # the SUID task: the image copies find into ~/bin
         setup.append(f"mkdir -p {HOME}/bin && cp /usr/bin/find {HOME}/bin/find")
+    setup.append(f"mkdir -p {HOME}/local/bin")  # the image's /usr/local/bin, moved home
     for step in steps:
         if isinstance(step, dict) and "file" in step:
             return "", "", (f"its init script {step['file']} is in AgentBench's repository, which "
@@ -175,6 +205,7 @@ def _skip_reason(record: dict) -> str | None:
 def record_to_task(record: dict, split: str) -> Task | str:
     """One package record as a Task, or the reason it cannot run here."""
     tid = f"agentbench-os/{split}/{record['id']}"
+    record = json.loads(to_home(json.dumps(record)))
     ev = record.get("evaluation")
     if not isinstance(ev, dict):
         raise TaskFormatError(f"{tid}: no evaluation")
@@ -218,7 +249,9 @@ def record_to_task(record: dict, split: str) -> Task | str:
             meta["solution_answer"] = answer
     else:
         if isinstance(check, dict) and "file" in check:
-            code = _script(check["file"])
+            code = CHECK_PRELUDE + _script(check["file"])
+            if re.search(r"\$\(calc ", code):
+                code = CALC_GUARD + code
         elif isinstance(check, dict) and "code" in check:
             code = check["code"]
         elif isinstance(check, list) and len(check) == 1 and isinstance(check[0], str):

@@ -1,4 +1,5 @@
-"""Folder-per-task loader, in the layout of Terminal-Bench 2 / Harbor task folders without Docker:
+"""Folder-per-task loader for tasks written for this sandbox (working directory /work, no Docker;
+for Terminal-Bench 2 folders with their Dockerfile and tests/test.sh see terminal_bench.py):
 
     my-task/
       instruction.md          required: what the agent is told (the prompt; outer whitespace cut)
