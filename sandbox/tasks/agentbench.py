@@ -16,7 +16,8 @@ inspect_ai and Docker are not needed. Its tasks use /home/agent as home and work
 
 What a record becomes (a terminal-family `Task`, played by rl.envs.SessionEnv):
   - the session's workspace (`meta["workspace"]`, sandbox.session.Workspace): working directory
-    and HOME /home/agent, /home, /root and /tmp persistent for the episode, commands run as uid 0
+    and HOME /home/agent, /home, /root, /tmp and /var (with a small /var/log) persistent for the
+    episode, commands run as uid 0
     inside the user namespace (the container's root; the host sees the session's uid),
     /home/agent/local/bin and /home/agent/bin first on PATH (where the rewritten /usr paths
     point);
@@ -75,10 +76,14 @@ PACKAGE = "inspect_evals"
 DOMAIN = "agentbench-os"  # meta["family_name"]: the domain evaluations report
 SPLITS = {"dev": "agent_bench_os.json", "test": "agent_bench_os_test.json"}
 HOME = "/home/agent"
-WORKSPACE = {"cwd": HOME, "dirs": ["/home", "/root", "/tmp"], "as_root": True,
+WORKSPACE = {"cwd": HOME, "dirs": ["/home", "/root", "/tmp", "/var"], "as_root": True,
              "path": [f"{HOME}/local/bin", f"{HOME}/bin"]}
 INSTRUCTIONS = ("\n\nUse the bash tool to act on this machine. When you are done, reply without a "
                 "tool call; if the task asks a question, that reply is the answer alone.")
+# a Debian image's /var/log in small (tasks list and measure it)
+VAR_LOG = ("mkdir -p /var/log/apt && printf 'Start-Date: 2026-01-05  10:00:00\\nInstall: jq\\n' "
+           "> /var/log/apt/history.log && printf 'status installed jq\\n' > /var/log/dpkg.log "
+           "&& : > /var/log/lastlog")
 # an exact answer after stripping whitespace (records with a match and no comparison script)
 EXACT = "import sys\nsys.exit(0 if sys.argv[1].strip() == sys.argv[2].strip() else 1)\n"
 # the check of answer tasks: [answer, expected] arrive on stdin as JSON and become the argv the
@@ -169,6 +174,7 @@ def _init(record: dict, tid: str) -> tuple[str, str, str | None]:
     if "bin/find" in json.dumps(record):  # the SUID task: the image copies find into ~/bin
         setup.append(f"mkdir -p {HOME}/bin && cp /usr/bin/find {HOME}/bin/find")
     setup.append(f"mkdir -p {HOME}/local/bin")  # the image's /usr/local/bin, moved home
+    setup.append(VAR_LOG)
     for step in steps:
         if isinstance(step, dict) and "file" in step:
             return "", "", (f"its init script {step['file']} is in AgentBench's repository, which "
