@@ -49,6 +49,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from model.config import ModelConfig
+
 KERNEL_NAMES = ("kda", "dsa_indexer", "dsa_attention", "mxfp4_matmul", "mxfp4_grouped")
 MODES = ("fwd", "bwd")
 # --target -> topology name (get_topology_desc); the check compiles over every device of it
@@ -261,7 +263,6 @@ _BUILDERS = {"kda": _kda_case, "dsa": _dsa_cases, "mxfp4": _mxfp4_cases}
 def cases(preset: str, kernels=KERNEL_NAMES) -> list[Case]:
     """The cases of one model preset (`PRESETS`) for the named kernels, in KERNEL_NAMES order."""
     from configs import models  # noqa: PLC0415
-    from model.config import ModelConfig  # noqa: PLC0415
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")

@@ -48,7 +48,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import check_kernel, require
+from model.config_base import check_kernel, require
 from model.layers.linear import dense
 from model.layers.norms import LayerNorm, RMSNorm
 from model.layers.registry import LayerKind

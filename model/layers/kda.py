@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import check_kernel, require
+from model.config_base import check_kernel, require
 from model.layers.linear import dense
 from model.layers.norms import l2_normalize, rms_norm
 from model.layers.registry import LayerKind

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from model import sharding as shd
-from model.config import GROUPED_MATMUL, MoEConfig
+from model.config_base import GROUPED_MATMUL, MoEConfig
 from model.layers.linear import MLP
 from pallas_kernels.mxfp4 import ops as mx
 
