@@ -4,7 +4,7 @@ A model's initialiser draws every parameter with its own key: flax folds the mod
 the key (`random_fold_in`), then each initialiser draws its bits (`random_bits`), so the init
 program holds one threefry-2x32 hash per fold and per parameter (164 for the matched GRPO
 model: 82 folds, 82 draws; batched: 2). XLA compiles each hash as its own straight-line kernel of ~400
-integer ops (model/_xla_env.py), and those kernels are most of the init program's compile: 4.7 of
+integer ops (runtime/xla_env.py), and those kernels are most of the init program's compile: 4.7 of
 its 7.6 s on 2 CPU cores (measured with a trivial hash in their place).
 
 `batch_random_draws(fn)` traces fn to a jaxpr and evaluates it (inside whatever jit traces the

@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 
 from model import sharding as shd
-from model._xla_env import unroll_threefry_on_cpu
 from model.batched_draws import batch_random_draws
 from model.config import ModelConfig, span_name
 from model.layers import registry
@@ -60,10 +59,11 @@ from model.layers.linear import MLP
 from model.layers.moe import MoE
 from model.layers.mtp import MTPCombine
 from model.layers.norms import RMSNorm
+from runtime.xla_env import unroll_threefry_on_cpu
 
 PAD_ID = 0
 
-unroll_threefry_on_cpu()  # same random bits, a cheaper init compile (model/_xla_env.py)
+unroll_threefry_on_cpu()  # same random bits, a cheaper init compile (runtime/xla_env.py)
 
 
 @flax.struct.dataclass

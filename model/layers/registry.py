@@ -13,10 +13,10 @@ A `LayerKind` is everything the rest of the code needs to know about a kind:
   device_slice  (section, heads, kernels) -> the section one device computes under tensor
                 parallelism (`heads(n)`: n divided over the mesh axes heads map to) with its
                 kernels set as impl=`kernels` ("pallas" | "xla") would run them on GPU/TPU; the
-                planner traces that slice (scripts/plan.py). None: nothing to split.
+                planner traces that slice (model/plan.py). None: nothing to split.
 
 Readers: model/config.py (valid letters, sections, section validation), model/transformer.py
-(blocks, caches, speculative commit), scripts/plan.py (device slices, decode-cache axes).
+(blocks, caches, speculative commit), model/plan.py (device slices, decode-cache axes).
 Adding a kind touches its layer file (module, config class, a `KIND = LayerKind(...)`) and one
 line of `_BUILTIN`, or a `register` call from anywhere (tests/model/test_layer_registry.py).
 The built-in entries are "module:attribute" strings imported on first use, so model/config.py
