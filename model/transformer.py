@@ -410,8 +410,8 @@ class Model:
     def init(self, rng: jax.Array, *, seq_len: int = 8, batch_draws: bool = True
              ) -> dict[str, Any]:
         """Fresh variables, from one compiled program per (config, seq_len): op-by-op
-        initialisation costs about twice as much in a fresh process (13 s vs 6.5 s for the test
-        preset on 2 CPU cores) and cannot use the persistent compilation cache. batch_draws: the
+        initialisation costs about twice as much in a fresh process (docs/speed.md) and cannot
+        use the persistent compilation cache. batch_draws: the
         parameters' random draws share a few threefry hashes (model/batched_draws.py: the same
         values, about half the compile); False for an init partitioned across devices."""
         key = (self.cfg, seq_len, batch_draws)

@@ -7,7 +7,7 @@ Needs libtpu (`pip install -e '.[tpu]'`): `jax.experimental.topologies.get_topol
 describes a TPU slice (no TPU attached) whose devices `jax.jit(f).lower(...).compile()` compiles
 for, with the compiled program's memory and cost analysis. Run with JAX_PLATFORMS=cpu (the check's
 command line sets it): without it, importing jax with libtpu present probes for a local TPU
-(warnings, ~1.5 s more) before falling back to the CPU.
+(warnings, and a slower start) before falling back to the CPU.
 
 Cases (`cases(preset)`): one kernel entry point at one per-device shape of a model preset
 (configs/models.py), through the same `ops.py` functions and block-config heuristics the model's
