@@ -364,7 +364,7 @@ def main(argv=None) -> int:
         p.error("--steps must be >= 1 and --reps >= 0")
     config = run_config(args.variant, args.set)  # a bad override fails before jax starts
 
-    from model._xla_env import configure_xla_env
+    from runtime.xla_env import configure_xla_env
 
     configure_xla_env()  # the scripts' XLA flags (YNN fusions off); no persistent cache
     import importlib.metadata as md
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
 
     clock = Clock()
     jax.monitoring.register_event_duration_secs_listener(clock.listen)
-    from model._xla_env import allocator
+    from runtime.xla_env import allocator
 
     rec = {"side": args.variant, "overrides": args.set, "steps": args.steps,
            "allocator": allocator(),

@@ -117,21 +117,21 @@ PEER_MALLOCS = ("system", "jemalloc")
 def _child_env(peer: bool, cache_dir: str | None = None, peer_malloc: str = "system") -> dict:
     """The environment of a side's process: none of this interpreter's paths; the peer on XLA's
     default flags (without the project's YNN switch) and, with peer_malloc="jemalloc", on the
-    allocator the project's side runs on (model/_xla_env.py:use_jemalloc; default: the peer as
+    allocator the project's side runs on (runtime/xla_env.py:use_jemalloc; default: the peer as
     installed, glibc's malloc); no persistent compilation cache, or with `cache_dir` jax's
     persistent cache there for every compile (jax reads these variables)."""
-    from model import _xla_env
+    from runtime import xla_env
 
     if peer_malloc not in PEER_MALLOCS:
         raise ValueError(f"peer_malloc must be one of {PEER_MALLOCS}, got {peer_malloc!r}")
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     if peer and peer_malloc == "jemalloc":
-        library = _xla_env.find_jemalloc()
+        library = xla_env.find_jemalloc()
         if library is None:
             raise PeerMissing("--peer-malloc jemalloc: libjemalloc.so.2 not found (bash "
                               "scripts/setup.sh installs it)")
-        env = _xla_env.with_jemalloc(env, library)
+        env = xla_env.with_jemalloc(env, library)
     if cache_dir is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -394,7 +394,7 @@ def main(argv=None) -> int:
                         "untimed run first (what a re-run of a config sees)")
     p.add_argument("--peer-malloc", choices=PEER_MALLOCS, default="system",
                    help="the peer's allocator: as installed (system), or jemalloc, which the "
-                        "project's side runs on (model/_xla_env.py)")
+                        "project's side runs on (runtime/xla_env.py)")
     p.add_argument("--json", help="write the result (with every process's record) here")
     args = p.parse_args(argv)
     for name in ("rounds", "steps", "reps", "sampler_rounds"):

@@ -44,7 +44,7 @@ import sys
 import time
 
 if __name__ == "__main__":  # XLA flags before jax (scripts/bench.py does this itself)
-    from model._xla_env import configure_xla_env
+    from runtime.xla_env import configure_xla_env
 
     configure_xla_env()
 

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _child(quick: bool) -> dict:
-    from model._xla_env import configure_xla_env
+    from runtime.xla_env import configure_xla_env
 
     configure_xla_env()  # before jax is imported
     import dataclasses

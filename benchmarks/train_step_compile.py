@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         p.error("--run must be >= 0")
     config = run_config(args.variant, args.set)  # a bad override fails before jax starts
 
-    from model._xla_env import configure_xla_env
+    from runtime.xla_env import configure_xla_env
 
     configure_xla_env()  # the scripts' XLA flags
     import jax

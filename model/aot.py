@@ -41,6 +41,8 @@ from __future__ import annotations
 import time
 import traceback
 
+from model.config import ModelConfig
+
 # HBM per JAX device (one chip; v5p and v4 chips are one megacore device)
 HBM_BYTES = {"TPU v5": 95 * 2**30, "TPU v5p": 95 * 2**30, "TPU v4": 32 * 2**30,
              "TPU v5 lite": 16 * 2**30, "TPU v6 lite": 32 * 2**30}
@@ -121,7 +123,6 @@ def compiled_memory(run_config, topology: str, *, programs=PROGRAMS,
     import jax.numpy as jnp  # noqa: PLC0415
 
     from model import sharding as shd  # noqa: PLC0415
-    from model.config import ModelConfig  # noqa: PLC0415
     from model.transformer import Model  # noqa: PLC0415
     from pallas_kernels import (
         backend,  # noqa: PLC0415

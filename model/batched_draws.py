@@ -4,20 +4,19 @@ A model's initialiser draws every parameter with its own key: flax folds the mod
 the key (`random_fold_in`), then each initialiser draws its bits (`random_bits`), so the init
 program holds one threefry-2x32 hash per fold and per parameter (164 for the matched GRPO
 model: 82 folds, 82 draws; batched: 2). XLA compiles each hash as its own straight-line kernel of ~400
-integer ops (model/_xla_env.py), and those kernels are most of the init program's compile: 4.7 of
-its 7.6 s on 2 CPU cores (measured with a trivial hash in their place).
+integer ops (runtime/xla_env.py), and those kernels are most of the init program's compile
+(measured with a trivial hash in their place; numbers in docs/speed.md).
 
 `batch_random_draws(fn)` traces fn to a jaxpr and evaluates it (inside whatever jit traces the
 result) with its key derivations and bit draws grouped by dependency level: every hash whose
 inputs are ready at the same point runs as one threefry2x32 call over the concatenation of their
 counters, each counter with its own draw's key (gathered by the counter's draw index, not
-broadcast per draw: that was a fusion per draw, ~0.5 s of the matched init's 3 s compile,
-2.85-3.04 -> 2.29-2.53 s over 3 alternating runs). Threefry is elementwise in (key,
+broadcast per draw: that was a fusion per draw). Threefry is elementwise in (key,
 counter), so each draw gets exactly the bits jax would give it: the values are equal bit for bit
 (tests/model/test_batched_draws.py holds this on presets and on jax.random's own functions). The
 batched hash is computed inside a conditional, so that XLA does not fuse a copy of it back into
-every draw. The matched model's init compiles in 4.2-5.0 s instead of 8.6-9.4 s (the GRPO
-benchmark's set-up 10.3-11.3 -> 6.2-7.9 s, 3 alternating cold runs).
+every draw. It about halves the matched model's init compile (`python -m
+benchmarks.grpo_matched`, set-up row, alternating cold runs; docs/speed.md).
 
 What is batched: `random_bits` (32-bit, a single key, at most MAX_DRAW elements),
 `random_fold_in` and `random_split` on single threefry2x32 keys, with

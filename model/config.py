@@ -10,6 +10,11 @@ section: the kind's config class (defined next to its layer, e.g. KDAConfig in
 model/layers/kda.py) builds and validates it. The built-in kinds' sections are the fields `kda`
 and `dsa`; sections of kinds registered elsewhere live in `layer_sections` and read the same way
 (`cfg.section(name)`, or `cfg.<name>`).
+
+Imports run one way: model/config_base.py (ConfigError, require, check_kernel, MoEConfig and the
+choice tuples, all re-exported here) is a leaf the layers import too; this module imports it and
+the registry, and hands the registry its own field names (`registry.reserve_sections`), which no
+registered kind's section may take.
 """
 
 from __future__ import annotations
@@ -19,24 +24,28 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from model.config_base import (
+    DISPATCH,
+    EXPERT_FORMATS,
+    EXPERT_PARALLEL,
+    GROUPED_MATMUL,
+    KERNEL_IMPLS,
+    ROUTERS,
+    ConfigError,
+    MoEConfig,
+    check_kernel,
+    require,
+)
 from model.layers import registry
 
 if TYPE_CHECKING:
     from model.layers.dsa import DSAConfig
     from model.layers.kda import KDAConfig
 
-ROUTERS = ("softmax", "sigmoid")
-DISPATCH = ("dropless", "capacity")
-GROUPED_MATMUL = ("auto", "ragged_dot", "blocked")  # model/layers/moe.py:grouped_matmul
-EXPERT_PARALLEL = ("none", "all_to_all", "ragged_all_to_all")  # model/layers/moe.py
-EXPERT_FORMATS = ("bf16", "mxfp4")
 # Per-block rematerialisation (model/transformer.py:REMAT_POLICIES maps each to a jax.checkpoint
 # policy): "none" keeps every activation, "full" keeps only block inputs, "save_dots" also keeps
 # the outputs of weight matmuls (jax.checkpoint_policies.dots_with_no_batch_dims_saveable).
 REMAT = ("none", "full", "save_dots")
-# impl names of every kernel choice in a model config (kda.impl, dsa.impl, moe.mxfp4_impl); what
-# each op can take is its dispatch table's business (pallas_kernels/dispatch.py, `check_kernel`)
-KERNEL_IMPLS = ("auto", "xla", "pallas")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -53,67 +62,7 @@ def span_name(start: int, period: int, repeats: int) -> str:
     return f"layers_{start}_{start + period * repeats - 1}"
 
 
-class ConfigError(ValueError):
-    """A model configuration field is missing, unknown or inconsistent."""
-
-
-def require(cond: bool, field: str, msg: str) -> None:
-    """Raise ConfigError("<field>: <msg>") unless cond (section validators use it too)."""
-    if not cond:
-        raise ConfigError(f"{field}: {msg}")
-
-
 _check = require
-
-
-def check_kernel(table, impl: str, field: str, hint: str = "", **facts) -> None:
-    """Config-time kernel choice: `impl` must be a KERNEL_IMPLS name, and an explicit one must
-    be able to take the op's calls as far as the config knows them (`facts`: head dims, dtype;
-    `table` a pallas_kernels.dispatch.OpTable). hint: which config fields the facts come from."""
-    _check(impl in KERNEL_IMPLS, field, f"must be one of {KERNEL_IMPLS}")
-    why = table.problem(impl, **facts)
-    _check(why is None, field,
-           f"{why}{' ' + hint if hint else ''}; or set {field}='auto' (runs the first of "
-           f"{table.auto_order()} that can take the call) or 'xla'")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """Sparse feed-forward: routed experts + shared experts; first `first_dense_layers` are dense."""
-
-    num_experts: int
-    num_experts_per_tok: int
-    expert_dim: int
-    num_shared_experts: int = 1
-    dense_dim: int = 0  # feed-forward width of the first dense layers (and MoE-free models)
-    first_dense_layers: int = 0
-    router: str = "sigmoid"  # "softmax" top-k or "sigmoid" + bias (auxiliary-loss-free)
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    # group-limited routing (DeepSeek-V3, router="sigmoid"): the experts form n_group equal
-    # groups, a group's score is the sum of its two highest biased scores, and the top-k experts
-    # are chosen only within the topk_group best groups; n_group=1 (default): no grouping
-    n_group: int = 1
-    topk_group: int = 1
-    dispatch: str = "dropless"  # or "capacity" (drops past capacity, counted)
-    # few tokens (decode steps, short prefills): where tokens x num_experts is at most this, no
-    # assignment can be dropped (dropless, or a capacity >= the token count) and E/k <= 8, every
-    # expert runs on every token, weighted by the router (model/layers/moe.py:takes_all_experts):
-    # the same numbers without sorting, grouping or capacity buffers; 0 turns it off
-    all_experts_max_rows: int = 2048
-    capacity_factor: float = 1.25
-    aux_loss_coef: float = 0.0  # sequence-wise load-balancing loss weight (alpha)
-    bias_update_rate: float = 1e-3  # aux-free bias step (gamma)
-    expert_format: str = "bf16"  # "mxfp4": experts stored as packed MXFP4
-    qat: bool = False  # fake-quantise bf16 experts to MXFP4 in the forward (STE)
-    mxfp4_impl: str = "auto"
-    # Expert-parallel dispatch under model.sharding.use_mesh: "none" (GSPMD on the local path),
-    # "all_to_all" (capacity-padded, every backend), "ragged_all_to_all" (GPU/TPU only).
-    expert_parallel: str = "none"
-    # dropless's grouped matmul: "ragged_dot" (lax.ragged_dot), "blocked" (block-padded batched
-    # einsums), "auto" (blocked on CPU, where XLA's ragged_dot multiplies every row by every
-    # expert; ragged_dot elsewhere)
-    grouped_matmul: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +279,7 @@ class ModelConfig:
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig)) - {"layer_sections"}
+registry.reserve_sections(f.name for f in dataclasses.fields(ModelConfig))
 
 
 def _to_plain(d: Any) -> Any:

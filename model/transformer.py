@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 
 from model import sharding as shd
-from model._xla_env import unroll_threefry_on_cpu
 from model.batched_draws import batch_random_draws
 from model.config import ModelConfig, span_name
 from model.layers import registry
@@ -60,10 +59,11 @@ from model.layers.linear import MLP
 from model.layers.moe import MoE
 from model.layers.mtp import MTPCombine
 from model.layers.norms import RMSNorm
+from runtime.xla_env import unroll_threefry_on_cpu
 
 PAD_ID = 0
 
-unroll_threefry_on_cpu()  # same random bits, a cheaper init compile (model/_xla_env.py)
+unroll_threefry_on_cpu()  # same random bits, a cheaper init compile (runtime/xla_env.py)
 
 
 @flax.struct.dataclass
@@ -410,8 +410,8 @@ class Model:
     def init(self, rng: jax.Array, *, seq_len: int = 8, batch_draws: bool = True
              ) -> dict[str, Any]:
         """Fresh variables, from one compiled program per (config, seq_len): op-by-op
-        initialisation costs about twice as much in a fresh process (13 s vs 6.5 s for the test
-        preset on 2 CPU cores) and cannot use the persistent compilation cache. batch_draws: the
+        initialisation costs about twice as much in a fresh process (docs/speed.md) and cannot
+        use the persistent compilation cache. batch_draws: the
         parameters' random draws share a few threefry hashes (model/batched_draws.py: the same
         values, about half the compile); False for an init partitioned across devices."""
         key = (self.cfg, seq_len, batch_draws)

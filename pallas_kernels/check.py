@@ -60,7 +60,7 @@ if __name__ == "__main__":  # a command-line run: XLA's CPU flags are set before
     import os
     import sys
 
-    from model._xla_env import configure_xla_env
+    from runtime.xla_env import configure_xla_env
 
     configure_xla_env()
     if any(a.startswith("--target") for a in sys.argv[1:]):

@@ -7,7 +7,7 @@ Needs libtpu (`pip install -e '.[tpu]'`): `jax.experimental.topologies.get_topol
 describes a TPU slice (no TPU attached) whose devices `jax.jit(f).lower(...).compile()` compiles
 for, with the compiled program's memory and cost analysis. Run with JAX_PLATFORMS=cpu (the check's
 command line sets it): without it, importing jax with libtpu present probes for a local TPU
-(warnings, ~1.5 s more) before falling back to the CPU.
+(warnings, and a slower start) before falling back to the CPU.
 
 Cases (`cases(preset)`): one kernel entry point at one per-device shape of a model preset
 (configs/models.py), through the same `ops.py` functions and block-config heuristics the model's
@@ -48,6 +48,8 @@ import re
 import time
 import traceback
 from collections.abc import Callable
+
+from model.config import ModelConfig
 
 KERNEL_NAMES = ("kda", "dsa_indexer", "dsa_attention", "mxfp4_matmul", "mxfp4_grouped")
 MODES = ("fwd", "bwd")
@@ -261,7 +263,6 @@ _BUILDERS = {"kda": _kda_case, "dsa": _dsa_cases, "mxfp4": _mxfp4_cases}
 def cases(preset: str, kernels=KERNEL_NAMES) -> list[Case]:
     """The cases of one model preset (`PRESETS`) for the named kernels, in KERNEL_NAMES order."""
     from configs import models  # noqa: PLC0415
-    from model.config import ModelConfig  # noqa: PLC0415
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")

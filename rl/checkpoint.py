@@ -235,8 +235,8 @@ def _host_digest(w: np.ndarray) -> np.ndarray:
 
 def _digests(xs: list) -> list:
     """uint32[2] content digest of every array in xs (numpy). Arrays held whole in host memory
-    (numpy, or on one CPU device) are digested in numpy (the same arithmetic, no compile: one
-    device program per tree structure cost ~1.4 s each); the rest on device: one program for
+    (numpy, or on one CPU device) are digested in numpy (the same arithmetic, no compile: a
+    device program per tree structure costs a compile each); the rest on device: one program for
     all of them; arrays committed to different device sets (which one program cannot take)
     are digested one at a time, each finished before the next starts."""
     if not xs:

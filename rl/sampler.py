@@ -406,8 +406,8 @@ def _commit_like(variables, cache):
     """`cache` with its uncommitted leaves (a fresh `new_cache`: zeros on the default device)
     placed on the device `variables` are committed to (unchanged when they are not). jit keys
     its programs by their arguments' placement too: a fresh cache and the committed one an
-    earlier call returned would otherwise compile the same extend program twice (XLA:CPU 4-6 s
-    each at the demo's shapes)."""
+    earlier call returned would otherwise compile the same extend program twice (docs/speed.md:
+    030bfb4)."""
     leaf = jax.tree.leaves(variables)[0]
     if not getattr(leaf, "committed", False) or len(leaf.devices()) != 1:
         return cache

@@ -520,9 +520,9 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
     (no gradient; `sampled_logp`, the separate forward's computation) in the same program,
     before the gradient's micro-batch loop (the whole batch, or one micro-batch at a time with
     micro_batches > 1). One program less to trace, compile and dispatch: on the matched GRPO work
-    the step compiled in 13.8-15.0 s against 14.9-16.4 s for the separate forward and the step
-    (3 alternating pairs), with the forward inside the micro-batch loop's body it took ~1 s
-    longer than apart. Only for a KL term in the loss (check_ref_logp); the batch must not hold
+    it compiles faster than the separate forward and the step, and slower with the forward
+    inside the micro-batch loop's body (docs/speed.md: fea3b4c). Only for a KL term in the
+    loss (check_ref_logp); the batch must not hold
     ref_logp.
 
     mtp_loss_weight: the MTP term's weight in this step (rl.mtp_loss_weight); None keeps the
@@ -543,8 +543,8 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
     ref_in_step = ref_logp == "step"
 
     # jitted so its trace is cached: the eval_shape below (the scan carry's shapes) and the
-    # scan body then trace the model's forward and backward once, not twice (the step's
-    # lowering 4.0 -> 2.6 s on the matched GRPO work; the compiled program is the same)
+    # scan body then trace the model's forward and backward once, not twice (a shorter
+    # lowering, docs/speed.md; the compiled program is the same)
     grad_fn = jax.jit(jax.value_and_grad(micro_loss, has_aux=True))
 
     def step(state: TrainState, batch: dict, ref_variables=None):
@@ -580,8 +580,8 @@ def make_train_step(model: Model, algo: AlgoConfig, optimizer: optax.GradientTra
         n_targets = jnp.sum(mask.astype(jnp.float32))
         mbs = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)
         if ref_in_step:
-            # before the gradient's loop, not in its body (there the step compiled ~1 s longer
-            # than with the separate forward): the whole batch at once, or one micro-batch at a
+            # before the gradient's loop, not in its body (there the step compiled slower than
+            # with the separate forward): the whole batch at once, or one micro-batch at a
             # time (lax.map: one micro-batch's activations)
             fwd = lambda tm: sampled_logp(model, sampling, ref_variables, *tm)  # [n,L] each
             ref = (split_micro_batches(fwd((batch["tokens"], mask)), 1) if micro_batches == 1

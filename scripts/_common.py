@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from model._xla_env import configure_xla_env
+from runtime.xla_env import configure_xla_env
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
@@ -24,11 +24,11 @@ ENV_PACKAGES = ("jax", "jaxlib", "flax", "optax", "grain", "orbax-checkpoint", "
 def environment() -> dict:
     """What a run's numbers depend on outside the repository (recorded with results): Python,
     the installed versions of ENV_PACKAGES (None: not installed), the allocator
-    (model/_xla_env.py) and XLA_FLAGS."""
+    (runtime/xla_env.py) and XLA_FLAGS."""
     import importlib.metadata as md
     import platform
 
-    from model._xla_env import allocator
+    from runtime.xla_env import allocator
 
     def version(name):
         try:
@@ -59,7 +59,7 @@ def setup_jax() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-DEVICE_KINDS = ("h200", "b200", "tpu-v5p", "tpu-v6e")  # scripts/plan.py:DEVICES
+DEVICE_KINDS = ("h200", "b200", "tpu-v5p", "tpu-v6e")  # model/plan.py:DEVICES
 
 
 def define_launch_flags():
@@ -109,21 +109,19 @@ def host_device_kind() -> str | None:
 
 def device_memory(config, phase: str, shape: dict, device: str) -> dict:
     """Per-device bytes the phase needs on a mesh of `shape` of `device`s, by the planner
-    (scripts/plan.py: per_device_plan with the config's run, rows and row width) -> {"train",
+    (model/plan.py: per_device_plan with the config's run, rows and row width) -> {"train",
     "rollout" (RL; None otherwise), "usable", "source", "plan"}. The one place the launch check
     reads memory from: where the target topology can be compiled for ahead of time, the
     compiled train step's and sampler's memory analysis belongs here instead of the planner."""
-    try:
-        import plan
-    except ImportError:  # imported as scripts._common
-        from scripts import plan
+    from model import plan
     from model import sharding as shd
+    from rl import run_plan
 
     rules = shd.rules_from_config(config)
-    cfg = plan._model_cfg(config)
+    cfg = plan.model_cfg(config)
     if phase == "rl":
-        rows, seq = plan.run_batch_from_config(config)
-        run = plan.run_plan_from_config(config)
+        rows, seq = run_plan.run_batch_from_config(config)
+        run = run_plan.run_plan_from_config(config)
     else:
         rows, seq = int(config.sft.batch_size), int(config.sft.seq_len)
         run = plan.RunPlan(master_dtype=config.optim.get("master_dtype", "") or "",

@@ -32,7 +32,7 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 
 
-def _define_flags():  # only when run as a script: tests import the functions (and scripts.plan)
+def _define_flags():  # only when run as a script: tests import the functions
     flags.DEFINE_string("out", "", "write the plot here (PNG); default: no plot")
     flags.DEFINE_string("json", "", "write the comparison (diff, table, curves) here")
     flags.DEFINE_list("ignore", ["workdir", "name"], "config fields never reported as "

@@ -27,7 +27,7 @@ Steps (config: configs/longctx.py):
      chunked prefill (Model.prefill chunk=eval.prefill_chunk); argmax over the whole vocabulary.
      Per cell: per-seed accuracy, the mean over seeds and its 95% Student-t interval over seeds.
   4. per layout and length: decode-state bytes per sequence read from the live cache after a
-     prefill (sum of nbytes of the cache pytree / batch) next to scripts/plan.py's
+     prefill (sum of nbytes of the cache pytree / batch) next to model/plan.py's
      decode_state_bytes for the same config and length; prefill tokens/s (chunked) and decode
      tokens/s (a compiled loop of decode steps), compile excluded, the best of speed.repeats.
   5. memory: the compiled memory analysis (XLA temp + arguments + outputs) of a
@@ -49,7 +49,7 @@ import os
 import sys
 import time
 
-from model._xla_env import configure_xla_env
+from runtime.xla_env import configure_xla_env
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 configure_xla_env()
@@ -333,8 +333,8 @@ def speed_layout(cfg, params0, config, log) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
+    from model.plan import decode_state_bytes
     from model.transformer import Model
-    from scripts.plan import decode_state_bytes
 
     model, sp = Model(cfg), config.speed
     variables = {"params": params0}
@@ -590,8 +590,8 @@ def validate(config) -> str:
 
 
 def main(argv) -> None:
-    """Parse --config (and --config.* overrides) into a private FlagValues: scripts/plan.py,
-    imported for its formula, registers its own global --config flag."""
+    """Parse --config (and --config.* overrides) into a private FlagValues, apart from absl's
+    global flags."""
     from absl import flags
     from ml_collections import config_flags
 

@@ -8,7 +8,7 @@
 #
 # What it does:
 #   - Debian packages: bubblewrap (sandbox isolation); libjemalloc2 (the allocator the scripts
-#     run on, model/_xla_env.py); python3 (the interpreter used inside the
+#     run on, runtime/xla_env.py); python3 (the interpreter used inside the
 #     sandbox must be readable by an unprivileged uid, so it is Debian's /usr/bin/python3);
 #     python3-venv when the venv module cannot create environments (Debian splits it out).
 #   - user namespaces enabled where a sysctl disables them (bubblewrap runs unprivileged).
@@ -43,14 +43,14 @@ apt_install() {
 need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 [ -x /usr/bin/python3 ] || need_apt+=(python3)
-# jemalloc: the scripts run on it (model/_xla_env.py:use_jemalloc; glibc re-faults XLA:CPU's
+# jemalloc: the scripts run on it (runtime/xla_env.py:use_jemalloc; glibc re-faults XLA:CPU's
 # large temporary buffers on every step). Optional: without it they run on glibc's malloc.
 if ! compgen -G "/usr/lib/*-linux-gnu/libjemalloc.so.2" >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
     need_apt+=(libjemalloc2)
   else
     echo "setup.sh: libjemalloc2 is not installed; the scripts will use glibc's malloc (slower" \
-         "steps, model/_xla_env.py): sudo apt-get install -y libjemalloc2" >&2
+         "steps, runtime/xla_env.py): sudo apt-get install -y libjemalloc2" >&2
   fi
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then apt_install "${need_apt[@]}"; fi

@@ -1,6 +1,6 @@
 """Shared test setup: a persistent JAX compilation cache under .cache/ (git-ignored), f32 matmuls,
 XLA:CPU without LLVM optimisation passes and with its elemental fusion emitter
-(model/_xla_env.py: compile time dominates here).
+(runtime/xla_env.py: compile time dominates here).
 
 Tests stay tiny (2 layers, d_model <= 128, T <= 64) so the whole suite fits in 15 minutes on
 2 CPU cores, run by pytest-xdist on one worker per core (setup.cfg: `-n auto --dist loadfile`).
@@ -11,8 +11,8 @@ import os
 import pathlib
 
 # jax 0.10.2's XLA:CPU "YNN" fusions segfault on some broadcast-multiply-sum gradients (seen in the
-# KDA and DSA backward); disabling that fusion type avoids it (model/_xla_env.py, same for scripts).
-from model._xla_env import configure_xla_env, use_jemalloc  # noqa: E402
+# KDA and DSA backward); disabling that fusion type avoids it (runtime/xla_env.py, same for scripts).
+from runtime.xla_env import configure_xla_env, use_jemalloc  # noqa: E402
 
 configure_xla_env(fast_compile=True, allocator=False)  # the allocator: pytest_configure
 import jax  # noqa: E402
@@ -28,7 +28,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_configure(config):
-    """The suite's processes on jemalloc, as the scripts (model/_xla_env.py:use_jemalloc): the
+    """The suite's processes on jemalloc, as the scripts (runtime/xla_env.py:use_jemalloc): the
     pytest process re-executes itself once with the library preloaded, before pytest-xdist
     starts its workers (they inherit the preload), with pytest's output capture suspended so the
     new process writes to the real stdout/stderr. KIMI_MALLOC=system runs on glibc's malloc."""

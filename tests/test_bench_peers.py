@@ -289,14 +289,14 @@ def test_clock_books_samples_and_compiles_to_the_running_call():
 
 def test_peer_allocator_is_a_choice(monkeypatch):
     """--peer-malloc: the peer as installed (no preload of ours) or on the project's jemalloc;
-    the project's side re-executes itself on jemalloc (model/_xla_env.py) either way."""
-    from model import _xla_env
+    the project's side re-executes itself on jemalloc (runtime/xla_env.py) either way."""
+    from runtime import xla_env
 
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert "LD_PRELOAD" not in grpo_peer._child_env(True)
     je = grpo_peer._child_env(True, None, "jemalloc")
-    assert je["LD_PRELOAD"] == _xla_env.find_jemalloc() and os.path.exists(je["LD_PRELOAD"])
-    assert je["MALLOC_CONF"] == _xla_env.JEMALLOC_CONF
+    assert je["LD_PRELOAD"] == xla_env.find_jemalloc() and os.path.exists(je["LD_PRELOAD"])
+    assert je["MALLOC_CONF"] == xla_env.JEMALLOC_CONF
     assert "LD_PRELOAD" not in grpo_peer._child_env(False, None, "jemalloc")
     with pytest.raises(ValueError, match="peer_malloc"):
         grpo_peer._child_env(True, None, "tcmalloc")

@@ -59,7 +59,7 @@ def loadavg() -> list[float]:
 def cpu_point() -> tuple[float, float, float]:
     """(wall s, CPU seconds the whole machine has been busy, CPU seconds of this process: all
     its threads, user + system). The process's comes from time.process_time (nanoseconds), not
-    os.times, whose 10 ms clock ticks were up to 7% of a 150 ms KDA call; the machine's from
+    os.times, whose 10 ms clock ticks are coarse against one kernel call; the machine's from
     /proc/stat is in ticks (it only estimates the other processes' load)."""
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]

@@ -48,7 +48,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import check_kernel, require
+from model.config_base import check_kernel, require
 from model.layers.linear import dense
 from model.layers.norms import LayerNorm, RMSNorm
 from model.layers.registry import LayerKind
@@ -319,8 +319,9 @@ def masked_dense_attention(q, kv, key_mask, scale, v_dim: int) -> jax.Array:
 # gather is 3-10x slower than masked-dense scores at S = 1.5-4 x top-k and still slower at 8 x
 # top-k. Longer (dsa_paths' functions at S = 8-32 x top-k): gather / masked
 # 1.59, 1.20, 0.87, 0.60 at 8, 12, 16, 24 x (bench shapes at B8) and 1.82, 2.73, 1.04, 0.75,
-# 0.57 at 8, 11, 16, 24, 32 x (demo shapes; the demo's RL episode rows are 352 = 11 x 32 wide:
-# its train step 1.97 s -> 1.62 s). So masked-dense is used up to 12 x top-k; its [B,T,H,S]
+# 0.57 at 8, 11, 16, 24, 32 x (demo shapes; the demo's RL episode rows are 352 = 11 x 32 wide,
+# where masked-dense shortens its train step: docs/speed.md). So masked-dense is used up to
+# 12 x top-k; its [B,T,H,S]
 # scores are bounded by MASKED_DENSE_MAX_SCORES elements (f32: 256 MiB; the indexer KL's target
 # already holds scores of that size in training).
 MASKED_DENSE_MAX_RATIO = 12

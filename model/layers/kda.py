@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import check_kernel, require
+from model.config_base import check_kernel, require
 from model.layers.linear import dense
 from model.layers.norms import l2_normalize, rms_norm
 from model.layers.registry import LayerKind
@@ -44,9 +44,9 @@ class KDAConfig:
     impl: str = "auto"  # kernel dispatch (pallas_kernels/kda/ops.py:DISPATCH)
     # A cached call (prefill, or an agent turn's extension) of at most this many tokens runs
     # the token recurrence (a lax.scan of `kda_step`) instead of the chunked form when `impl`
-    # resolves to a pure-JAX one (not with the Pallas kernels). XLA:CPU compiles it in 0.2-0.3 s
-    # against 0.7-1.2 s per layer and program; its run time is 0.75-1.5x the chunked form's at
-    # K = V = 48-64 and T <= 128, about 2x at K = V = 128 (python -m benchmarks.kda --prefill).
+    # resolves to a pure-JAX one (not with the Pallas kernels): on XLA:CPU it compiles several
+    # times faster and runs about as fast at short rows (python -m benchmarks.kda --prefill;
+    # numbers in docs/speed.md).
     # 0: always the chunked form. Training calls (no cache) always take `impl`.
     recurrent_max_len: int = 128
 
@@ -101,8 +101,8 @@ def _taps_fwd(xp, w):
 def _taps_bwd(res, dy):
     """The same cotangents as autodiff, with each tap's weight gradient summed over the rows
     of a materialised [B*T,C] product: autodiff sums over axes (0, 1) of a strided [B,T,C]
-    slice, which XLA:CPU runs as a windowed reduction (16 against 4 ms for the 4 taps at
-    [32,96,768]; 5% of the matched RL train step). Each cotangent has its primal's dtype; the
+    slice, which XLA:CPU runs as a windowed reduction, several times slower (docs/speed.md).
+    Each cotangent has its primal's dtype; the
     weight gradient's row sums accumulate in f32."""
     xp, w = res
     W, T, C = w.shape[0], dy.shape[1], w.shape[1]

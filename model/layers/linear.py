@@ -5,11 +5,10 @@ The value is the same; what changes is reverse mode. For x [B,T,D], autodiff of 
 contraction gives dW = contraction of x and the cotangent g over both B and T, and XLA:CPU's
 layout assignment then transposed g for that dot and fused the elementwise work that produces g
 (an activation's derivative, the conv taps' sum) into the transposing copy, which ran 5-20x
-slower than the same work untransposed. Over flattened rows dW is one [N,D]^T [N,C] matmul.
-Measured on 2 cores (jax 0.10.2), forward+backward of SiLU(x @ w) for x [32,96,D]: 60 ms as a
-batched contraction, 16 ms flattened at D=256 -> 768; 94 against 21 ms at 256 -> 1024; 30
-against 22 ms at 1024 -> 256. In the matched GRPO train step (benchmarks/grpo_matched.py) it cut
-1.71 s to 1.43 s. Same numbers up to f32 summation order (tests/model/test_matmuls.py).
+slower than the same work untransposed. Over flattened rows dW is one [N,D]^T [N,C] matmul,
+measured faster on its own and in the matched GRPO train step (`python -m
+benchmarks.grpo_matched`; numbers in docs/speed.md). Same numbers up to f32 summation order
+(tests/model/test_matmuls.py).
 """
 
 import flax.linen as nn

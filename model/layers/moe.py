@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from model import sharding as shd
-from model.config import GROUPED_MATMUL, MoEConfig
+from model.config_base import GROUPED_MATMUL, MoEConfig
 from model.layers.linear import MLP
 from pallas_kernels.mxfp4 import ops as mx
 
@@ -160,9 +160,9 @@ def all_experts(x, weights, idx, experts, num_experts):
     """Every expert on every token, each output weighted by the token's router weight for that
     expert (zero where the expert is not in its top-k): the dropless result, without sorting,
     grouping or capacity buffers. E/k times the routed multiply-adds, so only for few tokens
-    (decode; `takes_all_experts`). At the matched benchmark's layer (D 256, E 8, k 2,
-    F 64, one MoE layer on 2 cores): 0.40 ms against the grouped path's 0.52 at 32 tokens, about
-    even at 512, 0.8x at 1024. Plain kernels contract the expert axis inside the down
+    (decode; `takes_all_experts`): at the matched benchmark's layer it is faster than the
+    grouped path at decode sizes and even around 512 tokens (docs/speed.md). Plain kernels
+    contract the expert axis inside the down
     projection ("nef,efd->nd"); MXFP4 ones run per expert and sum.
     x [N,D], weights/idx [N,k] -> (y [N,D], 0 dropped)."""
     N, D = x.shape
@@ -176,7 +176,7 @@ def all_experts(x, weights, idx, experts, num_experts):
         # concatenation, so that inside a decode loop XLA hoists all three out of the loop
         # (the weights are loop invariant; it hoists a transpose only with a user it can
         # hoist); left to the dot's layout assignment they are a copy of every expert weight
-        # on every step (12 ms of the matched benchmark's 290 ms rollout).
+        # on every step (docs/speed.md: ce14a03).
         w = jnp.concatenate([wg.transpose(1, 0, 2), wu.transpose(1, 0, 2)],
                             axis=-1).reshape(D, -1)  # [D,E*2F]
         h2 = (x @ w).reshape(N, num_experts, 2 * F)  # [N,E,2F]
@@ -447,8 +447,8 @@ def blocked_grouped_matmul(xs: jax.Array, w: jax.Array, gs: jax.Array,
     `block`-row blocks (at most ceil(M/block) + E blocks in all, a static bound), every block is
     multiplied by its group's matrix ("jbd,jdf->jbf" with w gathered per block), and the rows
     are gathered back: about (M + E * block) * D * F multiply-adds, where XLA:CPU's ragged_dot
-    computes every row against every expert (E * M * D * F). Measured on 2 cores at M=6144,
-    D=256, F=64, E=8: forward 3.1 ms against 23.8 ms, forward+backward 9.3 ms against 41.8 ms.
+    computes every row against every expert (E * M * D * F): several times faster on CPU
+    (numbers in docs/speed.md).
     block None: the power of two nearest above M / E, within [8, 128] (decode-sized M stays
     small)."""
     M, D = xs.shape

@@ -13,14 +13,17 @@ A `LayerKind` is everything the rest of the code needs to know about a kind:
   device_slice  (section, heads, kernels) -> the section one device computes under tensor
                 parallelism (`heads(n)`: n divided over the mesh axes heads map to) with its
                 kernels set as impl=`kernels` ("pallas" | "xla") would run them on GPU/TPU; the
-                planner traces that slice (scripts/plan.py). None: nothing to split.
+                planner traces that slice (model/plan.py). None: nothing to split.
 
 Readers: model/config.py (valid letters, sections, section validation), model/transformer.py
-(blocks, caches, speculative commit), scripts/plan.py (device slices, decode-cache axes).
+(blocks, caches, speculative commit), model/plan.py (device slices, decode-cache axes).
 Adding a kind touches its layer file (module, config class, a `KIND = LayerKind(...)`) and one
 line of `_BUILTIN`, or a `register` call from anywhere (tests/model/test_layer_registry.py).
 The built-in entries are "module:attribute" strings imported on first use, so model/config.py
-can read the registry without importing the layers (which import it) at import time.
+can read the registry without importing the layers (which import it) at import time. This
+module imports nothing from model: model/config.py imports it and hands it the ModelConfig field
+names no kind's section may take (`reserve_sections`); the layers' config classes raise
+model.config_base's ConfigError (re-exported by model.config).
 
 Not covered: per-kind FFNs or norms (every block is norm -> mixer -> norm -> MoE/MLP), kinds
 that need inputs other than the `SequenceMixer` call's.
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -97,6 +100,8 @@ _BUILTIN: dict[str, str] = {
     "D": "model.layers.dsa:KIND",  # DeepSeek Sparse Attention (MLA + lightning indexer)
 }
 _KINDS: dict[str, LayerKind] = {}
+# section names no kind may take: ModelConfig's fields (`reserve_sections`)
+_RESERVED: set[str] = set()
 
 
 def _load_builtins() -> None:
@@ -135,13 +140,25 @@ def register(letter: str, kind: LayerKind) -> None:
         raise ValueError(f"layer letter {letter!r} is taken by {ks[letter].name!r}; "
                          "unregister it first or pick another letter")
     kind = _checked(letter, kind)
-    from model.config import ModelConfig  # noqa: PLC0415 (model.config imports this module)
-
-    if kind.section in {f.name for f in dataclasses.fields(ModelConfig)} or \
-            kind.section in sections():
-        raise ValueError(f"layer kind {kind.name!r}: section name {kind.section!r} is taken "
-                         "(a ModelConfig field or another kind's section)")
+    if kind.section in _RESERVED or kind.section in sections():
+        raise ValueError(_taken(kind))
     _KINDS[letter] = kind
+
+
+def reserve_sections(names: Iterable[str]) -> None:
+    """Keep `names` from being any registered kind's section: model/config.py reserves its
+    ModelConfig field names when it is imported. Raises when a kind registered earlier (not a
+    built-in one, whose sections are ModelConfig fields) already took one."""
+    names = set(names)
+    for letter, kind in _KINDS.items():
+        if letter not in _BUILTIN and kind.section in names:
+            raise ValueError(_taken(kind))
+    _RESERVED.update(names)
+
+
+def _taken(kind: LayerKind) -> str:
+    return (f"layer kind {kind.name!r}: section name {kind.section!r} is taken "
+            "(a ModelConfig field or another kind's section)")
 
 
 def unregister(letter: str) -> LayerKind:

@@ -149,8 +149,7 @@ def _chunk_terms_bwd(q, k, v, beta, P: reference.ChunkParts, dA_qk, dw, du, dqg,
     # G_i = sum_{s<=i} g_s, so dg_s = sum_{i>=s} dG_i: one triangular matmul (XLA:CPU runs a
     # cumulative sum over C as a reduce-window, several times slower here), batched over X with
     # the [C,C] matrix broadcast: against an unbatched matrix XLA:CPU folded X into the rows and
-    # first transposed dG (with the elementwise work producing it) to [X,K,C], 14 ms per KDA
-    # layer of the matched train step.
+    # first transposed dG (with the elementwise work producing it) to [X,K,C] (docs/speed.md).
     dg = _bmm("xsi,xik->xsk", jnp.broadcast_to(incl.T, (X, C, C)), dG)
     return dq, dk, dv, dg, dbeta
 
@@ -247,7 +246,7 @@ def _backward(cfg, xs, res, do, dS_final):
         # Per chunk, the state products contracted over V with the state as the left operand and
         # the [C,V] rows as the right one, then the small [K,C] results transposed: XLA:CPU runs
         # X @ S^T with a materialised S^T (a 2 MB transposing copy per group) or as A @ B^T
-        # slower (B=1 H=4 K=V=128 T=2048, per group: 1.0 ms and 1.4 ms against 0.73 ms).
+        # slower (numbers in docs/speed.md).
         dqwT, dkdT, ddecay = [], [], []
         for j in range(G):
             dqwT.append(_bmm("xkv,xcv->xkc", S0s[j],

@@ -62,13 +62,10 @@ CPU_SUB_CHUNK = 2  # default base sub-chunk of the chunked forms
 
 def cpu_chunk(T: int, K: int) -> int:
     """The chunked forms' default chunk on XLA:CPU for T tokens of key width K: CPU_CHUNK_WIDE
-    (32) when K >= 96 and T >= 256, else CPU_CHUNK (16). Measured (2 cores,
-    f32, forward + `chunked_vjp` backward, medians of 7 alternating calls, 16 -> 32): B1 T2048 H4
-    K=V=128 97 -> 82-85 ms, B4 T512 H4 K=V=128 104 -> 91, B8 T256 H4 K=V=128 106 -> 92, B1 T2048
-    H4 K=V=96 65 -> 59, B1 T2048 H16 K=V=128 388 -> 367; at K=V=64 even (B1 T2048 H4 44 -> 43,
-    B32 T96 H4 70 -> 71) and at short rows slower (B32 T96 H4 K=V=128 156 -> 167, K=V=48 50 ->
-    57). Larger chunks make the [C,K] x [K,V] state products, which dominate at wide heads,
-    larger matmuls; at few chunks per row they only add intra-chunk work."""
+    (32) when K >= 96 and T >= 256, else CPU_CHUNK (16): chunk 32 was faster for wide heads on
+    long rows, even at K=V=64 and slower on short rows (forward + `chunked_vjp` backward;
+    docs/speed.md: db60f62). Larger chunks make the [C,K] x [K,V]
+    state products, which dominate at wide heads, larger matmuls; at few chunks per row they only add intra-chunk work."""
     return CPU_CHUNK_WIDE if K >= WIDE_MIN_K and T >= WIDE_MIN_T else CPU_CHUNK
 
 
@@ -390,13 +387,11 @@ def kda_chunked(
     every intermediate small (cache-resident on CPU) instead of materialising [B,H,T,*] temps.
     chunks_per_step=None unrolls the whole sequence when it has at most 4 chunks and otherwise
     picks about 32 (batch x head x chunk) tiles per step (8 chunks at B*H=4, one chunk at B*H >=
-    32: at chunk 16 the 6-8 chunks of training rows of 96-128 tokens were faster one per step,
-    80 against 107 ms fwd+bwd at the matched RL shape, than all in one step). The defaults
-    (chunk_size None: `cpu_chunk(T, K)`, 16 or 32; sub-chunk 2) were measured against chunk 32
-    / sub-chunk 4 (2 cores, f32, forward + `chunked_vjp` backward): 103 -> 80 ms at the
-    matched RL shape (B32 T96 H4 K=V=64; forward 32 -> 21 ms), 34 -> 24 and 68 -> 59 ms at the
-    demo's SFT and RL shapes (H2 K=V=64, B16 T128 and B32 T120), 93 -> 87 ms at B1 T2048 H4
-    K=V=128; sub-chunk 1 and 4 at chunk 16 were slower for forward + backward.
+    32: at chunk 16 the 6-8 chunks of training rows of 96-128 tokens were faster one per step
+    than all in one step). The defaults (chunk_size None: `cpu_chunk(T, K)`, 16 or 32;
+    sub-chunk 2) were faster than chunk 32 / sub-chunk 4 at the matched RL shape, the demo's
+    SFT and RL shapes and B1 T2048 (forward + `chunked_vjp` backward; numbers in
+    docs/speed.md); sub-chunk 1 and 4 at chunk 16 were slower.
     """
     B, T, H, K, V = _check_shapes(q, k, v, g, beta, initial_state)
     scale = K**-0.5 if scale is None else scale

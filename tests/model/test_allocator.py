@@ -1,4 +1,4 @@
-"""The scripts' allocator (model/_xla_env.py:use_jemalloc): when a script's process re-executes
+"""The scripts' allocator (runtime/xla_env.py:use_jemalloc): when a script's process re-executes
 itself on jemalloc and when it does not, that its children do not inherit the preload, and that
 the computed numbers do not depend on the allocator."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from model import _xla_env as xe
+from runtime import xla_env as xe
 
 LIB = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 SCRIPT = pathlib.Path(__file__).resolve()  # any existing file stands for "a script"
@@ -49,7 +49,7 @@ def test_reexec_plan():
 _CHILD = r"""
 import hashlib, json, os, subprocess, sys
 print("started", flush=True)
-from model._xla_env import configure_xla_env, jemalloc_loaded
+from runtime.xla_env import configure_xla_env, jemalloc_loaded
 configure_xla_env()
 import jax, jax.numpy as jnp
 x = jnp.arange(64 * 96, dtype=jnp.float32).reshape(64, 96) / 1000.0

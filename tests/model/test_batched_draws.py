@@ -12,7 +12,7 @@ from configs import models
 from model.batched_draws import batch_random_draws
 from model.transformer import Model
 
-# each unrolled hash (model/_xla_env.py) xors its two key words with this constant once
+# each unrolled hash (runtime/xla_env.py) xors its two key words with this constant once
 _PARITY = str(0x1BD11BDA)
 
 

@@ -1,12 +1,12 @@
 """Chunked prefill (`Model.prefill(..., chunk=N)`, `SamplingConfig.prefill_chunk`) and the live
-decode-state bytes against scripts/plan.py.
+decode-state bytes against model/plan.py.
 
 Covered: chunked == one-shot prefill in f32 (logits, hidden, every cache leaf up to each row's
 length, and the next decode step) on the test model (KDA + sparse DSA with its indexer, MoE, a
 right-padded batch, a remainder chunk) and on a dense-attention variant (DSA's dense MLA path,
 NoPE, dense FFN); validation of the chunk size; the sampler's greedy output with and without
 chunks; live cache bytes per sequence (nbytes of the prefilled cache pytree) equal to
-`scripts.plan.decode_state_bytes` and to the closed form per layer kind, for the all-KDA,
+`model.plan.decode_state_bytes` and to the closed form per layer kind, for the all-KDA,
 all-DSA, hybrid and dense layouts. Not covered: capacity-dispatch MoE (drops differ per call,
 see Model.prefill), long prompts (scripts/longctx.py measures 16K-token memory and speed).
 """
@@ -20,9 +20,9 @@ import pytest
 
 from configs import models
 from model.config import ModelConfig
+from model.plan import decode_state_bytes
 from model.transformer import Model
 from rl.sampler import Sampler, SamplingConfig
-from scripts.plan import decode_state_bytes
 
 B, T, S, CHUNK = 2, 40, 48, 16  # 2 full chunks + a remainder of 8; top-k 16 < 40 keys
 LENGTHS = (40, 19)  # the second row ends inside the second chunk

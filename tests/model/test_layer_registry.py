@@ -216,7 +216,7 @@ def test_verify_and_commit_use_the_kinds_select_step_cache(toy_model):
 
 
 def test_planner_reads_the_kinds_cache_axes(toy):
-    from scripts.plan import decode_state_per_device, device_slice_cfg
+    from model.plan import decode_state_per_device, device_slice_cfg
 
     cfg = ModelConfig.from_dict(_toy_dict(pattern="C"))
     batch, seq = 4, 16

@@ -1,6 +1,6 @@
 """Model tests: configs and validation, MoE routing/dispatch, DSA sparse == dense, decode parity,
 training signal, the full-size presets under jax.eval_shape, and the unrolled threefry lowering
-(model/_xla_env.py) giving jax.random's bits."""
+(runtime/xla_env.py) giving jax.random's bits."""
 
 import math
 import os
@@ -286,7 +286,7 @@ def test_tiny_model_learns_synthetic_task(counting_model):
 
 # ----------------------------------------------------------------------------- full size
 def test_reference_2p8t_eval_shape_and_plan():
-    from scripts.plan import plan
+    from model.plan import plan
     out = plan(_cfg("reference_2p8t"))
     assert abs(out["total_params"] - 2.8e12) / 2.8e12 < 0.03, out["total_params"]
     assert out["active_params"] < 0.05 * out["total_params"]

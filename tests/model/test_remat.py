@@ -1,10 +1,10 @@
 """Per-block rematerialisation (model.remat): gradients unchanged, the policy really changes what
 JAX keeps for the backward pass, validation, and the planner using the configured policy.
 
-Covered: model/transformer.py (block_class), scripts/plan.py (block_residual_bytes,
+Covered: model/transformer.py (block_class), model/plan.py (block_residual_bytes,
 compiled_train_memory's program, per_device_plan's policy). Not covered here: that XLA's peak
 memory falls. On XLA:CPU it does not with the default concurrency-optimised scheduler (see
-scripts/plan.py:compiled_train_memory); the measured numbers are in docs/scaling.md.
+model/plan.py:compiled_train_memory); the measured numbers are in docs/scaling.md.
 """
 
 import jax
@@ -14,14 +14,14 @@ import pytest
 
 from configs import models
 from model.config import ConfigError, ModelConfig
-from model.transformer import Model
-from scripts.plan import (
+from model.plan import (
     MEMORY_FIELDS,
     block_residual_bytes,
     format_per_device,
     per_device_plan,
     train_grad_fn,
 )
+from model.transformer import Model
 
 POLICIES = ("none", "full", "save_dots")
 

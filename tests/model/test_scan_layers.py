@@ -265,7 +265,7 @@ def test_checkpoint_mismatch_names_scan_layers(pair):
 
 
 def test_reference_preset_shapes_with_scanned_layers():
-    from scripts.plan import count_params
+    from model.plan import count_params
 
     ref = ModelConfig.from_dict(presets.get_config("reference_2p8t"))
     scanned = ref.replace(scan_layers=True)

@@ -289,7 +289,7 @@ def test_expert_parallel_config_is_validated():
 def test_plan_reference_2p8t_per_device_verdicts():
     from configs import models
     from model.config import ModelConfig
-    from scripts.plan import format_per_device, per_device_plan, plan
+    from model.plan import format_per_device, per_device_plan, plan
 
     cfg = ModelConfig.from_dict(models.get_config("reference_2p8t"))
     mesh = "fsdp=16,expert=8,tensor=8"  # 1024 H200 (128 nodes of 8)
@@ -336,7 +336,7 @@ def test_plan_reference_2p8t_per_device_verdicts():
 # =========================================================================== children
 def _setup_child():
     sys.path.insert(0, str(ROOT))
-    from model._xla_env import configure_xla_env
+    from runtime.xla_env import configure_xla_env
 
     configure_xla_env(fast_compile=True)  # before jax is imported (as tests/conftest.py does)
     import jax

@@ -411,7 +411,7 @@ def _lockstep_process(tmp):
     """One of the two processes of test_two_processes_play_their_episodes_in_lockstep."""
     import pickle
 
-    from model._xla_env import configure_xla_env
+    from runtime.xla_env import configure_xla_env
 
     configure_xla_env(fast_compile=True)
     from model import sharding as shd

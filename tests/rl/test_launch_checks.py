@@ -105,7 +105,8 @@ def test_scaling_doc_memory_tables_are_the_planners():
     """docs/scaling.md section 4: the per-device block and the launch table are what the planner
     computes now for configs/rl.py:reference (scripts/plan.py launch_plans; ~30-60 s: the
     planner traces the reference model's blocks)."""
-    from scripts.plan import format_launch_table, format_per_device, launch_plans
+    from model.plan import format_per_device
+    from scripts.plan import format_launch_table, launch_plans
 
     docs = (ROOT / "docs" / "scaling.md").read_text()
     plans = launch_plans()

@@ -71,7 +71,7 @@ def test_two_processes_share_batches_metrics_and_sharded_checkpoints(tmp_path, t
 # =========================================================================== worker
 def worker(tmp):
     sys.path.insert(0, str(ROOT))
-    from model._xla_env import configure_xla_env
+    from runtime.xla_env import configure_xla_env
 
     configure_xla_env(fast_compile=True)
     from model import sharding as shd

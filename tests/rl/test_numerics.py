@@ -5,7 +5,7 @@
   accumulate in the master (and are lost without it: the attack on bf16 training the master
   exists for); f32 models keep exactly the optimizer state they had.
 * mu_dtype alone: f32 first moment, second moment in the parameter dtype (optax).
-* scripts/plan.py counts those dtypes, the micro-batch gradient accumulator, the reference
+* model/plan.py counts those dtypes, the micro-batch gradient accumulator, the reference
   policy, the rollout batch next to the train state, the expert-parallel buffers, and warns
   about the dropless all_to_all (configs/rl.py:reference).
 In-process and small; the planner against XLA's compiled memory is in test_sharded_rl.py.
@@ -75,7 +75,8 @@ def test_f32_models_keep_their_optimizer_state():
 def test_planner_counts_what_the_run_allocates():
     from configs import rl as rl_configs
     from model.config import ModelConfig
-    from scripts.plan import RunPlan, per_device_plan, run_plan_from_config
+    from model.plan import RunPlan, per_device_plan
+    from rl.run_plan import run_plan_from_config
 
     c = rl_configs.get_config("smoke_8dev")
     cfg = ModelConfig.from_dict(c.model)
@@ -109,7 +110,8 @@ def test_planner_counts_what_the_run_allocates():
 def test_planner_warns_about_the_dropless_all_to_all():
     from configs import rl as rl_configs
     from model.config import ModelConfig
-    from scripts.plan import ep_buffer_bytes, per_device_plan, run_plan_from_config
+    from model.plan import ep_buffer_bytes, per_device_plan
+    from rl.run_plan import run_plan_from_config
 
     c = rl_configs.get_config("reference")
     c.model.moe.expert_parallel = "all_to_all"

@@ -110,7 +110,7 @@ def test_rl_step_and_greedy_rollouts_on_mesh_equal_one_device(outcomes, mesh):
 
 
 def test_planner_matches_compiled_rl_step_memory(outcomes):
-    """scripts/plan.py's per-device training memory for the tiny model on the eight_devices mesh
+    """model/plan.py's per-device training memory for the tiny model on the eight_devices mesh
     (EP all_to_all, batch 8 x 64) is within 10% of XLA's memory analysis of the compiled real
     RL train step (arguments + temporaries + unaliased outputs), run by the first mesh child."""
     text = outcomes[MESHES[0]]
@@ -132,7 +132,7 @@ def test_bf16_params_with_f32_master_copy_on_one_device_and_on_a_mesh():
 # =========================================================================== children
 def _setup():
     sys.path.insert(0, str(ROOT))
-    from model._xla_env import configure_xla_env
+    from runtime.xla_env import configure_xla_env
 
     configure_xla_env(fast_compile=True)  # before jax is imported, as tests/conftest.py
     import jax
@@ -381,15 +381,16 @@ def planner_vs_compiled():
     from configs import rl as rl_configs
     from model import sharding as shd
     from model.config import ModelConfig
+    from model.plan import per_device_plan
     from model.transformer import Model
     from rl.algorithms import algo_from_config
+    from rl.run_plan import run_plan_from_config
     from rl.train_step import (
         init_train_state,
         make_optimizer,
         make_train_step,
         train_state_shardings,
     )
-    from scripts.plan import per_device_plan, run_plan_from_config
 
     c = rl_configs.get_config("smoke_8dev")
     c.model = models.get_config("tiny")

@@ -7,10 +7,9 @@ broadcast-multiply-sum patterns (hit by the KDA chunked backward and a DSA scatt
 `fast_compile=True` (the test suite) also sets `--xla_backend_optimization_level=0` (LLVM code
 generation without its optimisation passes) and `--xla_cpu_use_fusion_emitters=false` (XLA:CPU's
 older elemental emitter for fusions instead of the MLIR fusion emitters). The suite's tiny
-programs are dominated by compile time: the first cut it by about a third (a cold smoke demo
-137 s -> 89 s on 2 cores), the second by another 3-4x for a train step (the smoke model's
-forward+backward at [8,64]: 3.6 s -> 0.95 s to compile, the same 60 ms per run). The numerics
-are unchanged within the tests' tolerances. Processes the tests start inherit them via
+programs are dominated by compile time, which both flags shorten (a cold smoke demo; the smoke
+model's forward+backward compile, with the same run time; numbers in docs/speed.md). The
+numerics are unchanged within the tests' tolerances. Processes the tests start inherit them via
 XLA_FLAGS. Scripts keep XLA's defaults. A value already in XLA_FLAGS wins.
 
 It also keeps jax's backend probe quiet ("Unable to initialize backend 'tpu'" on every start of a
@@ -19,13 +18,12 @@ machine without a TPU); real warnings still print.
 The allocator (`use_jemalloc`, called by `configure_xla_env`): XLA:CPU allocates each run's
 temporary buffers with posix_memalign from its worker threads, and glibc serves a request that
 large (the matched GRPO train step's 766 MB) with a fresh mmap and unmaps it on free, so every run
-faults its whole working set in again (196K minor faults, ~0.34 s of one core per train step).
+faults its whole working set in again (196K minor faults per train step).
 jemalloc (Debian's libjemalloc2, installed by scripts/setup.sh) keeps freed pages for reuse:
-with MALLOC_CONF `JEMALLOC_CONF` the matched train step ran 0.83 s instead of 0.93-0.95, its
-compile took 9.6-9.8 s instead of 11.9 (allocation-heavy), the matched GRPO first iteration
-19.5-20.0 s instead of 22.6-23.6 (2 alternating pairs at f0dd6f7; the same output bits;
-docs/speed.md). A script's process re-executes itself once at `configure_xla_env` with jemalloc
-preloaded (LD_PRELOAD can only take effect at process start); the re-executed process drops
+with MALLOC_CONF `JEMALLOC_CONF` the matched train step, its (allocation-heavy) compile and
+the matched GRPO first iteration run faster, with the same output bits (`python -m
+benchmarks.grpo_matched`; docs/speed.md: f0dd6f7). A script's process re-executes itself
+once at `configure_xla_env` with jemalloc preloaded (LD_PRELOAD can only take effect at process start); the re-executed process drops
 LD_PRELOAD and MALLOC_CONF from its environment again, so its children (sandboxed programs,
 workers) start as they would have. Not done under pytest, in interactive sessions and notebooks,
 for `python -c` / stdin programs, or with KIMI_MALLOC=system; a missing library leaves glibc.
@@ -33,10 +31,9 @@ for `python -c` / stdin programs, or with KIMI_MALLOC=system; a missing library 
 `unroll_threefry_on_cpu()` (called when model/transformer.py is imported, so after jax is) lowers
 jax's threefry2x32 hash on CPU as straight-line code, as jax does on GPU and TPU, instead of its
 CPU default, a 5-trip rolled loop. The rounds and so the bits are the same. XLA:CPU then fuses each hash
-into one kernel instead of a loop of small ones. Every parameter initialiser draws through it: the
-matched GRPO model's jitted init (compile + run) went 13.5 -> 9.2-10.4 s, and that run's set-up
-15.9 / 12.5 -> 9.7 / 8.9 s (2 alternating pairs, identical parameters). The sampler's per-step
-draw did not change.
+into one kernel instead of a loop of small ones. Every parameter initialiser draws through it, so
+it shortens the jitted init (compile + run) and a run's set-up, with identical parameters
+(docs/speed.md). The sampler's per-step draw did not change.
 """
 
 import logging

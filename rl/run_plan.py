@@ -1,0 +1,31 @@
+"""What an RL run config (configs/rl.py) asks of the planner (model/plan.py): the run's
+allocations besides the model (`run_plan_from_config` -> model.plan.RunPlan: optimizer numerics,
+micro-batches, the reference policy, the rollout batch) and the rows and row width it trains on
+(`run_batch_from_config`). Readers: scripts/plan.py, scripts/_common.py (the launch check).
+"""
+
+from __future__ import annotations
+
+from model.plan import RunPlan
+from rl.algorithms import algo_from_config
+
+
+def run_plan_from_config(config) -> RunPlan:
+    """RunPlan of an RL config (configs/rl.py): its optimizer numerics, micro-batches, whether
+    the algorithm keeps a reference policy, and the rollout batch."""
+    o, r = config.optim, config.rl
+    algo = algo_from_config(r.algo)
+    return RunPlan(master_dtype=o.get("master_dtype", "") or "",
+                   mu_dtype=o.get("mu_dtype", "") or "", micro_batches=int(r.micro_batches),
+                   reference=bool(algo.needs_ref),
+                   rollout_rows=int(r.prompts_per_batch * r.group_size),
+                   rollout_len=int(r.max_prompt_len + r.max_new_tokens),
+                   rollout_experts=str(r.get("rollout_experts", "bf16")))
+
+
+def run_batch_from_config(config) -> tuple[int, int]:
+    """(rows, tokens per row) of an RL config's training batch: the rollout rows
+    (rl.prompts_per_batch x rl.group_size) at the one-shot row width (rl.max_prompt_len +
+    rl.max_new_tokens), what each RL update trains on."""
+    r = config.rl
+    return int(r.prompts_per_batch * r.group_size), int(r.max_prompt_len + r.max_new_tokens)
