@@ -293,8 +293,9 @@ def _ensure_workspace(workdir: str, plan: dict, uid: int) -> None:
                     for sub in ("log", "tmp"):
                         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root)
                         try:
-                            os.mkdir(sub, 0o1777 if sub == "tmp" else 0o755, dir_fd=fd)
+                            os.mkdir(sub, dir_fd=fd)
                             os.chown(sub, uid, uid, dir_fd=fd, follow_symlinks=False)
+                            _fchmod_at(fd, sub, 0o1777 if sub == "tmp" else 0o755)
                         finally:
                             os.close(fd)
             except FileExistsError:
@@ -334,10 +335,13 @@ def _walk_dirs(root: int, rel: str, uid: int) -> None:
             try:
                 nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise OSError(e.errno, f"{comp} is not a directory (a command replaced it)") \
-                        from None
-                raise
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                # a command put a link or a file there: the directory comes back in its place
+                os.unlink(comp, dir_fd=fd)
+                os.mkdir(comp, 0o755, dir_fd=fd)
+                os.chown(comp, uid, uid, dir_fd=fd, follow_symlinks=False)
+                nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = nfd
             st = os.fstat(fd)
