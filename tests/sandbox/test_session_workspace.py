@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from sandbox import SandboxClient, Session, SessionLimitExceeded, Workspace
-from sandbox.host import _mountpoints, live_pids_of_uid
+from sandbox import SandboxClient, SandboxPool, Session, SessionLimitExceeded, Workspace
+from sandbox.host import _mountpoints, live_pids_of_uid, pids_of_uid
 from sandbox.server import SandboxServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -152,7 +152,7 @@ def test_background_writer_keeps_running_until_close(pool):
         s.close()
     assert _wait(lambda: not _leftovers(layout, uid) or
                  _leftovers(layout, uid) == [f"cgroup {c}" for c in layout.slot_dirs(uid).values()])
-    assert not live_pids_of_uid(uid)
+    assert _wait(lambda: not pids_of_uid(uid)), pids_of_uid(uid)  # reaped too, no zombie
     assert not any(os.path.exists(c) for c in layout.slot_dirs(uid, "b").values())
     for c in layout.slot_dirs(uid).values():  # the warm session cgroup is empty
         if os.path.exists(c):
@@ -200,6 +200,22 @@ time.sleep(100)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
     assert _wait(lambda: not _leftovers(pool._layout, uid), 30), _leftovers(pool._layout, uid)
+
+
+def test_background_outlives_the_worker_that_started_it():
+    """The start command's worker dies: what it left running goes on (no parent-death signal;
+    its output drain is a process of its own) until the session closes."""
+    with SandboxPool(workers=1) as own:
+        s = own.session(workspace=AGENTBENCH)
+        uid = s._b.uid
+        assert s.start("(while :; do echo x >> /root/log; echo out; sleep 0.2; done) & echo up").ok
+        os.kill(own.worker_pids()[0], signal.SIGKILL)
+        time.sleep(0.5)
+        n1 = int(s.run("wc -l < /root/log").stdout)
+        time.sleep(1.0)
+        assert int(s.run("wc -l < /root/log").stdout) >= n1 + 3
+        s.close()
+        assert _wait(lambda: not live_pids_of_uid(uid)), live_pids_of_uid(uid)
 
 
 @pytest.mark.parametrize("bad, field", [
