@@ -61,8 +61,8 @@ import os
 import posixpath
 import secrets
 import select
-import stat
 import shutil
+import stat
 import threading
 import time
 from concurrent.futures import Future
@@ -71,8 +71,6 @@ from typing import Any
 from . import cgroups
 from .config import IsolationUnavailable, SlotBroken
 from .executor import Slot
-from .launch import bwrap_args, env_args, shell_launcher, write_etc
-from .monitor import supervise
 from .host import (
     MNT_DETACH,
     _ensure_state_dir,
@@ -84,6 +82,8 @@ from .host import (
     _try_lock,
     kill_uid,
 )
+from .launch import bwrap_args, env_args, shell_launcher, write_etc
+from .monitor import supervise
 from .result import ExecutionResult, InvalidRequest, check_rel_path, normalize_request
 from .workfiles import place_files, read_back
 
