@@ -46,9 +46,28 @@ Errors: `SessionClosed`, `SessionLimitExceeded`, `SessionBusy` (one command at a
 session), `SessionCapReached`, all `SessionError`, delivered through the Future of `submit`
 (`run` raises them). Caller mistakes in a command's arguments raise `InvalidRequest` at submit.
 
+Workspaces (`Workspace`, `pool.session(workspace=...)`): shell tasks written for Docker
+containers. The cwd, HOME, PATH entries, uid 0 inside the user namespace (`as_root`) and
+directories that persist across commands (/home, /root, /tmp, /app, ...), each a directory of
+the session's one tmpfs bound at its path; `files` and `read_files` are relative to the cwd.
+
+    with SandboxPool(workers=2) as pool:
+        ws = Workspace(cwd="/home/agent", home="/root", dirs=("/tmp", "/root"), as_root=True)
+        with pool.session(workspace=ws) as s:
+            s.run("whoami; echo x > /root/x")         # 'root\n'; /root/x is there next time
+            s.start("(while :; do date >> /tmp/log; sleep 1; done) & echo up")
+
+Start commands (`Session.start`): a task's start command whose background processes keep
+running until the session closes, in a cgroup `b<uid>` of their own next to the session's (the
+kill of leftovers before each command spares it; close, the reaper and the start-up sweep do
+not), launched without a parent-death signal; their output after the foreground exits goes to a
+drain (sandbox/README.md has the details).
+
 Not covered: sessions over unisolated (`isolation="none"`) or non-root pools (no uid, tmpfs or
-cgroup to give a session: IsolationUnavailable says so); processes that outlive a command (a
-server started in one command is gone by the next: each command is its own sandbox).
+cgroup to give a session: IsolationUnavailable says so); processes that outlive a command other
+than a start command's (a server started by a plain command is gone by the next: each command is
+its own sandbox); later commands seeing or signalling the background processes (their own pid
+namespace) or reaching a port they listen on (their own network namespace).
 """
 
 from __future__ import annotations
