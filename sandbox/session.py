@@ -1062,8 +1062,8 @@ class _SessionRunner(_WorkspaceFiles, Slot):
         if st.st_dev == parent.st_dev or st.st_uid != self.uid:
             raise FileNotFoundError(f"the session's working directory {self.workdir} is not its "
                                     "own tmpfs any more")
-        if self.background:  # + the drain of its output pipes (dash and two cats)
-            self.cg = (_SessionCgroup(base.layout, self.uid, self.disk_bytes, "b", 3)
+        if self.background:  # + the drain of its output pipes (one process)
+            self.cg = (_SessionCgroup(base.layout, self.uid, self.disk_bytes, "b", 1)
                        if base.cg is not None else None)
             if self.cg is None:
                 raise FileNotFoundError("start commands need the session's cgroups")
@@ -1119,10 +1119,17 @@ class _SessionRunner(_WorkspaceFiles, Slot):
             self.cg._peak_fd = None
 
 
+# Reads and drops a start command's stdout (fd 0) and stderr (fd argv[1]) until both end: one
+# process (no child that could be orphaned to the worker when the session's close kills it).
+_DRAIN = ("import os, select, sys\nfds = [0, int(sys.argv[1])]\nwhile fds:\n"
+          "    for fd in select.select(fds, [], [])[0]:\n"
+          "        if not os.read(fd, 65536):\n            fds.remove(fd)\n")
+
+
 class _Background:
     """In a pool worker: what the start commands it launched left running. Their output pipes
-    go to a drain (two `cat > /dev/null` under dash, as the session's uid, in the background
-    cgroup), so a background process that prints neither blocks nor dies of SIGPIPE; a thread
+    go to a drain (one python process reading both into nothing, as the session's uid, in the
+    background cgroup), so a background process that prints neither blocks nor dies of SIGPIPE; a thread
     reaps the drains and the sandboxes' pid 1 (orphaned to this subreaper) once they exit (the
     session's close kills them through the cgroup)."""
 
@@ -1140,8 +1147,7 @@ class _Background:
         try:
             argv = shell_launcher(runner.cfg, [(R.RLIMIT_CORE, 0, 0)], runner.cg.procs_files,
                                   runner.root, runner.uid)
-            argv += [runner.cfg.shell, "-c",
-                     f"/usr/bin/cat <&{err_r} >/dev/null & /usr/bin/cat >/dev/null; wait"]
+            argv += [runner.cfg.python, "-S", "-I", "-c", _DRAIN, str(err_r)]
             drain = subprocess.Popen(argv, stdin=out_r, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, pass_fds=(err_r,), env={},
                                      cwd="/", close_fds=True, start_new_session=True)

@@ -152,7 +152,7 @@ def test_background_writer_keeps_running_until_close(pool):
         s.close()
     assert _wait(lambda: not _leftovers(layout, uid) or
                  _leftovers(layout, uid) == [f"cgroup {c}" for c in layout.slot_dirs(uid).values()])
-    assert _wait(lambda: not pids_of_uid(uid)), pids_of_uid(uid)  # reaped too, no zombie
+    assert _wait(lambda: not pids_of_uid(uid)), [open(f"/proc/{p}/status").read()[:400] for p in pids_of_uid(uid)]  # reaped too, no zombie
     assert not any(os.path.exists(c) for c in layout.slot_dirs(uid, "b").values())
     for c in layout.slot_dirs(uid).values():  # the warm session cgroup is empty
         if os.path.exists(c):
