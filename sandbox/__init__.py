@@ -20,7 +20,7 @@ _EXPORTS = {
     "STATUSES": "result", "ExecutionResult": "result", "InvalidRequest": "result",
     "Session": "session", "SessionLimits": "session", "SessionError": "session",
     "SessionClosed": "session", "SessionLimitExceeded": "session", "SessionBusy": "session",
-    "SessionCapReached": "session",
+    "SessionCapReached": "session", "Workspace": "session",
     "Task": "tasks", "TaskFormatError": "tasks", "load_humaneval": "tasks", "load_mbpp": "tasks",
     "load_tasks": "tasks", "save_tasks": "tasks",
     "Verifier": "verifiers", "normalize_output": "verifiers", "verify": "verifiers",

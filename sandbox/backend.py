@@ -78,16 +78,18 @@ class Executor(ABC):
         return [f.result() for f in futs]
 
     # ---- sessions -----------------------------------------------------------------------------
-    def open_session(self, *, files: dict | None = None, limits=None):
+    def open_session(self, *, files: dict | None = None, limits=None, workspace=None):
         """The backend of a `Session` (sandbox/session.py); use `session()`."""
         raise NotImplementedError(f"{type(self).__name__} has no sessions")
 
-    def session(self, *, files: dict[str, str | bytes] | None = None, limits=None):
+    def session(self, *, files: dict[str, str | bytes] | None = None, limits=None,
+                workspace=None):
         """Opens a Session: one episode's private working directory kept across commands, with
-        its own limits (SessionLimits or a dict of its fields). See sandbox/session.py."""
+        its own limits (SessionLimits or a dict of its fields) and, optionally, a workspace
+        (Workspace or a dict: cwd, home, persistent dirs, uid 0, PATH). See sandbox/session.py."""
         from .session import Session
 
-        return Session(self, files=files, limits=limits)
+        return Session(self, files=files, limits=limits, workspace=workspace)
 
     # ---- reports and shutdown -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

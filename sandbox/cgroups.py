@@ -1,6 +1,7 @@
 """cgroup v1 / v2 detection and one pre-created cgroup per sandbox slot.
 
-Layout (nested under the caller's own cgroup, so the caller's limits still apply):
+Layout (nested under the caller's own cgroup, so the caller's limits still apply; a session's
+background processes get a second cgroup `b<UID>` next to `u<UID>`):
 
   v1: <mount of controller>/<caller's path for that controller>/kimi-sandbox/u<UID>   for memory,
       pids and (when mounted and writable) cpu
@@ -199,8 +200,10 @@ class CgroupLayout:
             self.cpu_reason = f"cannot enable cpu in {ctl}: {e}"
 
     # ---- per slot -------------------------------------------------------------------------
-    def slot_dirs(self, uid: int) -> dict[str, str]:
-        name = f"u{uid}"
+    def slot_dirs(self, uid: int, prefix: str = "u") -> dict[str, str]:
+        """The cgroup dirs of `uid`: `u<uid>` (the slot's or session's), `b<uid>` with
+        prefix="b" (a session's background processes, sandbox/session.py)."""
+        name = f"{prefix}{uid}"
         if self.version == "v1":
             return {c: os.path.join(p, GROUP, name) for c, p in self.v1_parents.items()}
         if self.version == "v2":
@@ -274,10 +277,10 @@ def remove_dir(d: str) -> None:
 class SlotCgroup:
     """The pre-created cgroup(s) of one slot: limits are written only when they change."""
 
-    def __init__(self, layout: CgroupLayout, uid: int) -> None:
+    def __init__(self, layout: CgroupLayout, uid: int, prefix: str = "u") -> None:
         self.layout = layout
         self.version = layout.version
-        self.dirs = layout.slot_dirs(uid)
+        self.dirs = layout.slot_dirs(uid, prefix)
         self._mem: int | None = None
         self._pids: int | None = None
         self._cpu: float | None | bool = False  # False = never written

@@ -334,9 +334,9 @@ class SandboxClient(Executor):
         return self._pool.submit(self._do_seq, reqs)
 
     # ---- sessions ----------------------------------------------------------------------------
-    def open_session(self, *, files: dict | None = None, limits=None):
+    def open_session(self, *, files: dict | None = None, limits=None, workspace=None):
         """The backend of a `Session` on the server; use `session()`."""
-        return RemoteSession(self, files, limits)
+        return RemoteSession(self, files, limits, workspace)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -371,8 +371,8 @@ class RemoteSession:
     """The backend of a `Session` over HTTP. A session lives on one server: every request of it
     goes to the URL that created it (a client with several URLs picks one per session)."""
 
-    def __init__(self, client: SandboxClient, files: dict | None, limits) -> None:
-        from .session import SessionLimits
+    def __init__(self, client: SandboxClient, files: dict | None, limits, workspace=None) -> None:
+        from .session import SessionLimits, Workspace
 
         self.c = client
         self._lock = threading.Lock()
@@ -383,6 +383,9 @@ class RemoteSession:
         body = {"files": {k: base64.b64encode(v).decode() for k, v in req["files"].items()},
                 "limits": SessionLimits.coerce(limits).to_dict(),
                 "request_id": "c-" + os.urandom(12).hex()}
+        self.workspace = Workspace.coerce(workspace)
+        if self.workspace is not None:
+            body["workspace"] = self.workspace.to_dict()
         try:
             resp = self._post("/sessions", body, client.timeout_pad_s)
         except RemoteError as e:
@@ -400,10 +403,12 @@ class RemoteSession:
     def closed(self) -> bool:
         return self._closed
 
-    def submit(self, req: dict, budget: bool = True) -> Future:
+    def submit(self, req: dict, budget: bool = True, background: bool = False) -> Future:
         with self._lock:
             self._seq += 1
-            body = {**req_to_native(req), "budget": budget, "seq": self._seq}
+            body = {**req_to_native(req), "budget": budget and not background, "seq": self._seq}
+            if background:
+                body["background"] = True
         return self.c._pool.submit(self._do_run, body, req["timeout_s"] + self.c.timeout_pad_s)
 
     def _do_run(self, body: dict, timeout: float) -> ExecutionResult:

@@ -152,7 +152,7 @@ def _sweep_uid(cfg: SandboxConfig, layout: cgroups.CgroupLayout | None, uid: int
     if uid != 0 and os.geteuid() == 0 and uid != os.getuid():
         kill_uid(uid)
     if layout is not None and layout.version and not keep_cgroup:
-        for d in layout.slot_dirs(uid).values():
+        for d in [*layout.slot_dirs(uid).values(), *layout.slot_dirs(uid, "b").values()]:
             try:
                 cgroups.remove_dir(d)
             except OSError:
@@ -176,7 +176,7 @@ def sweep_stale(cfg: SandboxConfig, layout: cgroups.CgroupLayout | None) -> list
     if layout is not None:
         for gd in layout.group_dirs():
             try:
-                cand |= {int(n[1:]) for n in os.listdir(gd) if n.startswith("u") and n[1:].isdigit()}
+                cand |= {int(n[1:]) for n in os.listdir(gd) if n[:1] in ("u", "b") and n[1:].isdigit()}
             except OSError:
                 pass
     swept = []

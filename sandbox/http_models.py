@@ -173,12 +173,14 @@ class RunSequenceRequest(_Strict):
 
 
 class SessionCreateRequest(_Strict):
-    """`POST /sessions`: files placed in the new session's /work (base64, null skipped), its
-    limits (SessionLimits fields; absent ones default), and an optional request_id: a resend of
-    the same id (a client retrying a create whose answer it lost) gets the same session back."""
+    """`POST /sessions`: files placed in the new session's working directory (base64, null
+    skipped), its limits (SessionLimits fields; absent ones default), its workspace (Workspace
+    fields, or null: the plain /work session), and an optional request_id: a resend of the same
+    id (a client retrying a create whose answer it lost) gets the same session back."""
 
     files: dict[str, str | None] = Field(default_factory=dict)
     limits: dict[str, Any] = Field(default_factory=dict)
+    workspace: dict[str, Any] | None = None
     request_id: str | None = Field(None, min_length=8, max_length=128)
 
     @field_validator("files")
@@ -193,11 +195,13 @@ class SessionCreateRequest(_Strict):
 
 class SessionRunRequest(NativeRunRequest):
     """`POST /sessions/{id}/run`: a native run request plus `budget` (False: a task run such as
-    a setup or a check, see sandbox/session.py) and `seq` (1, 2, ... per session: a resend of the
-    last number returns that command's result instead of running it twice)."""
+    a setup or a check, see sandbox/session.py), `seq` (1, 2, ... per session: a resend of the
+    last number returns that command's result instead of running it twice) and `background`
+    (True: a start command, `Session.start`, whose background processes keep running)."""
 
     budget: bool = Field(True, strict=True)
     seq: int | None = Field(None, ge=1, strict=True)
+    background: bool = Field(False, strict=True)
 
 
 class SessionFilesRequest(_Strict):

@@ -30,11 +30,13 @@ ISOLATED_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG
                 "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-def write_etc(etcdir: str, uid: int) -> None:
-    """The sandbox's synthetic /etc: passwd and group naming `uid` "sandbox", hosts, nsswitch.conf,
-    copies of ld.so.cache and localtime."""
+def write_etc(etcdir: str, uid: int, home: str = "/work", as_root: bool = False) -> None:
+    """The sandbox's synthetic /etc: passwd and group naming `uid` "sandbox" (home `home`), hosts,
+    nsswitch.conf, copies of ld.so.cache and localtime. as_root (a session workspace whose
+    commands run as uid 0 of their user namespace): root's home is `home` and its shell bash."""
+    root = f"root:x:0:0:root:{home}:/bin/bash\n" if as_root else "root:x:0:0:root:/root:/usr/sbin/nologin\n"
     files = {
-        "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:/work:/bin/bash\n"
+        "passwd": f"{root}sandbox:x:{uid}:{uid}:sandbox:{home}:/bin/bash\n"
                   "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
         "group": f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n",
         "hosts": "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
@@ -54,13 +56,22 @@ def write_etc(etcdir: str, uid: int) -> None:
         os.makedirs(os.path.join(etcdir, "alternatives"), exist_ok=True)
 
 
-def bwrap_args(bwrap: str, cfg: SandboxConfig, etcdir: str, workdir: str, progdir: str) -> list[str]:
+def bwrap_args(bwrap: str, cfg: SandboxConfig, etcdir: str, workdir: str, progdir: str, *,
+               binds: list[tuple[str, str]] | None = None, chdir: str = "/work",
+               uid0: bool = False) -> list[str]:
     """bwrap's options for every run of a slot or session (namespaces, the read-only system view,
     /etc, tmpfs /tmp and /dev/shm, /work, /sandbox, an empty environment), up to the per-run
-    ones (environment, seccomp and status fds, the program)."""
+    ones (environment, seccomp and status fds, the program).
+
+    A session workspace (sandbox/session.py) passes `binds` (host directory, sandbox path) in
+    place of `workdir` at /work (a bind at /tmp replaces the per-run tmpfs there), its `chdir`,
+    and uid0 (the program runs as uid and gid 0 of its user namespace: still the session's uid on
+    the host, no capabilities)."""
     a = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
-         "--die-with-parent", "--new-session", "--hostname", "sandbox",
-         "--ro-bind", "/usr", "/usr"]
+         "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    if uid0:
+        a += ["--uid", "0", "--gid", "0"]
+    a += ["--ro-bind", "/usr", "/usr"]
     for d in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         p = "/" + d
         if os.path.islink(p):
@@ -75,24 +86,36 @@ def bwrap_args(bwrap: str, cfg: SandboxConfig, etcdir: str, workdir: str, progdi
     for src, dst in cfg.extra_ro_binds:
         a += ["--ro-bind", src, dst]
     size = str(cfg.tmp_mb << 20)
-    a += ["--proc", "/proc", "--dev", "/dev",
-          "--size", size, "--tmpfs", "/tmp",
-          "--size", size, "--tmpfs", "/dev/shm",
-          "--bind", workdir, "/work",
-          "--ro-bind", progdir, "/sandbox",
+    binds = [(workdir, "/work")] if binds is None else binds
+    a += ["--proc", "/proc", "--dev", "/dev"]
+    if "/tmp" not in {dst for _, dst in binds}:
+        a += ["--size", size, "--tmpfs", "/tmp"]
+    a += ["--size", size, "--tmpfs", "/dev/shm"]
+    for src, dst in binds:
+        a += ["--bind", src, dst]
+    a += ["--ro-bind", progdir, "/sandbox",
           "--remount-ro", "/",
-          "--chdir", "/work", "--clearenv"]
+          "--chdir", chdir, "--clearenv"]
     return a
 
 
-def env_args(cfg: SandboxConfig, isolated: bool) -> list[str]:
-    """The program's whole environment (bwrap starts from --clearenv)."""
+def env_args(cfg: SandboxConfig, isolated: bool, workspace: dict | None = None) -> list[str]:
+    """The program's whole environment (bwrap starts from --clearenv). `workspace` (a session
+    workspace, sandbox/session.py: "cwd", "home", "user", "path") sets HOME, USER, LOGNAME and,
+    for normal runs, PYTHONPATH (the cwd) and the PATH entries put before the default ones;
+    an isolated run keeps its fixed PATH."""
     if isolated:
         env = dict(ISOLATED_ENV)
+        if workspace is not None:
+            env.update(HOME=workspace["home"], USER=workspace["user"], LOGNAME=workspace["user"])
     else:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8",
                "TMPDIR": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "PYTHONPATH": "/work",
                "PYTHONHASHSEED": "0"}
+        if workspace is not None:
+            env.update(PATH=":".join([*workspace["path"], env["PATH"]]), HOME=workspace["home"],
+                       USER=workspace["user"], LOGNAME=workspace["user"],
+                       PYTHONPATH=workspace["cwd"])
         env.update(cfg.env)
     a = []
     for k, v in env.items():

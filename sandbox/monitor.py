@@ -25,14 +25,22 @@ from .result import ExecutionResult
 
 def supervise(proc, req: dict, t0: float, out_r: int, err_r: int, st_r: int, timeout_s: float, *,
               cg: cgroups.SlotCgroup | None, uid: int | None, root: bool,
-              status_channel: bool = True) -> tuple[ExecutionResult, str | None]:
+              status_channel: bool = True,
+              background: dict | None = None) -> tuple[ExecutionResult, str | None]:
     """Watches one launched sandbox to its end: reads stdout/stderr (each capped at the request's
     output_limit_bytes) and bwrap's JSON status channel (the sandbox's pid 1, then the program's
     exit code); on the deadline or an output overflow kills the launcher, the sandbox's pid 1
     (through a pidfd, only if it runs as `uid`) and the cgroups; then reaps the sandbox and
     classifies the run. Returns (result, broken): broken says why the slot must not run again
     (a process survived SIGKILL), else None. status_channel=False (isolation="none"): the exit
-    code is the launcher's own."""
+    code is the launcher's own.
+
+    background (a dict; a session's start command, sandbox/session.py, launched without
+    --die-with-parent): once bwrap reports the program's exit code, what is in the pipes already
+    is read without waiting for their end (processes it left running may hold them open) and
+    the run is over; unless it was killed, the pipes, the pidfd and pid of the sandbox's pid 1
+    are handed over in `background` ("out_r", "err_r", "pidfd", "pid") instead of being closed,
+    and the sandbox is left running."""
     limit = req["output_limit_bytes"]
     deadline = t0 + timeout_s
     bufs = {out_r: bytearray(), err_r: bytearray()}
@@ -66,6 +74,20 @@ def supervise(proc, req: dict, t0: float, out_r: int, err_r: int, st_r: int, tim
                             f.write("1")
                     except OSError:
                         pass
+
+    detached = False
+
+    def take(fd: int, chunk: bytes) -> None:
+        nonlocal killed_for
+        buf = bufs[fd]
+        room = limit - len(buf)
+        if room > 0:
+            buf += chunk[:room]
+        if len(chunk) > room:
+            trunc[fd] = True
+            if killed_for is None:
+                killed_for = "output_limit"
+                kill_tree()
 
     try:
         while open_fds:
@@ -109,15 +131,22 @@ def supervise(proc, req: dict, t0: float, out_r: int, err_r: int, st_r: int, tim
                         if "exit-code" in msg:
                             exit_code = int(msg["exit-code"])
                     continue
-                buf = bufs[fd]
-                room = limit - len(buf)
-                if room > 0:
-                    buf += chunk[:room]
-                if len(chunk) > room:
-                    trunc[fd] = True
-                    if killed_for is None:
-                        killed_for = "output_limit"
-                        kill_tree()
+                take(fd, chunk)
+            if background is not None and exit_code is not None and killed_for is None:
+                for fd in (out_r, err_r):  # written before the program exited: there already
+                    while fd in open_fds and killed_for is None:
+                        try:
+                            chunk = os.read(fd, 65536) if select.select([fd], [], [], 0)[0] else None
+                        except OSError:
+                            chunk = b""
+                        if chunk is None:
+                            break
+                        if not chunk:
+                            open_fds.discard(fd)
+                        else:
+                            take(fd, chunk)
+                detached = killed_for is None
+                break
         if killed_for and proc.poll() is None:
             kill_tree()
         try:
@@ -126,21 +155,27 @@ def supervise(proc, req: dict, t0: float, out_r: int, err_r: int, st_r: int, tim
             kill_tree()
             proc.wait()
         wall = time.monotonic() - t0
-        broken = reap_sandbox(pidfd, cg, root, uid)
+        if detached:
+            broken = None
+            background.update(out_r=out_r, err_r=err_r, pidfd=pidfd, pid=child_pid)
+        else:
+            if killed_for and cg is not None and background is not None:
+                cg.kill_all()  # a start command's sandbox has no parent-death signal
+            broken = reap_sandbox(pidfd, cg, root, uid)
     finally:
-        for fd in (out_r, err_r, st_r):
+        for fd in ((st_r,) if detached else (out_r, err_r, st_r)):
             try:
                 os.close(fd)
             except OSError:
                 pass
-        if pidfd is not None:
+        if pidfd is not None and not detached:
             os.close(pidfd)
     if not status_channel and proc.returncode is not None:
         rc = proc.returncode
         exit_code = rc if rc >= 0 else 128 - rc
     oom = cg.oom_killed_since_last() if cg is not None else False
     peak = cg.run_peak_bytes() if cg is not None else None
-    if cg is not None:
+    if cg is not None and not detached:
         cg.trim()
     stdout, stderr = _decode(bytes(bufs[out_r])), _decode(bytes(bufs[err_r]))
     res = ExecutionResult(status="ok", exit_code=exit_code, stdout=stdout, stderr=stderr,

@@ -299,9 +299,9 @@ class SandboxPool(WorkerPool, Executor):
                 self._sessions = SessionManager(self, self.max_sessions)
             return self._sessions
 
-    def open_session(self, *, files: dict | None = None, limits=None):
+    def open_session(self, *, files: dict | None = None, limits=None, workspace=None):
         """The backend of a `Session` (sandbox/session.py); use `session()`."""
-        return self.sessions.open(files=files, limits=limits)
+        return self.sessions.open(files=files, limits=limits, workspace=workspace)
 
     # ---- reports and shutdown -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

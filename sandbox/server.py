@@ -22,11 +22,13 @@ Endpoints
 Sessions (sandbox/session.py: one episode's private working directory across commands; the
 server owns them, as a pool's caller would):
   POST /sessions               {"files": {path: base64}, "limits": {SessionLimits fields},
-                               "request_id"} -> {"session_id", "limits"}; 429 + Retry-After when
+                               "workspace": {Workspace fields} | null, "request_id"} ->
+                               {"session_id", "limits", "workspace"}; 429 + Retry-After when
                                the pool's `--max-sessions` are open (client waits, as for 429s).
   POST /sessions/{id}/run      a native request + "budget" (false: setup/check runs) + "seq"
                                (1, 2, ...: a resend of the last seq returns its result, never runs
-                               it twice) -> ExecutionResult dict.
+                               it twice) + "background" (true: a start command whose background
+                               processes keep running; a task run) -> ExecutionResult dict.
   POST /sessions/{id}/files    {"paths", "limit_bytes"} -> {"files": {path: base64}, "notes"}
   POST /sessions/{id}/close    (or DELETE /sessions/{id}) -> {"closed": true, "reason"}
   GET  /sessions/{id}          usage: commands, wall_s, idle_s, limits, closed_reason
@@ -435,7 +437,7 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState,
             raise ApiError(422, f"invalid request: {e}") from e
 
     # ---- sessions ------------------------------------------------------------------------
-    from .session import SessionError, SessionLimits
+    from .session import SessionError, SessionLimits, Workspace
 
     def session_error(e: SessionError) -> ApiError:
         status = {"closed": 410, "limit": 409, "busy": 409, "cap": 429}.get(e.kind, 409)
@@ -457,6 +459,7 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState,
         req = await _parse_body(request, SessionCreateRequest)
         try:
             limits = SessionLimits.coerce(req.limits)
+            workspace = Workspace.coerce(req.workspace)
             files = req.decoded_files()
         except ValueError as e:
             raise ApiError(422, f"invalid request: {e}") from e
@@ -464,11 +467,12 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState,
             sid = created_by_request[req.request_id]
             try:
                 s = pool.sessions.get(sid)
-                return json_response({"session_id": s.id, "limits": s.limits.to_dict()})
+                return json_response(created(s))
             except (SessionError, KeyError):
                 pass  # closed since: open a new one
         try:
-            s = await asyncio.to_thread(pool.sessions.open, files=files, limits=limits)
+            s = await asyncio.to_thread(pool.sessions.open, files=files, limits=limits,
+                                        workspace=workspace)
         except SessionError as e:
             raise session_error(e) from e
         except (InvalidRequest, ValueError) as e:
@@ -479,7 +483,11 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState,
             while len(created_by_request) > 4096:
                 created_by_request.pop(next(iter(created_by_request)))
         state.bump("sessions_opened")
-        return json_response({"session_id": s.id, "limits": s.limits.to_dict()})
+        return json_response(created(s))
+
+    def created(s) -> dict:
+        return {"session_id": s.id, "limits": s.limits.to_dict(),
+                "workspace": s.workspace.to_dict() if s.workspace is not None else None}
 
     async def session_run(request: Request) -> Response:
         s = lookup(request)
@@ -487,10 +495,12 @@ def build_app(pool: SandboxPool, cfg: ServerConfig, state: ServerState,
         code, kw = _kwargs(req)
         try:
             q = normalize_request(code, **kw)
+            if req.background and q.get("isolated"):
+                raise InvalidRequest("a start command (background) cannot be isolated")
         except InvalidRequest as e:
             raise ApiError(422, f"invalid request: {e}") from e
         try:
-            r = await execute(request, lambda: s.submit(q, req.budget, req.seq))
+            r = await execute(request, lambda: s.submit(q, req.budget, req.seq, req.background))
         except _ClientGone:
             return Response(status_code=499)
         except SessionError as e:

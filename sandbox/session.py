@@ -46,19 +46,42 @@ Errors: `SessionClosed`, `SessionLimitExceeded`, `SessionBusy` (one command at a
 session), `SessionCapReached`, all `SessionError`, delivered through the Future of `submit`
 (`run` raises them). Caller mistakes in a command's arguments raise `InvalidRequest` at submit.
 
+Workspaces (`Workspace`, `pool.session(workspace=...)`): shell tasks written for Docker
+containers. The cwd, HOME, PATH entries, uid 0 inside the user namespace (`as_root`) and
+directories that persist across commands (/home, /root, /tmp, /app, ...), each a directory of
+the session's one tmpfs bound at its path; `files` and `read_files` are relative to the cwd.
+
+    with SandboxPool(workers=2) as pool:
+        ws = Workspace(cwd="/home/agent", home="/root", dirs=("/tmp", "/root"), as_root=True)
+        with pool.session(workspace=ws) as s:
+            s.run("whoami; echo x > /root/x")         # 'root\n'; /root/x is there next time
+            s.start("(while :; do date >> /tmp/log; sleep 1; done) & echo up")
+
+Start commands (`Session.start`): a task's start command whose background processes keep
+running until the session closes, in a cgroup `b<uid>` of their own next to the session's (the
+kill of leftovers before each command spares it; close, the reaper and the start-up sweep do
+not), launched without a parent-death signal; their output after the foreground exits goes to a
+drain (sandbox/README.md has the details).
+
 Not covered: sessions over unisolated (`isolation="none"`) or non-root pools (no uid, tmpfs or
-cgroup to give a session: IsolationUnavailable says so); processes that outlive a command (a
-server started in one command is gone by the next: each command is its own sandbox).
+cgroup to give a session: IsolationUnavailable says so); processes that outlive a command other
+than a start command's (a server started by a plain command is gone by the next: each command is
+its own sandbox); later commands seeing or signalling the background processes (their own pid
+namespace) or reaching a port they listen on (their own network namespace).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import math
 import os
+import posixpath
 import secrets
+import select
 import shutil
+import stat
 import threading
 import time
 from concurrent.futures import Future
@@ -78,7 +101,10 @@ from .host import (
     _try_lock,
     kill_uid,
 )
+from .launch import bwrap_args, env_args, shell_launcher, write_etc
+from .monitor import supervise
 from .result import ExecutionResult, InvalidRequest, check_rel_path, normalize_request
+from .workfiles import place_files, read_back
 
 # --------------------------------------------------------------------------------------------
 # limits and errors
@@ -95,10 +121,11 @@ class SessionLimits:
     idle_timeout_s: float = 300.0  # closed when no command ran or was asked for this long
     max_lifetime_s: float = 3600.0  # closed this long after it was opened
     max_task_runs: int = 16  # runs with budget=False (setup, checks)
+    max_starts: int = 4  # start commands (Session.start: processes kept in the background)
 
     def __post_init__(self) -> None:
         ints = {"max_commands": (1, 100_000), "disk_mb": (1, 16384), "disk_inodes": (16, 1 << 24),
-                "max_task_runs": (0, 100_000)}
+                "max_task_runs": (0, 100_000), "max_starts": (0, 16)}
         for name, (lo, hi) in ints.items():
             v = getattr(self, name)
             if type(v) is not int or not lo <= v <= hi:
@@ -125,6 +152,250 @@ class SessionLimits:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Where a workspace directory may not go: the sandbox's read-only system view, its own
+# directories and the kernel's (a directory under one of these is refused too).
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
+               "/run", "/sandbox", "/sbin", "/sys", "/usr")
+MAX_WORKSPACE_DIRS = 16
+
+
+def _check_abs_path(field: str, p: Any, *, system_ok: bool = False) -> str:
+    if not isinstance(p, str):
+        raise ValueError(f"Workspace.{field} must be an absolute path (a str), got {p!r}")
+    if not p.startswith("/"):
+        raise ValueError(f"Workspace.{field} {p!r} is not absolute: write it from /, e.g. "
+                         f"{'/' + p.lstrip('./')!r}")
+    if "\0" in p or ":" in p:
+        raise ValueError(f"Workspace.{field} {p!r} contains a NUL or ':' (not allowed in a "
+                         "workspace path)")
+    norm = posixpath.normpath(p)
+    if norm.startswith("//"):
+        norm = norm[1:]
+    if norm != p:
+        raise ValueError(f"Workspace.{field} {p!r} is not a normal path (no '.', '..', '//' or "
+                         f"trailing '/'): write {norm!r}")
+    if p == "/":
+        raise ValueError(f"Workspace.{field} cannot be '/': name a directory such as /app")
+    parts = p.split("/")[1:]
+    if len(parts) > 8 or any(len(c.encode("utf-8", "surrogateescape")) > 255 for c in parts):
+        raise ValueError(f"Workspace.{field} {p!r}: at most 8 components of at most 255 bytes")
+    if not system_ok:
+        for d in SYSTEM_DIRS:
+            if p == d or p.startswith(d + "/"):
+                raise ValueError(
+                    f"Workspace.{field} {p!r} is under {d}, a system directory of the sandbox "
+                    "(read-only or its own); use a directory such as /app, /home/<user>, /root, "
+                    "/tmp, /srv or /opt/<name>")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+    """Where a session's commands run and which directories persist across them (validated on
+    construction: a bad value raises ValueError naming the field; a dict of these fields works
+    too, see `coerce`). The default, Workspace(), is the plain session: /work only.
+
+    cwd: absolute directory the commands start in (created at open; `files` and `read_files`
+    are relative to it). home: HOME of the commands (None: the cwd). dirs: absolute directories
+    that persist across the session's commands, each a directory of the session's disk bound at
+    that path; the top directory of cwd (and of home) is added when no listed directory holds it
+    ("/home/agent" -> "/home"). "/tmp" listed: /tmp is persistent instead of a fresh tmpfs per
+    command. "/var" listed: it starts with empty log/ and tmp/. System directories (/usr, /etc,
+    /bin, /lib*, /proc, /dev, /sys, /run, /sandbox, /boot, /sbin and what is under them), "/"
+    and one listed directory inside another are refused. as_root: commands run as uid/gid 0 of
+    their user namespace (whoami: root; no capabilities, no_new_privs; the host sees the
+    session's uid). path: directories put in front of the default PATH of commands (never of
+    isolated checks).
+    """
+
+    cwd: str = "/work"
+    home: str | None = None
+    dirs: tuple[str, ...] = ()
+    as_root: bool = False
+    path: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_abs_path("cwd", self.cwd)
+        if self.home is not None:
+            _check_abs_path("home", self.home)
+        for name in ("dirs", "path"):
+            v = getattr(self, name)
+            if isinstance(v, list):
+                object.__setattr__(self, name, tuple(v))
+            elif not isinstance(v, tuple):
+                raise ValueError(f"Workspace.{name} must be a tuple or list of absolute paths, "
+                                 f"got {type(v).__name__} {v!r}")
+            if len(getattr(self, name)) > MAX_WORKSPACE_DIRS:
+                raise ValueError(f"Workspace.{name}: at most {MAX_WORKSPACE_DIRS} entries, got "
+                                 f"{len(getattr(self, name))}")
+        for d in self.dirs:
+            _check_abs_path("dirs", d)
+        for d in self.path:
+            _check_abs_path("path", d, system_ok=True)
+        if type(self.as_root) is not bool:
+            raise ValueError(f"Workspace.as_root must be a bool, got {self.as_root!r}")
+        self.mounts()  # nesting and duplicates
+
+    def mounts(self) -> tuple[str, ...]:
+        """The persistent directories: `dirs`, then the top directory of cwd and of home when no
+        listed directory holds them. Raises ValueError on a duplicate or nested pair."""
+        out = list(self.dirs)
+        for p in (self.cwd, self.home or self.cwd):
+            if not any(p == m or p.startswith(m + "/") for m in out):
+                out.append("/" + p.split("/")[1])
+        for i, a in enumerate(out):
+            for b in out[i + 1:]:
+                if a == b or b.startswith(a + "/") or a.startswith(b + "/"):
+                    what = "listed twice" if a == b else "one inside the other"
+                    raise ValueError(
+                        f"Workspace.dirs: {a!r} and {b!r} are {what} (the top directories of cwd "
+                        "and home count as listed); list each persistent directory once, none "
+                        "inside another")
+        return tuple(out)
+
+    def plan(self) -> dict[str, Any]:
+        """Plain data for the sandbox side: binds [(name under the session's disk, path)],
+        cwd/home with their places on the disk, user, path, as_root."""
+        mounts = self.mounts()
+
+        def on_disk(p: str) -> str:
+            for i, m in enumerate(mounts):
+                if p == m or p.startswith(m + "/"):
+                    return f"d{i}" + p[len(m):]
+            raise AssertionError(p)
+
+        home = self.home or self.cwd
+        return {"binds": [(f"d{i}", m) for i, m in enumerate(mounts)], "cwd": self.cwd,
+                "cwd_rel": on_disk(self.cwd), "home": home, "home_rel": on_disk(home),
+                "user": "root" if self.as_root else "sandbox", "path": list(self.path),
+                "as_root": self.as_root}
+
+    @classmethod
+    def coerce(cls, workspace: Workspace | dict | None) -> Workspace | None:
+        """None -> None; a dict -> Workspace(**dict) (unknown keys raise ValueError)."""
+        if workspace is None or isinstance(workspace, cls):
+            return workspace
+        if isinstance(workspace, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(workspace) - known)
+            if unknown:
+                raise ValueError(f"unknown Workspace field(s) {unknown}; known: {sorted(known)}")
+            return cls(**workspace)
+        raise ValueError(f"workspace must be a Workspace, a dict or None, got "
+                         f"{type(workspace).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["dirs"], d["path"] = list(self.dirs), list(self.path)
+        return d
+
+
+def _dir_mode(path: str) -> int:
+    return {"/tmp": 0o1777, "/root": 0o700}.get(path, 0o755)
+
+
+def _ensure_workspace(workdir: str, plan: dict, uid: int) -> None:
+    """Makes the workspace's directories on the session's disk (host side, as root): each bound
+    directory, the cwd and home, owned by `uid`, with owner rwx restored on the way to the cwd
+    (a command may have chmod'ed them; the next must still start). Never follows a link (the
+    commands own these directories); OSError when the cwd is no longer a directory."""
+    root = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for name, path in plan["binds"]:
+            try:
+                os.mkdir(name, _dir_mode(path), dir_fd=root)
+                os.chown(name, uid, uid, dir_fd=root, follow_symlinks=False)
+                _fchmod_at(root, name, _dir_mode(path))  # (mkdir's mode passed the umask)
+                if path == "/var":
+                    for sub in ("log", "tmp"):
+                        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root)
+                        try:
+                            os.mkdir(sub, dir_fd=fd)
+                            os.chown(sub, uid, uid, dir_fd=fd, follow_symlinks=False)
+                            _fchmod_at(fd, sub, 0o1777 if sub == "tmp" else 0o755)
+                        finally:
+                            os.close(fd)
+            except FileExistsError:
+                st = os.stat(name, dir_fd=root, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
+                    _fchmod_at(root, name, stat.S_IMODE(st.st_mode) | 0o700)
+        for key in ("cwd_rel", "home_rel"):
+            try:
+                _walk_dirs(root, plan[key], uid)
+            except OSError as e:
+                if key == "cwd_rel":
+                    raise OSError(e.errno, f"the workspace directory {plan['cwd']} cannot be "
+                                           f"entered: {e.strerror}") from None
+    finally:
+        os.close(root)
+
+
+def _fchmod_at(dfd: int, name: str, mode: int) -> None:
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _walk_dirs(root: int, rel: str, uid: int) -> None:
+    """mkdir -p `rel` under the dir fd `root` without following links; each directory owned by
+    `uid` gets owner rwx back."""
+    fd = os.dup(root)
+    try:
+        for comp in rel.split("/"):
+            try:
+                os.mkdir(comp, 0o755, dir_fd=fd)
+                os.chown(comp, uid, uid, dir_fd=fd, follow_symlinks=False)
+            except FileExistsError:
+                pass
+            try:
+                nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                # a command put a link or a file there: the directory comes back in its place
+                os.unlink(comp, dir_fd=fd)
+                os.mkdir(comp, 0o755, dir_fd=fd)
+                os.chown(comp, uid, uid, dir_fd=fd, follow_symlinks=False)
+                nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+            st = os.fstat(fd)
+            if st.st_uid == uid and stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o700)
+    finally:
+        os.close(fd)
+
+
+class _WorkspaceFiles:
+    """File helpers of a session, relative to its cwd (shared by the owner and worker sides;
+    they use workdir, uid, root, none_mode and ws_plan)."""
+
+    ws_plan: dict | None = None
+
+    def _place_files(self, files: dict[str, bytes]) -> None:
+        if self.ws_plan is None:
+            return Slot._place_files(self, files)
+        pre = self.ws_plan["cwd_rel"] + "/"
+        try:
+            place_files(self.workdir, {pre + k: v for k, v in files.items()}, self.uid)
+        except OSError as e:
+            raise OSError(e.errno, str(e.strerror or e).replace(pre, "", 1)) from None
+
+    def _read_back(self, paths: list[str], limit: int) -> tuple[dict[str, bytes], list[str]]:
+        if self.ws_plan is None:
+            return Slot._read_back(self, paths, limit)
+        pre = self.ws_plan["cwd_rel"] + "/"
+        files, notes = read_back(self.workdir, [pre + p for p in paths], limit)
+        return ({k[len(pre):]: v for k, v in files.items()}, [n.replace(pre, "") for n in notes])
+
+    def _write_etc(self) -> None:
+        if self.ws_plan is None:
+            return Slot._write_etc(self)
+        write_etc(self.etcdir, self.uid, self.ws_plan["home"], self.ws_plan["as_root"])
 
 
 class SessionError(RuntimeError):
@@ -174,22 +445,31 @@ def _failed(exc: BaseException) -> Future:
 class Session:
     """One episode's private, limited working directory (see the module docstring).
 
-    `Session(executor, files=None, limits=None)` opens a session on `executor` (a SandboxPool
-    or a SandboxClient; for the process-wide default pool, `sandbox.default_pool().session(...)`);
-    `pool.session(...)` and `client.session(...)` do the same. `files` (relative path -> str/bytes) are placed in /work
-    first. Methods: submit/run (a command, bash by default, any `sandbox.run` argument plus
-    `budget`), submit_check/check (isolated, budget=False), read_files, usage, close.
+    `Session(executor, files=None, limits=None, workspace=None)` opens a session on `executor`
+    (a SandboxPool or a SandboxClient; for the process-wide default pool,
+    `sandbox.default_pool().session(...)`); `pool.session(...)` and `client.session(...)` do the
+    same. `files` (relative path -> str/bytes) are placed in the working directory (/work, or
+    the workspace's cwd) first. `workspace` (a Workspace or a dict of its fields): where
+    commands run, which directories persist, uid 0 or not (see Workspace). Methods: submit/run
+    (a command, bash by default, any `sandbox.run` argument plus `budget`), submit_check/check
+    (isolated, budget=False), submit_start/start (a command whose background processes keep
+    running), read_files, usage, close.
     """
 
     def __init__(self, executor=None, *, files: dict[str, str | bytes] | None = None,
-                 limits: SessionLimits | dict | None = None, _backend=None) -> None:
+                 limits: SessionLimits | dict | None = None,
+                 workspace: Workspace | dict | None = None, _backend=None) -> None:
         if _backend is None:
             if executor is None or not hasattr(executor, "open_session"):
                 raise TypeError(
                     f"Session needs an executor that opens sessions (a SandboxPool or a "
                     f"SandboxClient), got {executor!r}; for the process-wide default pool use "
                     f"sandbox.default_pool().session(...)")
-            _backend = executor.open_session(files=files, limits=SessionLimits.coerce(limits))
+            kw = {}
+            ws = Workspace.coerce(workspace)
+            if ws is not None:  # (a backend without workspaces still opens plain sessions)
+                kw["workspace"] = ws
+            _backend = executor.open_session(files=files, limits=SessionLimits.coerce(limits), **kw)
         self._b = _backend
 
     @property
@@ -203,6 +483,11 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._b.closed
+
+    @property
+    def workspace(self) -> Workspace | None:
+        """The session's Workspace (None: the plain /work session)."""
+        return getattr(self._b, "workspace", None)
 
     def submit(self, code: str, *, language: str = "bash", budget: bool = True, **kw: Any) -> Future:
         """Runs `code` in the session; Future[ExecutionResult]. Arguments as `sandbox.run`
@@ -225,8 +510,25 @@ class Session:
     def check(self, code: str, **kw: Any) -> ExecutionResult:
         return self.submit_check(code, **kw).result()
 
+    def submit_start(self, code: str, *, language: str = "bash", **kw: Any) -> Future:
+        """A task's start command: runs like a command (same arguments, not isolated) and its
+        result comes back when its foreground part exits; what it leaves running in the
+        background (`server &`, `nohup ... &`) keeps running until the session closes, in a
+        cgroup of its own (the memory_mb and max_procs of this call, plus the session's disk),
+        writing to the session's files. A task run (budget=False), at most
+        SessionLimits.max_starts per session. Later commands do not see these processes in
+        `ps` (each sandbox has its own pid namespace), only what they write."""
+        if kw.get("isolated"):
+            raise InvalidRequest("a start command cannot be isolated (isolated=True is for checks)")
+        req = normalize_request(code, language=language, **kw)
+        return self._b.submit(req, False, background=True)
+
+    def start(self, code: str, **kw: Any) -> ExecutionResult:
+        return self.submit_start(code, **kw).result()
+
     def read_files(self, paths: list[str], *, limit_bytes: int = 1 << 20) -> dict[str, bytes]:
-        """Regular files of /work (never through a symlink), at most `limit_bytes` each; a path
+        """Regular files of /work (the workspace's cwd; paths relative to it, never through a
+        symlink), at most `limit_bytes` each; a path
         that is missing, not a regular file or behind a link is absent from the answer."""
         if isinstance(paths, str) or not isinstance(paths, (list, tuple)):
             raise InvalidRequest(f"paths must be a list of relative paths, got {paths!r}")
@@ -261,11 +563,16 @@ class _Uid:
         self.uid, self.lock_fd, self.cg = uid, lock_fd, cg
 
 
-class LocalSession:
+class LocalSession(_WorkspaceFiles):
     """The owner-side state of one session (the backend of `Session` over a local pool)."""
 
-    def __init__(self, mgr: SessionManager, sid: str, u: _Uid, limits: SessionLimits) -> None:
+    def __init__(self, mgr: SessionManager, sid: str, u: _Uid, limits: SessionLimits,
+                 workspace: Workspace | None = None) -> None:
         self.mgr, self.id, self._u, self.limits = mgr, sid, u, limits
+        self.workspace = workspace
+        self.ws_plan = workspace.plan() if workspace is not None else None
+        self.starts = 0
+        self._bg_cg: cgroups.SlotCgroup | None = None  # b<uid>: start commands' processes
         self.uid = u.uid
         self.slot_dir = _slot_dir(mgr.cfg, u.uid)
         self.workdir = os.path.join(self.slot_dir, "work")
@@ -283,10 +590,7 @@ class LocalSession:
         self._seq = 0
         self._last: tuple[int, Future] | None = None
 
-    # file helpers shared with Slot (they use workdir, uid, root, none_mode)
-    _place_files = Slot._place_files
-    _read_back = Slot._read_back
-    _write_etc = Slot._write_etc
+    # file helpers: _WorkspaceFiles (Slot's, relative to the workspace's cwd when there is one)
 
     @property
     def closed(self) -> bool:
@@ -295,16 +599,23 @@ class LocalSession:
     def descriptor(self) -> dict[str, Any]:
         """What a worker needs to run a command of this session (plain data)."""
         return {"id": self.id, "uid": self.uid, "slot_dir": self.slot_dir, "workdir": self.workdir,
-                "progdir": self.progdir, "etcdir": self.etcdir, "disk_mb": self.limits.disk_mb}
+                "progdir": self.progdir, "etcdir": self.etcdir, "disk_mb": self.limits.disk_mb,
+                "workspace": self.ws_plan, "max_lifetime_s": self.limits.max_lifetime_s}
 
     def _closed_error(self) -> SessionClosed:
         return SessionClosed(f"session {self.id} is closed: {self.closed_reason}")
 
-    def submit(self, req: dict, budget: bool = True, seq: int | None = None) -> Future:
+    def submit(self, req: dict, budget: bool = True, seq: int | None = None,
+               background: bool = False) -> Future:
         """Queues one normalised request in the pool; Future[ExecutionResult] (SessionErrors
         through the Future). `seq` (HTTP clients number their requests 1, 2, ...): a resend of
         the last number gets the same Future back (result or refusal) instead of running the
-        command twice; a number that is neither the last nor the next is refused."""
+        command twice; a number that is neither the last nor the next is refused.
+        background: a start command (Session.submit_start; a task run whatever `budget` says)."""
+        if background:
+            budget = False
+            if req.get("isolated"):
+                raise InvalidRequest("a start command cannot be isolated (isolated=True is for checks)")
         with self._lock:
             if seq is not None:
                 again = self._last is not None and seq == self._last[0]
@@ -313,14 +624,15 @@ class LocalSession:
                 if seq <= self._seq and not again:  # (a gap is fine: a request lost on the way)
                     return _failed(SessionError(f"session {self.id}: request number {seq} out of "
                                                 f"order (the last one was {self._seq})"))
-            fut, counted = self._submit_locked(req, budget)
+            fut, counted = self._submit_locked(req, budget, background)
             if seq is not None:
                 self._seq, self._last = seq, (seq, fut)
         if counted is not None:
-            fut.add_done_callback(lambda f: self._done(f, budget, counted))
+            fut.add_done_callback(lambda f: self._done(f, budget, counted, background))
         return fut
 
-    def _submit_locked(self, req: dict, budget: bool) -> tuple[Future, str | None]:
+    def _submit_locked(self, req: dict, budget: bool,
+                       background: bool = False) -> tuple[Future, str | None]:
         """(future, note) where note is None when the request was refused (a failed future)."""
         if self.closed_reason is not None:
             return _failed(self._closed_error()), None
@@ -351,12 +663,27 @@ class LocalSession:
             return _failed(SessionLimitExceeded(
                 f"session {self.id}: task-run limit of {lim.max_task_runs} reached "
                 "(SessionLimits.max_task_runs)")), None
+        if background and self.starts >= lim.max_starts:
+            return _failed(SessionLimitExceeded(
+                f"session {self.id}: start-command limit of {lim.max_starts} reached "
+                "(SessionLimits.max_starts)")), None
         self._check_fits(req)  # InvalidRequest: the caller's mistake, raised
-        fut = self.mgr.pool._enqueue_session(self.descriptor(), req, self._on_reply)
+        desc = self.descriptor()
+        if background:
+            if self._u.cg is None:
+                return _failed(SessionError(
+                    "start commands need memory/pids cgroups on this machine (their processes "
+                    "live in a cgroup of their own); this pool has none")), None
+            if self._bg_cg is None:
+                self._bg_cg = cgroups.SlotCgroup(self.mgr.layout, self.uid, "b")
+            desc["background"] = True
+        fut = self.mgr.pool._enqueue_session(desc, req, self._on_reply)
         if budget:
             self.commands += 1
         else:
             self.task_runs += 1
+        if background:
+            self.starts += 1
         self._inflight = fut
         self.last_used = now
         return fut, note
@@ -375,7 +702,7 @@ class LocalSession:
         if reply.get("session_broken"):
             self.broken = reply["session_broken"]
 
-    def _done(self, fut: Future, budget: bool, note: str) -> None:
+    def _done(self, fut: Future, budget: bool, note: str, background: bool = False) -> None:
         close_now = None
         with self._lock:
             self.last_used = time.monotonic()
@@ -384,6 +711,8 @@ class LocalSession:
                     self.commands -= 1
                 else:
                     self.task_runs -= 1
+                if background:
+                    self.starts -= 1
                 return
             r = fut.result()
             if budget:
@@ -426,6 +755,8 @@ class LocalSession:
         with self._lock:
             busy = self._inflight is not None and not self._inflight.done()
             return {"id": self.id, "commands": self.commands, "task_runs": self.task_runs,
+                    "starts": self.starts,
+                    "workspace": self.workspace.to_dict() if self.workspace else None,
                     "wall_s": round(self.wall_s, 4), "age_s": round(now - self.created, 3),
                     "idle_s": 0.0 if busy else round(now - self.last_used, 3), "busy": busy,
                     "closed": self.closed_reason is not None, "closed_reason": self.closed_reason,
@@ -452,7 +783,8 @@ class LocalSession:
 
     def _kill_processes(self) -> bool:
         if self._u.cg is not None:
-            return self._u.cg.kill_all()
+            ok = self._bg_cg.kill_all() if self._bg_cg is not None else True
+            return self._u.cg.kill_all() and ok
         return kill_uid(self.uid)
 
 
@@ -528,8 +860,12 @@ class SessionManager:
             self.reaper.remove(u.uid)
 
     # ---- open / close -------------------------------------------------------------------------
-    def open(self, *, files: dict | None = None, limits: SessionLimits | dict | None = None) -> LocalSession:
+    def open(self, *, files: dict | None = None, limits: SessionLimits | dict | None = None,
+             workspace: Workspace | dict | None = None) -> LocalSession:
         limits = SessionLimits.coerce(limits)
+        workspace = Workspace.coerce(workspace)
+        if workspace == Workspace():
+            workspace = None  # the plain session, exactly
         if files:
             req = normalize_request("", files=files)  # validates paths and contents
             files = req["files"]
@@ -544,7 +880,7 @@ class SessionManager:
         try:
             u = self._take_uid()
             sid = "s-" + secrets.token_urlsafe(12)
-            s = LocalSession(self, sid, u, limits)
+            s = LocalSession(self, sid, u, limits, workspace)
             try:
                 self._make_dirs(s)
                 if files:
@@ -575,12 +911,19 @@ class SessionManager:
         os.makedirs(s.etcdir, mode=0o755)
         _mount_tmpfs(s.workdir, f"size={s.limits.disk_mb}m,nr_inodes={s.limits.disk_inodes},"
                                 f"mode=0700,uid={s.uid},gid={s.uid}")
+        if s.ws_plan is not None:
+            _ensure_workspace(s.workdir, s.ws_plan, s.uid)
         s._write_etc()
 
     def _teardown(self, s: LocalSession) -> bool:
         """Kills the session's processes, detaches its tmpfs, removes its directory. True when
         nothing is left (the uid may then serve another session)."""
         ok = s._kill_processes()
+        if s._bg_cg is not None:
+            try:
+                s._bg_cg.remove()
+            except OSError:
+                ok = False
         for _ in range(8):  # normally exactly one mount
             if _libc.umount2(s.workdir.encode(), MNT_DETACH) != 0:
                 break
@@ -672,9 +1015,10 @@ class _SessionCgroup(cgroups.SlotCgroup):
     closed session's must not come back), limits raised by the session's disk (its tmpfs pages
     are charged here)."""
 
-    def __init__(self, layout: cgroups.CgroupLayout, uid: int, extra_bytes: int) -> None:
-        self.extra_bytes = extra_bytes
-        super().__init__(layout, uid)
+    def __init__(self, layout: cgroups.CgroupLayout, uid: int, extra_bytes: int,
+                 prefix: str = "u", extra_pids: int = 0) -> None:
+        self.extra_bytes, self.extra_pids = extra_bytes, extra_pids
+        super().__init__(layout, uid, prefix)
 
     def _make_dirs(self) -> None:
         missing = [d for d in self.dirs.values() if not os.path.isdir(d)]
@@ -682,15 +1026,16 @@ class _SessionCgroup(cgroups.SlotCgroup):
             raise FileNotFoundError(f"the session's cgroup is gone: {missing[0]}")
 
     def set_limits(self, memory_bytes: int, max_pids: int, cpu_quota: float | None = None) -> None:
-        super().set_limits(memory_bytes + self.extra_bytes, max_pids, cpu_quota)
+        super().set_limits(memory_bytes + self.extra_bytes, max_pids + self.extra_pids, cpu_quota)
 
     def trim(self, keep_bytes: int = 64 << 20) -> None:
         super().trim(keep_bytes + self.extra_bytes)
 
 
-class _SessionRunner(Slot):
+class _SessionRunner(_WorkspaceFiles, Slot):
     """A Slot view of a session inside a pool worker: the worker slot's machine setup (bwrap,
-    seccomp program, launcher) with the session's uid, directories and cgroup. Owns nothing."""
+    seccomp program, launcher) with the session's uid, directories and cgroup (for a start
+    command, its background cgroup, and no parent-death signal). Owns nothing."""
 
     def __init__(self, base: Slot, desc: dict) -> None:  # noqa: D107 - no Slot.__init__ on purpose
         self.cfg = base.cfg
@@ -710,20 +1055,59 @@ class _SessionRunner(Slot):
         self.progdir, self.etcdir = desc["progdir"], desc["etcdir"]
         self.work_tmpfs = True
         self.disk_bytes = int(desc["disk_mb"]) << 20
+        self.ws_plan = desc.get("workspace")
+        self.background = bool(desc.get("background"))
+        self.lifetime_s = float(desc.get("max_lifetime_s") or 3600.0)
         st, parent = os.lstat(self.workdir), os.lstat(self.slot_dir)
         if st.st_dev == parent.st_dev or st.st_uid != self.uid:
             raise FileNotFoundError(f"the session's working directory {self.workdir} is not its "
                                     "own tmpfs any more")
-        self.cg = (_SessionCgroup(base.layout, self.uid, self.disk_bytes)
-                   if base.cg is not None else None)
+        if self.background:  # + the drain of its output pipes (one process)
+            self.cg = (_SessionCgroup(base.layout, self.uid, self.disk_bytes, "b", 1)
+                       if base.cg is not None else None)
+            if self.cg is None:
+                raise FileNotFoundError("start commands need the session's cgroups")
+        else:
+            self.cg = (_SessionCgroup(base.layout, self.uid, self.disk_bytes)
+                       if base.cg is not None else None)
         self._static_args = self._bwrap_static_args()
         self._env = {False: self._env_args(False), True: self._env_args(True)}
 
     def _limits(self, req: dict, timeout_s: float) -> list[tuple[int, int, int]]:
         import resource as R
 
-        return [(res, self.disk_bytes, self.disk_bytes) if res == R.RLIMIT_FSIZE else (res, s, h)
-                for res, s, h in super()._limits(req, timeout_s)]
+        cpu = int(self.lifetime_s) + 1  # start commands: what they leave runs for the session
+        return [(res, self.disk_bytes, self.disk_bytes) if res == R.RLIMIT_FSIZE
+                else (res, cpu, cpu + 1) if res == R.RLIMIT_CPU and self.background
+                else (res, s, h) for res, s, h in super()._limits(req, timeout_s)]
+
+    def _bwrap_static_args(self) -> list[str]:
+        ws = self.ws_plan
+        if ws is None:
+            a = super()._bwrap_static_args()
+        else:
+            binds = [(os.path.join(self.workdir, name), path) for name, path in ws["binds"]]
+            a = bwrap_args(self.bwrap, self.cfg, self.etcdir, self.workdir, self.progdir,
+                           binds=binds, chdir=ws["cwd"], uid0=ws["as_root"])
+        if self.background:  # what it leaves running must outlive this worker's wait
+            a = [x for x in a if x != "--die-with-parent"]
+        return a
+
+    def _env_args(self, isolated: bool) -> list[str]:
+        return env_args(self.cfg, isolated, self.ws_plan)
+
+    def _supervise(self, proc, req, t0, out_r, err_r, st_r, timeout_s,
+                   status_channel: bool = True) -> ExecutionResult:
+        if not self.background:
+            return super()._supervise(proc, req, t0, out_r, err_r, st_r, timeout_s, status_channel)
+        handed: dict = {}
+        res, broken = supervise(proc, req, t0, out_r, err_r, st_r, timeout_s, cg=self.cg,
+                                uid=self.uid, root=self.root, background=handed)
+        if broken:
+            self.broken = broken
+        if handed:
+            _BACKGROUND.adopt(self, handed)
+        return res
 
     def close(self) -> None:
         """Drops what this view opened (cgroup v2's memory.peak fd); the session's resources
@@ -733,6 +1117,82 @@ class _SessionRunner(Slot):
         if fd is not None:
             os.close(fd)
             self.cg._peak_fd = None
+
+
+# Reads and drops a start command's stdout (fd 0) and stderr (fd argv[1]) until both end: one
+# process (no child that could be orphaned to the worker when the session's close kills it).
+_DRAIN = ("import os, select, sys\nfds = [0, int(sys.argv[1])]\nwhile fds:\n"
+          "    for fd in select.select(fds, [], [])[0]:\n"
+          "        if not os.read(fd, 65536):\n            fds.remove(fd)\n")
+
+
+class _Background:
+    """In a pool worker: what the start commands it launched left running. Their output pipes
+    go to a drain (one python process reading both into nothing, as the session's uid, in the
+    background cgroup), so a background process that prints neither blocks nor dies of SIGPIPE; a thread
+    reaps the drains and the sandboxes' pid 1 (orphaned to this subreaper) once they exit (the
+    session's close kills them through the cgroup)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[int | None, Any]] = []  # (pidfd of the sandbox's pid 1, drain)
+        self._thread: threading.Thread | None = None
+
+    def adopt(self, runner: _SessionRunner, handed: dict) -> None:
+        import resource as R
+        import subprocess
+
+        out_r, err_r = handed["out_r"], handed["err_r"]
+        drain = None
+        try:
+            argv = shell_launcher(runner.cfg, [(R.RLIMIT_CORE, 0, 0)], runner.cg.procs_files,
+                                  runner.root, runner.uid)
+            argv += [runner.cfg.python, "-S", "-I", "-c", _DRAIN, str(err_r)]
+            drain = subprocess.Popen(argv, stdin=out_r, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, pass_fds=(err_r,), env={},
+                                     cwd="/", close_fds=True, start_new_session=True)
+        except (OSError, subprocess.SubprocessError):
+            pass  # the pipes close below: a background process that prints gets EPIPE
+        finally:
+            os.close(out_r)
+            os.close(err_r)
+        with self._lock:
+            self._items.append((handed.get("pidfd"), drain))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._reap_loop, daemon=True,
+                                                name="sandbox-session-background")
+                self._thread.start()
+
+    def _reap_loop(self) -> None:
+        while True:
+            with self._lock:
+                items = list(self._items)
+            fds = [fd for fd, _ in items if fd is not None]
+            try:
+                ready = set(select.select(fds, [], [], 1.0)[0]) if fds else set()
+            except (OSError, ValueError):
+                ready = set()
+            if not fds:
+                time.sleep(1.0)
+            keep = []
+            for fd, drain in items:
+                if fd is not None and fd in ready:
+                    try:
+                        os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+                    except (ChildProcessError, OSError):
+                        pass  # not our child (this worker is no subreaper): init reaps it
+                    os.close(fd)
+                    fd = None
+                if drain is not None and drain.poll() is not None:
+                    drain = None
+                if fd is not None or drain is not None:
+                    keep.append((fd, drain))
+            with self._lock:
+                new = self._items[len(items):]
+                self._items = keep + new
+
+
+_BACKGROUND = _Background()
 
 
 def run_session_command(base: Slot, desc: dict, req: dict) -> tuple[ExecutionResult, str | None]:
@@ -752,10 +1212,17 @@ def run_session_command(base: Slot, desc: dict, req: dict) -> tuple[ExecutionRes
 
 def _run_command(runner: _SessionRunner, req: dict) -> tuple[ExecutionResult, str | None]:
     try:
-        if runner.cg is not None and runner.cg.pids() and not runner.cg.kill_all():
+        if runner.background:
+            pass  # its cgroup holds what earlier start commands left running: kept
+        elif runner.cg is not None and runner.cg.pids() and not runner.cg.kill_all():
             runner.broken = "processes of an earlier command survive SIGKILL"
             return ExecutionResult.sandbox_error(f"session broken: {runner.broken}"), runner.broken
         runner._restore_work_root()
+        if runner.ws_plan is not None:
+            try:
+                _ensure_workspace(runner.workdir, runner.ws_plan, runner.uid)
+            except OSError as e:
+                return ExecutionResult(status="error", message=str(e.strerror or e)), None
         try:
             runner._place_files(req.get("files") or {})
         except OSError as e:

@@ -8,7 +8,9 @@ waitpid(-1)), and it dies with the pool (parent-death signal, and EOF on its req
 
 A command of a session (op "session") runs with the session's uid, tmpfs and cgroup, never the
 worker's own (sandbox/session.py); a session that breaks is reported as "session_broken" and
-closed by its owner, while the worker goes on.
+closed by its owner, while the worker goes on. A session's start command leaves its sandbox
+running after its answer; a thread of the worker reaps that sandbox's pid 1 and its output drain
+once the session's close has killed them.
 
 A slot that cannot guarantee a clean next run (`Slot.broken`: its working directory could not be
 reset, a process could not be killed) answers the current request with `"broken": reason` and
