@@ -134,7 +134,8 @@ def test_background_writer_keeps_running_until_close(pool):
     uid, layout = s._b.uid, pool._layout
     try:
         r = s.start(WRITER, timeout_s=10)
-        assert r.ok and r.stdout == "started\n", r
+        assert r.ok and r.stdout.startswith("started\n"), r  # (+ any early tick)
+        assert _wait(lambda: s.run("test -s /home/agent/log").ok)  # (python3 starting)
         n1 = int(s.run("wc -l < /home/agent/log").stdout)
         time.sleep(1.5)
         r = s.run("wc -l < /home/agent/log; ps -e -o comm= | grep -c python3")
@@ -211,6 +212,7 @@ def test_background_outlives_the_worker_that_started_it():
         assert s.start("(while :; do echo x >> /root/log; echo out; sleep 0.2; done) & echo up").ok
         os.kill(own.worker_pids()[0], signal.SIGKILL)
         time.sleep(0.5)
+        assert _wait(lambda: s.run("test -s /root/log").ok)
         n1 = int(s.run("wc -l < /root/log").stdout)
         time.sleep(1.0)
         assert int(s.run("wc -l < /root/log").stdout) >= n1 + 3
@@ -260,6 +262,7 @@ def test_http_workspace_and_start(server, token, pool):
         assert r.stdout == "/app\nroot\n3\n", r
         r = s.start("(while :; do echo x >> /logs/bg; sleep 0.2; done) & echo up", timeout_s=10)
         assert r.ok and r.stdout == "up\n", r
+        assert _wait(lambda: s.run("test -s /logs/bg").ok)
         n1 = int(s.run("cat /root/k /tmp/t >/dev/null && wc -l < /logs/bg").stdout)
         time.sleep(1.5)
         assert int(s.run("wc -l < /logs/bg").stdout) >= n1 + 4
