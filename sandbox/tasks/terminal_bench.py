@@ -276,7 +276,7 @@ def _check(tests_dir: str) -> str:
 def load_tb2_task(path: str | os.PathLike) -> Task:
     """One Terminal-Bench 2 folder as a terminal-family Task; NotRunnable (with the reason) when
     this sandbox cannot run it, TaskFormatError (naming the file) when it is malformed."""
-    root = os.fspath(path)
+    root = os.path.abspath(os.fspath(path))
     if not os.path.isdir(root):
         raise TaskFormatError(f"{root} is not a directory")
     inst = os.path.join(root, "instruction.md")

@@ -23,13 +23,13 @@ def ab():
 
 def test_agentbench_counts_and_reasons(ab):
     assert len(ab.tasks) + len(ab.skipped) == 145
-    assert len(ab.tasks) == 122, ab.summary()
+    assert len(ab.tasks) == 120, ab.summary()
     reasons = dict(ab.skipped)
     assert "init/stock-log.sh" in reasons["agentbench-os/test/0"]
     assert "single uid" in reasons["agentbench-os/test/30"]       # useradd + runuser
     assert "apt" in reasons["agentbench-os/test/33"]
     assert "pid namespace" in reasons["agentbench-os/test/37"]    # counts `sleep infinity &`s
-    assert "122 of 145 tasks runnable" in ab.summary()
+    assert "120 of 145 tasks runnable" in ab.summary()
     assert {t.split("/")[1] for t, _ in ab.skipped} == {"dev", "test"}
     assert load_agentbench_os("dev").tasks[0].id.startswith("agentbench-os/dev/")
     with pytest.raises(ValueError, match="split must be one of"):
