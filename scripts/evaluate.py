@@ -92,14 +92,15 @@ def print_table(res: dict, title: str = "") -> None:
     keys = sorted({k for v in res.values() if isinstance(v, dict) for k in v
                    if k.startswith("pass@") and not k.endswith(("_lo", "_hi"))})
     temp = any("temperature" in v for v in res.values() if isinstance(v, dict))
-    print(f"{'domain':<14}{'tasks':>7}" + (f"{'T':>6}" if temp else "")
+    w = max([14] + [len(d) + 2 for d, v in res.items() if isinstance(v, dict)])
+    print(f"{'domain':<{w}}{'tasks':>7}" + (f"{'T':>6}" if temp else "")
           + "".join(f"{k:>10}" for k in keys) + "   95% CI pass@1")
     for dom, v in res.items():
         if not isinstance(v, dict):
             continue
         ep = (f"   {v['turns_mean']:.2f} turns, {v['episode_tokens_mean']:.0f} tokens/episode"
               if "turns_mean" in v else "")
-        print(f"{dom:<14}{v['tasks']:>7}" + (f"{v['temperature']:>6.2g}" if temp else "")
+        print(f"{dom:<{w}}{v['tasks']:>7}" + (f"{v['temperature']:>6.2g}" if temp else "")
               + "".join(f"{100 * v.get(k, float('nan')):>9.1f}%" for k in keys)
               + f"   [{100 * v['pass@1_lo']:.1f}, {100 * v['pass@1_hi']:.1f}]" + ep)
 
@@ -110,10 +111,13 @@ def print_templates(res: dict) -> None:
     if not any(isinstance(v, dict) and "by_template" in v for v in res.values()):
         print("(no task here names a generator template: meta['template'])")
         return
-    print(f"{'domain':<14}{'template':<18}{'tasks':>6}{'pass@1':>9}{'solved':>8}")
+    w = max([14] + [len(d) + 2 for d in res])
+    tw = max([18] + [len(str(tpl)) + 2 for v in res.values() if isinstance(v, dict)
+                     for tpl in v.get("by_template", {})])
+    print(f"{'domain':<{w}}{'template':<{tw}}{'tasks':>6}{'pass@1':>9}{'solved':>8}")
     for dom, v in res.items():
         for tpl, t in (v.get("by_template", {}) if isinstance(v, dict) else {}).items():
-            print(f"{dom:<14}{tpl:<18}{t['tasks']:>6}{100 * t['pass@1']:>8.1f}%{t['solved']:>8}")
+            print(f"{dom:<{w}}{tpl:<{tw}}{t['tasks']:>6}{100 * t['pass@1']:>8.1f}%{t['solved']:>8}")
 
 
 def score_given(tasks, completions, verifier, keep_samples: bool = False) -> dict:
