@@ -5,6 +5,7 @@ three Terminal-Bench 2
 example folders score 1 with solve.sh and 0 with a no-op; hacks against both checks (destroy the
 state the expected value is computed from, plant a reward file or a test in /tests) score 0."""
 
+import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -181,3 +182,37 @@ def test_tb2_planted_reward_and_tests_score_0(pool, tb2):
     merge = next(t for t in tb2 if t.id.endswith("merge-config"))
     partial = "cp /app/overrides.ini /app/merged.ini"
     assert episode(pool, merge, [format_tool_call("bash", {"command": partial})])[0] == 0.0
+
+
+def test_agentbench_isolation(pool):
+    """On these tasks' workspaces: the background writer of dev/0 does not outlive its episode,
+    two episodes open at once do not see each other's /root or /home, and a start command
+    reaches neither the network nor the host's files."""
+    from sandbox.host import live_pids_of_uid
+
+    t = _task("agentbench-os/dev/0")
+    a, b = (SessionEnv([t], executor=pool, config=config(t)) for _ in range(2))
+    try:
+        a.reset(0)
+        b.reset(0)
+        uid = a.session._b.uid
+        assert live_pids_of_uid(uid)                       # the writer runs ...
+        assert a.session.run("echo secret-a > /root/mine; echo x > /home/a-was-here").ok
+        r = b.session.run("cat /root/mine; ls /home")
+        assert "secret-a" not in r.stdout and "a-was-here" not in r.stdout
+        assert a.step("answer(1)").reward == 1.0           # the episode ends, its session closes
+        assert not live_pids_of_uid(uid)                   # ... and is gone with it
+    finally:
+        a.close()
+        b.close()
+    probe = ("python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 53), timeout=1)' "
+             "2>/dev/null && echo net >> /home/agent/leak; "
+             "cat /work/main/README.md /proc/1/root/etc/shadow 2>/dev/null >> /home/agent/leak; "
+             "ls /run/kimi-sandbox >> /home/agent/leak 2>/dev/null; echo ran >> /home/agent/leak")
+    t2 = dataclasses.replace(t, meta={**t.meta, "start": f"( {probe} ) &"})
+    env = SessionEnv([t2], executor=pool, config=config(t2))
+    try:
+        env.reset(0)
+        assert env.session.run("sleep 1.5; cat /home/agent/leak").stdout == "ran\n"
+    finally:
+        env.close()
