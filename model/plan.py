@@ -151,6 +151,16 @@ ASSUMPTIONS = (
 )
 
 
+def local_elements(shape, spec, mesh_shape: dict) -> int:
+    """Elements of one device's shard of an array of `shape` laid out by PartitionSpec `spec`."""
+    n = 1
+    for i, d in enumerate(shape):
+        e = spec[i] if i < len(spec) else None
+        axes = () if e is None else (e,) if isinstance(e, str) else e
+        n *= d // math.prod(mesh_shape[a] for a in axes)
+    return n
+
+
 def _shard_bytes(abstract, mesh_shape: dict, rules=None, report=None) -> dict:
     """Per-device bytes of a boxed abstract variable tree under the rules: {"total", "elements",
     "elements_f32"} (per-device element counts, all and of f32 leaves)."""
@@ -164,11 +174,7 @@ def _shard_bytes(abstract, mesh_shape: dict, rules=None, report=None) -> dict:
             x = leaf.value
         else:
             spec, x = jax.sharding.PartitionSpec(), leaf
-        n = 1
-        for i, d in enumerate(x.shape):
-            e = spec[i] if i < len(spec) else None
-            axes = () if e is None else (e,) if isinstance(e, str) else e
-            n *= d // math.prod(mesh_shape[a] for a in axes)
+        n = local_elements(x.shape, spec, mesh_shape)
         total += n * x.dtype.itemsize
         elems += n
         elems_f32 += n if x.dtype == jnp.float32 else 0
@@ -376,12 +382,7 @@ def decode_state_per_device(cfg: ModelConfig, mesh_shape: dict, batch: int, seq:
             axes = layer_axes[path[1].idx]
         names = axes.get(key, ("batch",) + (None,) * (x.ndim - 1))
         spec = shd.logical_to_spec(names, x.shape, mesh_shape, rules)
-        n = 1
-        for i, d in enumerate(x.shape):
-            e = spec[i] if i < len(spec) else None
-            axes = () if e is None else (e,) if isinstance(e, str) else e
-            n *= d // math.prod(mesh_shape[a] for a in axes)
-        total += n * x.dtype.itemsize
+        total += local_elements(x.shape, spec, mesh_shape) * x.dtype.itemsize
     return total
 
 

@@ -54,7 +54,9 @@ _SECTIONS = {
 _TOP_KEYS = {"version", "schema_version"}
 
 
-def _read_text(path: str, what: str) -> str:
+def read_file(path: str, what: str, binary: bool = False) -> str | bytes:
+    """A task folder's file: refused (TaskFormatError naming it) when it is a symbolic link,
+    unreadable or, unless binary, not UTF-8 text."""
     if os.path.islink(path):
         raise TaskFormatError(f"{what} {path} is a symbolic link: copy the file instead")
     try:
@@ -62,17 +64,32 @@ def _read_text(path: str, what: str) -> str:
             raw = f.read()
     except OSError as e:
         raise TaskFormatError(f"cannot read {what} {path}: {e.strerror}") from e
+    if binary:
+        return raw
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise TaskFormatError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
+def read_instruction(root: str) -> str:
+    """A task folder's instruction.md (required, not empty), outer whitespace cut."""
+    if not os.path.isdir(root):
+        raise TaskFormatError(f"{root} is not a directory")
+    inst = os.path.join(root, "instruction.md")
+    if not os.path.isfile(inst):
+        raise TaskFormatError(f"{root}: no instruction.md (the agent's instruction is required)")
+    prompt = read_file(inst, "instruction.md").strip()
+    if not prompt:
+        raise TaskFormatError(f"{inst} is empty")
+    return prompt
+
+
 def _config(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         return {}
     try:
-        cfg = tomllib.loads(_read_text(path, "task.toml"))
+        cfg = tomllib.loads(read_file(path, "task.toml"))
     except tomllib.TOMLDecodeError as e:
         raise TaskFormatError(f"{path}: not valid TOML: {e}") from e
     for section, value in cfg.items():
@@ -101,7 +118,7 @@ def _files(root: str) -> dict[str, str]:
                 raise TaskFormatError(f"{os.path.join(dirpath, d)} is a symbolic link")
         for name in filenames:
             p = os.path.join(dirpath, name)
-            out[os.path.relpath(p, root).replace(os.sep, "/")] = _read_text(p, "environment file")
+            out[os.path.relpath(p, root).replace(os.sep, "/")] = read_file(p, "environment file")
     return dict(sorted(out.items()))
 
 
@@ -131,15 +148,8 @@ def _positive(path: str, what: str, v, integer: bool = False):
 def load_task_dir(path: str | os.PathLike) -> Task:
     """One task folder (layout in the module docstring) as a terminal-family Task."""
     root = os.fspath(path)
-    if not os.path.isdir(root):
-        raise TaskFormatError(f"{root} is not a directory")
+    prompt = read_instruction(root)
     name = os.path.basename(os.path.normpath(root))
-    inst = os.path.join(root, "instruction.md")
-    if not os.path.exists(inst):
-        raise TaskFormatError(f"{root}: no instruction.md (the agent's instruction is required)")
-    prompt = _read_text(inst, "instruction.md").strip()
-    if not prompt:
-        raise TaskFormatError(f"{inst} is empty")
     toml_path = os.path.join(root, "task.toml")
     cfg = _config(toml_path)
     env_dir = os.path.join(root, "environment")
@@ -154,7 +164,7 @@ def load_task_dir(path: str | os.PathLike) -> Task:
     files_dir = os.path.join(env_dir, "files")
     files = _files(files_dir) if os.path.isdir(files_dir) else {}
     setup_path = os.path.join(env_dir, "setup.sh")
-    setup = _read_text(setup_path, "setup.sh") if os.path.exists(setup_path) else ""
+    setup = read_file(setup_path, "setup.sh") if os.path.exists(setup_path) else ""
     tests_dir = os.path.join(root, "tests")
     present = sorted(os.listdir(tests_dir)) if os.path.isdir(tests_dir) else []
     scripts = [n for n in present if n in ("test.sh", "test.py")]
@@ -165,9 +175,9 @@ def load_task_dir(path: str | os.PathLike) -> Task:
     if others:
         raise TaskFormatError(f"{root}: tests/ holds {others} besides {scripts[0]}: the check is one "
                               "script (it runs isolated; put what it needs inside it)")
-    check = _read_text(os.path.join(tests_dir, scripts[0]), "test script")
+    check = read_file(os.path.join(tests_dir, scripts[0]), "test script")
     sol_path = os.path.join(root, "solution", "solve.sh")
-    solution = _solution(_read_text(sol_path, "solve.sh")) if os.path.exists(sol_path) else []
+    solution = _solution(read_file(sol_path, "solve.sh")) if os.path.exists(sol_path) else []
 
     agent, verifier, envc = cfg.get("agent", {}), cfg.get("verifier", {}), cfg.get("environment", {})
     cpus = envc.get("cpus")

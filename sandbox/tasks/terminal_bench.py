@@ -55,6 +55,7 @@ import tomllib
 from typing import Any
 
 from ..verifiers import check_task
+from .folders import read_file, read_instruction
 from .schema import Task, TaskFormatError
 
 SYSTEM = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc",
@@ -91,27 +92,11 @@ class Loaded:
         return "\n".join(lines)
 
 
-def _read(path: str, what: str, binary: bool = False) -> Any:
-    if os.path.islink(path):
-        raise TaskFormatError(f"{what} {path} is a symbolic link: copy the file instead")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise TaskFormatError(f"cannot read {what} {path}: {e.strerror}") from e
-    if binary:
-        return raw
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise TaskFormatError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
-
-
 def _config(path: str) -> dict:
     if not os.path.isfile(path):
         raise TaskFormatError(f"{path} is missing (every Terminal-Bench 2 task has a task.toml)")
     try:
-        cfg = tomllib.loads(_read(path, "task.toml"))
+        cfg = tomllib.loads(read_file(path, "task.toml"))
     except tomllib.TOMLDecodeError as e:
         raise TaskFormatError(f"{path}: not valid TOML: {e}") from e
     for section, value in cfg.items():
@@ -184,7 +169,7 @@ def _replay(root: str) -> tuple[str, str, set[str], str]:
            ("docker-compose.yaml", "docker-compose.yml", "compose.yaml")):
         raise NotRunnable("environment/docker-compose.yaml: several containers")
     steps, cwd, tops, base, total = [], "/", set(), "", 0
-    for n, ins, args in _dockerfile_lines(_read(path, "Dockerfile"), path):
+    for n, ins, args in _dockerfile_lines(read_file(path, "Dockerfile"), path):
         where = f"environment/Dockerfile line {n}"
         if ins == "FROM":
             base = args.split()[0] if args else ""
@@ -220,7 +205,7 @@ def _replay(root: str) -> tuple[str, str, set[str], str]:
                 else:
                     pairs = [(s_abs, dst_abs)]
                 for f, target in pairs:
-                    data = _read(f, "build-context file", binary=True)
+                    data = read_file(f, "build-context file", binary=True)
                     total += len(data)
                     steps.append(_write_file(target, data, os.stat(f).st_mode))
             if total > MAX_CONTEXT_BYTES:
@@ -263,7 +248,7 @@ def _check(tests_dir: str) -> str:
         for fn in sorted(fns):
             f = os.path.join(dp, fn)
             rel = os.path.relpath(f, tests_dir)
-            lines.append(_write_file("/tests/" + rel, _read(f, "test file", binary=True),
+            lines.append(_write_file("/tests/" + rel, read_file(f, "test file", binary=True),
                                      os.stat(f).st_mode) + " || exit 1")
     lines += ["bash /tests/test.sh", "rc=$?",
               "if [ -f /logs/verifier/reward.txt ] && [ ! -L /logs/verifier/reward.txt ]; then",
@@ -277,21 +262,14 @@ def load_tb2_task(path: str | os.PathLike) -> Task:
     """One Terminal-Bench 2 folder as a terminal-family Task; NotRunnable (with the reason) when
     this sandbox cannot run it, TaskFormatError (naming the file) when it is malformed."""
     root = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(root):
-        raise TaskFormatError(f"{root} is not a directory")
-    inst = os.path.join(root, "instruction.md")
-    if not os.path.isfile(inst):
-        raise TaskFormatError(f"{root}: no instruction.md (the agent's instruction is required)")
-    prompt = _read(inst, "instruction.md").strip()
-    if not prompt:
-        raise TaskFormatError(f"{inst} is empty")
+    prompt = read_instruction(root)
     toml_path = os.path.join(root, "task.toml")
     cfg = _config(toml_path)
     tests_dir = os.path.join(root, "tests")
     test_sh = os.path.join(tests_dir, "test.sh")
     if not os.path.isfile(test_sh):
         raise TaskFormatError(f"{root}: tests/test.sh is missing (the verifier)")
-    test_text = _read(test_sh, "tests/test.sh")
+    test_text = read_file(test_sh, "tests/test.sh")
     for dp, dns, fns in os.walk(tests_dir):
         for n in dns + fns:
             if os.path.islink(os.path.join(dp, n)):
@@ -307,7 +285,7 @@ def load_tb2_task(path: str | os.PathLike) -> Task:
                           "the sandbox has none")
     setup, cwd, tops, base = _replay(root)
     sol_path = os.path.join(root, "solution", "solve.sh")
-    solution = [_read(sol_path, "solution/solve.sh")] if os.path.isfile(sol_path) else []
+    solution = [read_file(sol_path, "solution/solve.sh")] if os.path.isfile(sol_path) else []
     dirs = sorted(tops | {"/root", "/tmp", "/logs", "/tests"})
     meta: dict[str, Any] = {
         "source": "terminal-bench-2", "path": os.path.abspath(root), "agent": True,
