@@ -36,7 +36,7 @@ def _base(**kw) -> ml_collections.ConfigDict:
         gate_lower_bound=ml_collections.FieldReference(None, field_type=float),
         chunk_size=64, impl="auto",
         # cached calls (prefill, agent turns) of at most this many tokens: the token recurrence
-        # (compiles 3-4x faster than the chunked form; model/layers/kda.py:KDAConfig)
+        # (it compiles faster than the chunked form; model/layers/kda.py:KDAConfig)
         recurrent_max_len=128))
     c.dsa = ml_collections.ConfigDict(dict(
         num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -85,8 +85,8 @@ def tiny() -> ml_collections.ConfigDict:
 
 def demo() -> ml_collections.ConfigDict:
     # The RL demo's policy: every feature of the architecture, sized so SFT + GRPO + eval run on
-    # 2 CPU cores in the README's demo time (capacity dispatch: batched einsums; on 2 cores an SFT
-    # step at [16,256] takes 552 ms with it and 565 ms with dropless's blocked grouped matmul).
+    # 2 CPU cores in the README's demo time (capacity dispatch: batched einsums, as fast as
+    # dropless's blocked grouped matmul on CPU at the demo's SFT shapes).
     return _base(
         name="demo", d_model=96, num_layers=4, layer_pattern="KKKD", max_seq_len=256,
         kda=dict(num_heads=2, head_dim=48),
@@ -103,7 +103,7 @@ def small() -> ml_collections.ConfigDict:
     return _base(
         name="small", d_model=1024, num_layers=16, layer_pattern="KKKD", max_seq_len=32768,
         vocab_size=32768, dtype="bfloat16", param_dtype="float32",
-        # K = V = 128: the chunked form prefills 2-3x faster than the token recurrence there
+        # K = V = 128: the chunked form prefills faster than the token recurrence there
         kda=dict(num_heads=8, head_dim=128, recurrent_max_len=0),
         dsa=dict(num_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
                  qk_rope_head_dim=32, v_head_dim=64, index_n_heads=8, index_head_dim=64,

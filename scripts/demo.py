@@ -189,7 +189,7 @@ def main(_):
     # DSA indexer recall of the true top-k attention keys on held-out demonstrations, per stage
     text, valid = heldout_text(config, tok)
     # the random init placed on the device as the restored stages are: one recall program for
-    # all of them (jit compiles a program per argument placement: 3 s more at the end)
+    # all of them (jit compiles a program per argument placement)
     stages = {"random init": jax.device_put(model.init(jax.random.key(config.seed)),
                                             jax.devices()[0]),
               "after warm-up": load_warmup_variables(config, model),

@@ -314,24 +314,17 @@ def masked_dense_attention(q, kv, key_mask, scale, v_dim: int) -> jax.Array:
 
 
 # Training-path choice between the token-sparse gather and its dense equivalents (see
-# `sparse_path`). Measured fwd+bwd on CPU (XLA gather path; benchmarks/rl_loop.py dsa_paths) at
-# the bench hybrid's shapes (B32 H4 D160 top-k 64) and the demo's (B32 H2 D64 top-k 32): the
-# gather is 3-10x slower than masked-dense scores at S = 1.5-4 x top-k and still slower at 8 x
-# top-k. Longer (dsa_paths' functions at S = 8-32 x top-k): gather / masked
-# 1.59, 1.20, 0.87, 0.60 at 8, 12, 16, 24 x (bench shapes at B8) and 1.82, 2.73, 1.04, 0.75,
-# 0.57 at 8, 11, 16, 24, 32 x (demo shapes; the demo's RL episode rows are 352 = 11 x 32 wide,
-# where masked-dense shortens its train step: docs/speed.md). So masked-dense is used up to
-# 12 x top-k; its [B,T,H,S]
-# scores are bounded by MASKED_DENSE_MAX_SCORES elements (f32: 256 MiB; the indexer KL's target
-# already holds scores of that size in training).
+# `sparse_path`): on XLA's gather path, masked-dense scores beat the gather until the keys
+# outnumber top-k by about 12 (`python scripts/bench.py rl`, its dsa_paths part; numbers in
+# docs/speed.md). Masked-dense's [B,T,H,S] scores are bounded by MASKED_DENSE_MAX_SCORES
+# elements (f32: 256 MiB; the indexer KL's target already holds scores of that size in training).
 MASKED_DENSE_MAX_RATIO = 12
 MASKED_DENSE_MAX_SCORES = 1 << 26
 # With a cache longer than top-k, attend densely at run time (lax.cond) while every row holds at
 # most top-k causal keys: the selection would be every key, so the indexer scores, the top-k and
-# the selection mask are skipped. The matched GRPO decode (batch 32, 32 prompt + 64 new tokens,
-# cache 96, top-k 64: the first 32 steps fit) generated the same tokens and log-probs, bit for
-# bit, 1.029x and 1.044x faster (paired medians of 21 alternating calls in one process,
-# twice). False selects at every step (tests compare the two).
+# the selection mask are skipped: the same tokens and log-probs bit for bit, in less decode time
+# (`python -m benchmarks.grpo_peer`; docs/speed.md). False selects at every step (tests compare
+# the two).
 RUNTIME_DENSE_DECODE = True
 
 

@@ -73,9 +73,8 @@ def kda_step(q, k, v, g, beta, state, *, scale=None):
     d = jnp.exp(g)  # [B,H,K]
     # both readouts as one broadcast multiply and sum over K: XLA:CPU runs the two batched
     # [1,K]x[K,V] dots they equal at a quarter of its memory rate and copies the state for them
-    # (the update below overwrites it in place); this read-once form took the matched rollout
-    # 1.036-1.045x faster (paired medians; docs/speed.md). Rounding as the dots', not
-    # bitwise.
+    # (the update below overwrites it in place); the read-once form shortens the rollout
+    # (`python -m benchmarks.grpo_peer`; docs/speed.md). Rounding as the dots', not bitwise.
     kq = jnp.stack([k * d, scale * q * d], axis=-2)  # [B,H,2,K]
     r = jnp.sum(kq[..., None] * S[..., None, :, :], axis=-2)  # [B,H,2,V]
     r_k, r_q = r[..., 0, :], r[..., 1, :]  # [B,H,V] each
