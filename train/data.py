@@ -1,5 +1,5 @@
 """The data of a run: the task splits of its domains and SFT's demonstrations, and the digest of
-what a phase trains on (what a resumed phase must see again: rl/workdir.py).
+what a phase trains on (what a resumed phase must see again: train/workdir.py).
 
     splits = load_task_splits(config)          # {"train"|"val"|"test": [(Task, demo)]}
     examples = sft_train_examples(config)      # [(prompt, completion or turns, ok)]
