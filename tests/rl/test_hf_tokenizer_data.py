@@ -21,11 +21,10 @@ from hf_tokenizer_fixtures import deepseek_dir, kimi_dir  # noqa: E402
 
 from configs import models  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from model.hf.chat_template import turns_to_messages  # noqa: E402
 from model.hf.tokenizer import load_tokenizer  # noqa: E402
 from model.objectives import fit_lm_on_batch  # noqa: E402
 from model.transformer import Model  # noqa: E402
-from rl.agent import AgentRolloutWorker, encode_episode  # noqa: E402
+from rl.agent import AgentRolloutWorker, encode_episode, turns_to_messages  # noqa: E402
 from rl.envs import EnvConfig, demo_turns  # noqa: E402
 from rl.pipeline import encode_prompts  # noqa: E402
 from rl.sampler import SamplingConfig  # noqa: E402
