@@ -16,14 +16,14 @@ rl.group_size 4, rl.max_prompt_len 32, rl.max_new_tokens 64, rl.temperature 0.9,
 0.04, optim: AdamW lr 1e-5, b2 0.999, weight decay 1e-4, no clipping, constant lr) and
 rl.init_from=scratch; `--set a.b=value` overrides any field (as --config.a.b=value does for the
 scripts), so engine options added later can be measured without touching this file. One
-iteration is rl/loop.py:run_rl's (with rl.overlap_scoring off: generate, wait for the scores,
-train): the rollout worker (rl.pipeline.RolloutWorker via rl.loop.make_rollout_worker) generates
-and submits the rewards, rl.loop._train_on builds the batch (rl.pipeline.build_train_batch, with
-rl.loop._RolloutForward's separate log-prob passes where rl.old_logp_pass and rl.ref_logp_pass
+iteration is train/rl.py:run_rl's (with rl.overlap_scoring off: generate, wait for the scores,
+train): the rollout worker (rl.pipeline.RolloutWorker via train.rollouts.make_rollout_worker) generates
+and submits the rewards, train.rl.train_on_group builds the batch (rl.pipeline.build_train_batch, with
+train.rollouts.RolloutForward's separate log-prob passes where rl.old_logp_pass and rl.ref_logp_pass
 need them: by default neither runs, the step taking its own log-probs as the old ones and the
 reference log-probs inside its program) and runs the train step (rl.train_step.make_train_step), all on the config's mesh (one
-device), wired as rl.loop.run_rl wires them (mirrored here: keep the two in step). As in run_rl,
-the update's programs compile on a thread (rl.loop.precompile_updates; `--set
+device), wired as train.rl.run_rl wires them (mirrored here: keep the two in step). As in run_rl,
+the update's programs compile on a thread (train.rl.precompile_updates; `--set
 rl.precompile=False` compiles each at its first call): from the train state's shapes during the
 set-up, before the weights are made, when the rollout-time forward has nothing to run (the
 default), else from the state, started with the first iteration.
@@ -173,25 +173,27 @@ def _prompt_texts(rng, n: int, spec: dict) -> list[str]:
 
 
 def build_trainer(config):
-    """The trainer's pieces as rl/loop.py:run_rl builds them, in its order: (model, algo,
-    on_mesh (mesh and rules kwargs), optimizer, abstract train state (rl.loop.abstract_rl_state),
+    """The trainer's pieces as train/rl.py:run_rl builds them, in its order: (model, algo,
+    on_mesh (mesh and rules kwargs), optimizer, abstract train state (train.state.abstract_rl_state),
     and a function () -> (initial variables, train state) that makes them). The matched work is
     GRPO: an algorithm with a critic is an error."""
+    import train.models
+    import train.state
+    import train.weights
     from model import sharding as shd
-    from rl import loop
     from rl.algorithms import algo_from_config
 
-    model, algo = loop.rl_model(config), algo_from_config(config.rl.algo)
+    model, algo = train.models.rl_model(config), algo_from_config(config.rl.algo)
     if algo.needs_values:
         raise ValueError(f"rl.algo {algo.name!r} trains a critic; the matched work is GRPO")
     mesh, rules = shd.mesh_from_config(config)
     on_mesh = dict(mesh=mesh, rules=rules)
-    opt = loop.rl_optimizers(config, algo)[0]
-    abstract = loop.abstract_rl_state(config, model, algo, **on_mesh)
+    opt = train.state.rl_optimizers(config, algo)[0]
+    abstract = train.state.abstract_rl_state(config, model, algo, **on_mesh)
 
     def init():
-        init_vars = loop._initial_variables(config, model, **on_mesh)
-        return init_vars, loop.init_rl_state(config, model, algo, init_vars, **on_mesh)[0]
+        init_vars = train.weights.initial_variables(config, model, **on_mesh)
+        return init_vars, train.state.init_rl_state(config, model, algo, init_vars, **on_mesh)[0]
     return model, algo, on_mesh, opt, abstract, init
 
 
@@ -201,14 +203,14 @@ def matched_train_step(config, model, algo, opt, state, sampling, on_mesh):
     rl.ref_logp_pass, rl.mtp_loss_weight, rl.micro_batches."""
     import jax
 
-    from rl import loop
+    import train.rollouts
     from rl.train_step import make_train_step
 
     r = config.rl
     return make_train_step(model, algo, opt, micro_batches=r.micro_batches, sampling=sampling,
                            state_shardings=jax.tree.map(lambda x: x.sharding, state),
-                           old_logp=loop.old_logp_source(r, algo),
-                           ref_logp=loop.ref_logp_source(r, algo),
+                           old_logp=train.rollouts.old_logp_source(r, algo),
+                           ref_logp=train.rollouts.ref_logp_source(r, algo),
                            mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
 
 
@@ -218,14 +220,16 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
     import jax
     import numpy as np
 
-    from rl import loop
+    import train.rl
+    import train.rollouts
+    import train.weights
     from rl.train_step import make_logp_fn
     from sandbox.tasks.schema import Task
 
     t_start = time.perf_counter()  # setup: model, state, workers (compiles booked to "setup")
     r = config.rl
     tok, reward = IdTokenizer(), EvenFractionReward()
-    sampling = loop.rollout_sampling(r, tok.eos_id)
+    sampling = train.rollouts.rollout_sampling(r, tok.eos_id)
     rng_np = np.random.default_rng(spec["seed"])
     batches = [[Task(id=f"b{k}p{i}", family="matched", prompt=text)
                 for i, text in enumerate(_prompt_texts(rng_np, r.prompts_per_batch, spec))]
@@ -233,25 +237,25 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
 
     # as run_rl: the train step made on the state's shapes and, where the rollout-time forward
     # has nothing to run (rl.old_logp_pass, rl.ref_logp_pass), its programs compiling on a
-    # thread from there (rl.loop.precompile_updates; rl.precompile) while the weights are made
+    # thread from there (train.rl.precompile_updates; rl.precompile) while the weights are made
     # and the first rollout runs; else from the state, with the first iteration
     model, algo, on_mesh, opt, abstract, init = build_trainer(config)
     raw_step = matched_train_step(config, model, algo, opt, abstract, sampling, on_mesh)
     precompile = functools.partial(
-        loop.precompile_updates, batches[0], len(batches[0]) * r.group_size, r.group_size,
-        algo=algo, width=loop.train_width(r, batches[0]), step_fn=raw_step, **on_mesh)
-    ahead = loop._RolloutForward.planned(r, algo, abstract, **on_mesh)
+        train.rl.precompile_updates, batches[0], len(batches[0]) * r.group_size, r.group_size,
+        algo=algo, width=train.rl.train_width(r, batches[0]), step_fn=raw_step, **on_mesh)
+    ahead = train.rollouts.RolloutForward.planned(r, algo, abstract, **on_mesh)
     compiling = [precompile(abstract, forward=ahead)] if r.precompile and not ahead.runs else []
 
     init_vars, state = init()
-    sample_model, to_sampler = loop.rollout_policy(config, model, **on_mesh)
-    worker = loop.make_rollout_worker(r, sample_model, tok, sampling, reward, None,
+    sample_model, to_sampler = train.rollouts.rollout_policy(config, model, **on_mesh)
+    worker = train.rollouts.make_rollout_worker(r, sample_model, tok, sampling, reward, None,
                                       group_size=r.group_size, tasks=batches[0], **on_mesh)
 
     # the trainer as run_rl wires it: the reference tree shaped like the policy's, the separate
     # old- and reference-log-prob passes only where rl.old_logp_pass / rl.ref_logp_pass need
     # them (the logp_ref sample is then absent: the train step holds that forward)
-    ref_vars = loop.reference_variables(init_vars, state) if algo.needs_ref else None
+    ref_vars = train.weights.reference_variables(init_vars, state) if algo.needs_ref else None
     logp_fn = make_logp_fn(model, sampling, **on_mesh)
     timed_old, timed_ref = clock.wrap(logp_fn, "logp_old"), clock.wrap(logp_fn, "logp_ref")
 
@@ -260,7 +264,7 @@ def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:
 
     forward = dataclasses.replace(ahead, logp_fn=logp, ref_vars=ref_vars)
     step_fn = clock.wrap(raw_step, "train_step")
-    train_on = functools.partial(loop._train_on, algo=algo, width=loop.train_width(r, batches[0]),
+    train_on = functools.partial(train.rl.train_on_group, algo=algo, width=train.rl.train_width(r, batches[0]),
                                  forward=forward, step_fn=step_fn, **on_mesh)
     start = clock.wrap(worker.start, "rollout", lambda pending: None)
     p0 = jax.tree.map(lambda x: np.array(x, copy=True), state.params)  # host copies
@@ -311,13 +315,13 @@ def sampler_alone(clock: Clock, config, worker, sample_model, variables, on_mesh
     import ml_collections
     import numpy as np
 
-    from rl import loop
+    import train.rollouts
     from sandbox.tasks.schema import Task
 
     r1 = ml_collections.ConfigDict(config.rl.to_dict())
     r1.max_new_tokens = 1
     tok = IdTokenizer()
-    one = loop.make_rollout_worker(r1, sample_model, tok, loop.rollout_sampling(r1, tok.eos_id),
+    one = train.rollouts.make_rollout_worker(r1, sample_model, tok, train.rollouts.rollout_sampling(r1, tok.eos_id),
                                    None, None, group_size=config.rl.group_size, **on_mesh)
     rng = np.random.default_rng(spec["seed"] + 1)
     calls = {}

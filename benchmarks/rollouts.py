@@ -46,8 +46,9 @@ def _setup(quick: bool):
     from model.config import ModelConfig
     from model.tokenizer import load_tokenizer
     from model.transformer import Model
-    from rl.loop import load_rl_variables, load_task_splits
     from rl.pipeline import encode_prompts
+    from train.data import load_task_splits
+    from train.weights import load_rl_variables
 
     config = rl_configs.demo()
     model = Model(ModelConfig.from_dict(config.model))
@@ -155,9 +156,9 @@ def _episodes(config, model, tok, variables, rounds: int) -> dict:
 
     from model import sharding as shd
     from rl.agent import AgentRolloutWorker
-    from rl.loop import agent_env_config, load_task_splits
     from rl.sampler import SamplingConfig
     from sandbox import SandboxPool
+    from train.data import agent_env_config, load_task_splits
 
     a = config.rl.agent
     mesh = shd.make_mesh(os.environ[MESH_ENV]) if os.environ.get(MESH_ENV) else None

@@ -41,13 +41,14 @@ def _timed(fn):
 def _demo_model(workdir: str, batch: int):
     from configs import rl as rl_configs
     from model.tokenizer import load_tokenizer
-    from rl.data import balanced, load_task_splits
-    from rl.loop import _model, load_rl_variables
     from rl.pipeline import encode_prompts
+    from train.data import balanced, load_task_splits
+    from train.models import config_model
+    from train.weights import load_rl_variables
 
     config = rl_configs.get_config("demo")
     config.workdir = workdir
-    model, tok = _model(config), load_tokenizer(config.tokenizer)
+    model, tok = config_model(config), load_tokenizer(config.tokenizer)
     variables = load_rl_variables(config, model)
     tasks = balanced([t for t, _ in load_task_splits(config)["test"]], batch)  # all domains
     prompts, lengths = encode_prompts(tok, [t.prompt for t in tasks], config.rl.max_prompt_len)

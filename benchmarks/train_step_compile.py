@@ -95,16 +95,17 @@ def build(config):
     grpo_matched's grpo() builds them."""
     import numpy as np
 
+    import train.rollouts
+    import train.weights
     from benchmarks.grpo_matched import build_trainer, matched_train_step
     from model import sharding as shd
-    from rl import loop
     from rl.pipeline import _prepare_advantages_jit
 
     r = config.rl
     model, algo, on_mesh, opt, _, init = build_trainer(config)
     init_vars, state = init()
-    old_src, ref_src = loop.old_logp_source(r, algo), loop.ref_logp_source(r, algo)
-    step = matched_train_step(config, model, algo, opt, state, loop.rollout_sampling(r, -1),
+    old_src, ref_src = train.rollouts.old_logp_source(r, algo), train.rollouts.ref_logp_source(r, algo)
+    step = matched_train_step(config, model, algo, opt, state, train.rollouts.rollout_sampling(r, -1),
                               on_mesh)
     N, P, G = r.prompts_per_batch * r.group_size, r.max_prompt_len, r.max_new_tokens
     rng = np.random.default_rng(0)
@@ -120,7 +121,7 @@ def build(config):
              "rollout_logp": logp()}
     extra = ()
     if ref_src == "step":
-        extra = (loop.reference_variables(init_vars, state),)
+        extra = (train.weights.reference_variables(init_vars, state),)
     elif algo.needs_ref:
         batch["ref_logp"] = logp()
     if old_src == "batch":

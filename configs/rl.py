@@ -83,7 +83,7 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     # leaves GRPO no signal in that domain; level 1 is two numbers up to 70.
     c.tasks.difficulty = ml_collections.ConfigDict(dict(arithmetic=1, code=0, terminal=0))
 
-    # SFT batches hold one row width each (rl/loop.py:sft_buckets): one-shot rows of seq_len
+    # SFT batches hold one row width each (train/sft.py:sft_buckets): one-shot rows of seq_len
     # tokens in batches of batch_size, multi-turn episodes of episode_seq_len (None: seq_len) in
     # batches of episode_batch_size (None: batch_size); episode_share = the fraction of steps
     # that are episode batches (None: in proportion to the examples)
@@ -94,15 +94,15 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
         # frozen, dense attention, KL over every causal key; 0 skips it
         indexer_warmup_steps=100, indexer_warmup_lr=1e-3,
         # DSA dense stage: the first dense_steps SFT steps attend densely with the indexer KL
-        # over every causal key (rl/loop.py:sft_dense_steps), the rest through the top-k
+        # over every causal key (train/sft.py:sft_dense_steps), the rest through the top-k
         dense_steps=0,
-        # QAT phase after SFT (rl/loop.py:run_sft): qat_steps more steps of the same objective
+        # QAT phase after SFT (train/sft.py:run_sft): qat_steps more steps of the same objective
         # with the routed experts fake-quantised to MXFP4 (model.moe.qat for this phase only),
         # lr qat_lr; checkpoints in <workdir>/sft/qat, which are then the SFT weights RL starts
         # from; 0 skips it
         qat_steps=0, qat_lr=3e-4,
         # the task families SFT's demonstrations come from ("": tasks.families, those RL and
-        # evaluation use; rl/loop.py:sft_families)
+        # evaluation use; train/data.py:sft_families)
         families=""))
     c.sft.episode_seq_len = ml_collections.config_dict.placeholder(int)
     c.sft.episode_batch_size = ml_collections.config_dict.placeholder(int)
@@ -127,11 +127,11 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rl.mtp_loss_weight = ml_collections.config_dict.placeholder(float)
     # the separate old-log-prob forward: "auto" skips it when the batch serves one on-policy
     # update and nothing needs old log-probs before the advantages (old = the step's own
-    # log-probs, stop-gradient: the same numbers); "always" runs it (rl/loop.py)
+    # log-probs, stop-gradient: the same numbers); "always" runs it (train/rollouts.py)
     c.rl.old_logp_pass = "auto"
     # the reference policy's log-probs (KL term): "auto" computes them inside the train step's
     # program when the KL is in the loss (no separate forward to compile or run; the same
-    # numbers up to rounding), "separate" runs them as a forward of their own (rl/loop.py)
+    # numbers up to rounding), "separate" runs them as a forward of their own (train/rollouts.py)
     c.rl.ref_logp_pass = "auto"
     # the trainer's log-probs use rl.temperature / top_k / top_p (the sampler's distribution);
     # rl.train_indexer=False sets the indexer KL weight to 0 for RL (the indexer stays frozen)
@@ -159,7 +159,7 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rl.rollout_slots = 0
     # precompile: the update's programs (train step per row width, rollout-time forward,
     # advantages) compile on a thread behind the weights' loading, the first evaluation and
-    # rollouts (single process; rl/loop.py:precompile_updates); False compiles each at its
+    # rollouts (single process; train/rl.py:precompile_updates); False compiles each at its
     # first call
     c.rl.precompile = True
     c.rl.algo = _algo(algo, c.rl)
@@ -310,7 +310,7 @@ def hf() -> ml_collections.ConfigDict:
     """Post-training a released checkpoint (docs/checkpoints.md): a directory in transformers'
     kimi_linear or deepseek_v32 layout with its tokenizer files and chat template. At start-up
     the model section becomes the checkpoint's config.json translated and the tokenizer its
-    own (rl/loop.py:resolve_checkpoint); SFT starts from its weights, and so does RL
+    own (train/models.py:resolve_checkpoint); SFT starts from its weights, and so does RL
     (rl.init_from="hf"; "sft" continues from this workdir's SFT). The smoke pipeline's domains
     and sizes, with rows wide enough for a chat template.
 

@@ -8,7 +8,7 @@
     mem["train_step"]["total_bytes"]           # per device, from XLA's memory analysis
 
 Run the interpreter with JAX_PLATFORMS=cpu (nothing runs here; it keeps jax from probing for a
-local TPU). Programs, each built by the function the RL loop builds it with (rl/loop.py,
+local TPU). Programs, each built by the function the RL loop builds it with (train/rl.py,
 rl/train_step.py, rl/sampler.py) on the run config's mesh laid over the topology's devices
 (`config.sharding.mesh`, -1 = the remaining devices), traced with `pallas_kernels.backend.
 target_platform("tpu")` so impl="auto" dispatch picks what a TPU runs (the Pallas kernels where
@@ -128,10 +128,12 @@ def compiled_memory(run_config, topology: str, *, programs=PROGRAMS,
         backend,  # noqa: PLC0415
         tpu_compile,  # noqa: PLC0415
     )
-    from rl import loop  # noqa: PLC0415
     from rl.algorithms import algo_from_config  # noqa: PLC0415
     from rl.sampler import Sampler  # noqa: PLC0415
     from rl.train_step import make_logp_fn, make_train_step  # noqa: PLC0415
+    from train.rl import train_width  # noqa: PLC0415
+    from train.rollouts import old_logp_source, ref_logp_source, rollout_sampling  # noqa: PLC0415
+    from train.state import abstract_rl_state, rl_optimizers  # noqa: PLC0415
 
     unknown = sorted(set(programs) - set(PROGRAMS))
     if unknown:
@@ -160,15 +162,15 @@ def compiled_memory(run_config, topology: str, *, programs=PROGRAMS,
     model = Model(ModelConfig.from_dict(c.model))
     algo = algo_from_config(r.algo)
     n = r.prompts_per_batch * r.group_size
-    length = loop.train_width(r)
-    sampling = loop.rollout_sampling(r, eos_id=2)
+    length = train_width(r)
+    sampling = rollout_sampling(r, eos_id=2)
     rows = shd.batch_sharding(mesh, n, rules)
     # dispatch reads the target platform while the programs are traced
     with backend.target_platform("tpu"):
-        state = loop.abstract_rl_state(c, model, algo, mesh=mesh, rules=rules)
+        state = abstract_rl_state(c, model, algo, mesh=mesh, rules=rules)
         if "train_step" in programs:
-            opt, critic, value_opt = loop.rl_optimizers(c, algo)
-            old_src, ref_src = loop.old_logp_source(r, algo), loop.ref_logp_source(r, algo)
+            opt, critic, value_opt = rl_optimizers(c, algo)
+            old_src, ref_src = old_logp_source(r, algo), ref_logp_source(r, algo)
             step = make_train_step(
                 model, algo, opt, micro_batches=r.micro_batches, sampling=sampling,
                 critic=critic, value_optimizer=value_opt,

@@ -6,7 +6,7 @@ per-device memory on a mesh, for a ModelConfig, without allocating the model.
     pd = plan.per_device_plan(cfg, "fsdp=16,expert=8,tensor=8", "h200", batch=256, seq=4096)
     print(plan.format_per_device(pd))
 
-The command line is scripts/plan.py; rl/run_plan.py reads an RL config's run (`RunPlan`) and
+The command line is scripts/plan.py; train/run_plan.py reads an RL config's run (`RunPlan`) and
 batch; scripts/_common.py's launch check reads `per_device_plan`.
 
 Parameter counts come from `jax.eval_shape` of the real model init (no allocation); decode-state
@@ -40,7 +40,7 @@ dimension are dropped, i.e. that dimension is replicated; those dims are listed)
     sequences of `seq` tokens (batch split as above, KDA heads over tensor);
   * ZeRO-3 gathered weights and expert-parallel dispatch buffers (`fsdp_gathered_bytes`,
     `ep_buffer_bytes`; a warning when the dropless all_to_all's buffers explode);
-  * with an RL config (`RunPlan`, built by rl/run_plan.py:run_plan_from_config): its optimizer
+  * with an RL config (`RunPlan`, built by train/run_plan.py:run_plan_from_config): its optimizer
     dtypes (optim.master_dtype / mu_dtype), the micro-batch gradient accumulator, the reference
     policy, and a rollout verdict (the sampler next to the train state: on the training
     parameters, or on the packed MXFP4 copy of the experts that rl.rollout_experts=mxfp4

@@ -27,7 +27,7 @@ syntax (`tokenizer.tool_syntax`, parsed by rl.tools.parse_tool_calls_as) and eac
 HFTokenizer.escape_specials): the observation segment is the text the
 template puts between the end of the model's turn and the next generation prompt
 (ChatTemplate.continuation). SFT rows render demonstrations through the same template
-(`encode_episode`: model/hf/chat_template.turns_to_messages), the mask on the assistant spans.
+(`encode_episode`: turns_to_messages), the mask on the assistant spans.
 
 Batching: a turn is one sampler call over the rows of a half, stopping each row at
 `</tool_call>` or EOS. With `cache_turns` (the default; without speculative decoding) each half
@@ -65,10 +65,12 @@ import jax
 import numpy as np
 
 from model import sharding as shd
+from model.hf.chat_template import assistant_message, tool_messages
 from model.tokenizer import ASSISTANT
-from rl.envs import EnvConfig, SessionEnv, StepResult
+from rl.envs import EnvConfig, SessionEnv, StepResult, reset_batch
 from rl.pipeline import ScoredGroup, pad_row_ids
 from rl.sampler import Sampler, SamplingConfig
+from rl.tools import parse_tool_calls, parse_tool_calls_as, split_responses
 from sandbox.tasks.domains import is_multi_turn_task
 
 TOOL_CALL_END = "</tool_call>"
@@ -102,14 +104,40 @@ def template_overhead(max_turns: int, tokenizer=None) -> int:
     return len(tokenizer.encode_chat(msgs)[0]) + 8 * (max_turns + 1)
 
 
+def turns_to_messages(prompt: str, turns, syntax: str | None, *,
+                      system: str | None = None, escape=None) -> list[dict]:
+    """A demonstration's (assistant text, observation or None) pairs (rl.envs.demo_turns, in the
+    Hermes protocol of rl/tools.py) as chat messages: each assistant text's tool calls become
+    `tool_calls` (rendered by the template in its own syntax; with syntax None the assistant
+    text stays as written, Hermes tags included), each observation's `<tool_response>` blocks
+    become `tool` messages answering them (`escape`d: see model.hf.chat_template.tool_messages)."""
+    msgs: list[dict] = ([{"role": "system", "content": system}] if system else [])
+    msgs.append({"role": "user", "content": prompt})
+    n_calls = 0
+    for i, (text, obs) in enumerate(turns):
+        if obs is None and i != len(turns) - 1:
+            raise ValueError("only the last turn may have no observation")
+        parsed = parse_tool_calls(text)
+        if parsed.errors:
+            raise ValueError(f"demonstration turn {i} has malformed tool calls: {parsed.errors}")
+        calls = [(c.name, c.arguments) for c in parsed.calls]
+        m = assistant_message(parsed.text, calls, n_calls, syntax)
+        if syntax is None:  # a template without a tool-call syntax: the Hermes text as written
+            m = {"role": "assistant", "content": text}
+        msgs.append(m)
+        if obs is not None:
+            ids = [c["id"] for c in m.get("tool_calls", [])]
+            msgs += tool_messages(split_responses(obs), ids, [n for n, _ in calls], escape)
+        n_calls += len(calls)
+    return msgs
+
+
 def encode_episode(tokenizer, prompt: str, turns) -> tuple[list[int], list[bool]]:
     """An episode's token ids and target mask (True on the model's tokens). turns: (assistant
     text, observation or None) pairs as rl.envs.demo_turns gives them; the turn with observation
     None is the last and ends with EOS. A checkpoint tokenizer renders them through its chat
     template (module docstring)."""
     if _template(tokenizer) is not None:
-        from model.hf.chat_template import turns_to_messages
-
         return tokenizer.encode_chat(turns_to_messages(prompt, turns, tokenizer.tool_syntax,
                                                        escape=tokenizer.escape_specials))
     ids = tokenizer.encode(tokenizer.chat_prompt(prompt), bos=True)
@@ -260,7 +288,6 @@ class AgentRolloutWorker:
 
     # ------------------------------------------------------------------------------------
     def _open(self, tasks: list) -> list[_Row]:
-        from rl.envs import reset_batch
 
         envs = [SessionEnv([t], executor=self.executor, config=self.env_config,
                            count_tokens=self.count_tokens,
@@ -416,9 +443,6 @@ class AgentRolloutWorker:
     def _record_turn(self, r: _Row, text: str, ended: bool) -> None:
         """The model's turn as an assistant message of the row's chat (its calls in the
         template's syntax; ids as the model wrote them, else numbered like demonstrations)."""
-        from model.hf.chat_template import assistant_message
-        from rl.tools import parse_tool_calls_as
-
         syntax = self.tok.tool_syntax
         parsed = parse_tool_calls_as(text, syntax, self.env_config.max_calls_per_turn)
         m = assistant_message(parsed.text, [(c.name, c.arguments) for c in parsed.calls],
@@ -440,9 +464,6 @@ class AgentRolloutWorker:
         """The observation segment through the chat template: the `<tool_response>` blocks as
         tool messages, from the end of the model's turn (its EOS first, as context, when the
         turn was cut at max_new_tokens) to the next generation prompt."""
-        from model.hf.chat_template import tool_messages
-        from rl.tools import split_responses
-
         new = tool_messages(split_responses(observation), *r.last_ids, self.tok.escape_specials)
         text = self.chat.continuation(r.messages, new)
         r.messages += new

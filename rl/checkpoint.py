@@ -20,7 +20,7 @@ One checkpoint is one orbax step directory `<directory>/<step>/` with the items
               every array item, the rng key implementation, the reference-params pointer
   data        the grain iterator state (grain.checkpoint.CheckpointSave: one JSON per process)
 
-Reference params (rl/loop.py does not use them: its frozen reference policy is the initial
+Reference params (train/rl.py does not use them: its frozen reference policy is the initial
 weights, reloaded on resume; tests/rl/test_checkpoint.py covers the feature): by default
 (`ref_source=None`) they are saved by copy whenever `save` gets `ref_params`. With
 `ref_source=RefPointer(dir, step, item, field)` (or a directory string) they are never written:

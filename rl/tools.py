@@ -1,4 +1,4 @@
-"""The tool-call protocol of multi-step episodes: Hermes-style tags, as Qwen-style chat templates,
+"""The tool-call protocol of multi-turn episodes: Hermes-style tags, as Qwen-style chat templates,
 verl and EasyDeL agent loops use them.
 
     text = 'ls first\n<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'

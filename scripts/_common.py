@@ -115,7 +115,7 @@ def device_memory(config, phase: str, shape: dict, device: str) -> dict:
     compiled train step's and sampler's memory analysis belongs here instead of the planner."""
     from model import plan
     from model import sharding as shd
-    from rl import run_plan
+    from train import run_plan
 
     rules = shd.rules_from_config(config)
     cfg = plan.model_cfg(config)
@@ -157,15 +157,15 @@ def memory_check(config, phase: str, shape: dict, device: str | None) -> str:
 
 def launch_check(config, phases, *, num_devices: int | None = None, device: str | None = None,
                  processes: int = 0, start: bool = False) -> str:
-    """What --dry_run / --check_devices print: rl.loop.validate_run_config for the job (its
+    """What --dry_run / --check_devices print: train.launch.validate_run_config for the job (its
     mesh for `num_devices`, default the config's fully sized mesh or this host's devices; its
     `processes`), then the memory of each phase on `device` (memory_check; default this host's
-    accelerator), and for RL alone the weights it starts from (rl.loop.check_rl_start: a
+    accelerator), and for RL alone the weights it starts from (train.launch.check_rl_start: a
     missing SFT checkpoint fails a run's start (`start`), and is a warning for --dry_run and
     --check_devices, which may check a launch line away from the job's files).
     Raises ValueError with the reason on anything that would fail."""
     from model import sharding as shd
-    from rl.loop import check_rl_start, default_processes, resolve_devices, validate_run_config
+    from train.launch import check_rl_start, default_processes, resolve_devices, validate_run_config
 
     n = resolve_devices(config, num_devices)
     try:
@@ -186,14 +186,14 @@ def launch_check(config, phases, *, num_devices: int | None = None, device: str 
 def stop_on_bad_config(config, phases, **kw) -> str:
     """Before anything runs (call after setup_jax: on several hosts the device count needs
     jax.distributed): every process checks that all run the same config
-    (rl.loop.config_agreement: a digest through the distributed runtime, the differing fields
+    (train.launch.config_agreement: a digest through the distributed runtime, the differing fields
     named), then launch_check (what --dry_run prints; memory only when this host's accelerator
     is known), and the processes exchange their verdicts. Anything rejected on any process (a
     field out of range, an unknown name, a batch that does not split, a state that does not fit,
     a missing checkpoint on one host) ends every process with the message on stderr and exit
     code 2, not a traceback or a hang. Returns the report."""
     from model import sharding as shd
-    from rl.loop import config_agreement
+    from train.launch import config_agreement
 
     try:
         agreed = config_agreement(config)
@@ -224,12 +224,12 @@ def dry_run(config, phases, **kw) -> None:
 
 @contextlib.contextmanager
 def stop_on_workdir_mismatch():
-    """A workdir that holds another config's checkpoints (rl.workdir.ResumeConfigError) ends the
+    """A workdir that holds another config's checkpoints (train.workdir.ResumeConfigError) ends the
     script with its message on stderr and exit code 2, not a traceback: it is the user's input,
     and the message names the differing fields and the ways out. So does a data stream that
-    ended on some process (rl.loop.DataExhausted, raised on every process at the same step)."""
-    from rl.loop import DataExhausted
-    from rl.workdir import ResumeConfigError
+    ended on some process (train.phase.DataExhausted, raised on every process at the same step)."""
+    from train.phase import DataExhausted
+    from train.workdir import ResumeConfigError
 
     try:
         yield

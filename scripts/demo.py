@@ -20,7 +20,7 @@ also records the environment (Python, package versions, allocator, XLA_FLAGS:
 sweep, the per-domain before/after tables and the templates either checkpoint fails on some
 test task (pass@1 and tasks solved, before and after). Re-running resumes finished phases from
 their checkpoints when they came from the same config (else it stops, naming the fields that
-differ: rl/workdir.py); --noresume starts over, moving the previous sft/ and rl/ aside.
+differ: train/workdir.py); --noresume starts over, moving the previous sft/ and rl/ aside.
 """
 
 import json
@@ -132,21 +132,15 @@ def main(_):
     import jax
 
     from model.tokenizer import load_tokenizer
-    from rl.loop import (
-        _model,
-        _open_pool,
-        heldout_text,
-        load_rl_variables,
-        load_sft_variables,
-        load_task_splits,
-        load_warmup_variables,
-        run_rl,
-        run_sft,
-        workers_by_temperature,
-    )
     from rl.pipeline import evaluate_at_best_temperatures
     from rl.sampler import SamplingConfig
-    from rl.workdir import check_resumable
+    from train.data import load_task_splits
+    from train.models import config_model
+    from train.rl import run_rl
+    from train.rollouts import open_pool, workers_by_temperature
+    from train.sft import heldout_text, run_sft
+    from train.weights import load_rl_variables, load_sft_variables, load_warmup_variables
+    from train.workdir import check_resumable
 
     config = _CONFIG.value
     if _RESUME.value:  # both phases' checkpoints must be this config's before anything runs
@@ -160,8 +154,8 @@ def main(_):
     run_sft(config, resume=_RESUME.value)
     t_sft = time.time() - t0
 
-    model, tok = _model(config), load_tokenizer(config.tokenizer)
-    pool, verifier = _open_pool(config)
+    model, tok = config_model(config), load_tokenizer(config.tokenizer)
+    pool, verifier = open_pool(config)
     try:
         splits = load_task_splits(config)
         val, test = ([t for t, _ in splits[k]] for k in ("val", "test"))

@@ -244,21 +244,16 @@ def main(_):
     import jax
 
     from model.tokenizer import load_tokenizer
-    from rl.loop import (
-        _model,
-        _open_pool,
-        checkpoint_variables,
-        load_sft_variables,
-        load_task_splits,
-        make_rollout_worker,
-        resolve_checkpoint,
-    )
     from rl.pipeline import evaluate
     from rl.sampler import SamplingConfig
+    from train.data import load_task_splits
+    from train.models import config_model, resolve_checkpoint
+    from train.rollouts import make_rollout_worker, open_pool
+    from train.weights import checkpoint_variables, load_sft_variables
 
     config = _CONFIG.value
     resolve_checkpoint(config)  # a released checkpoint's run: its model section and tokenizer
-    pool, verifier = _open_pool(config)
+    pool, verifier = open_pool(config)
     tables = None  # title -> result, when not the one table of `res`
     try:
         episodes = bool(_AB.value or _TB2.value)
@@ -281,7 +276,7 @@ def main(_):
         else:
             from model import interchange, quant
 
-            model, tok = _model(config), load_tokenizer(config.tokenizer)
+            model, tok = config_model(config), load_tokenizer(config.tokenizer)
             if os.path.exists(os.path.join(_CKPT.value, interchange.INDEX_FILE)):
                 cfg, variables = interchange.import_safetensors(_CKPT.value)
             elif _CKPT.value == "sft":
@@ -289,7 +284,7 @@ def main(_):
             elif _CKPT.value == "hf":
                 cfg, variables = model.cfg, checkpoint_variables(config, model)
             else:
-                from rl.loop import load_rl_variables
+                from train.weights import load_rl_variables
                 path = None if _CKPT.value == "rl" else _CKPT.value
                 cfg, variables = model.cfg, load_rl_variables(config, model, path)
             model, variables = quant.inference_model(
@@ -306,8 +301,8 @@ def main(_):
                                       speculative=config.rl.speculative,
                                       draft_tokens=config.rl.draft_tokens)
             if temps:
-                from rl.loop import workers_by_temperature
                 from rl.pipeline import evaluate_at_best_temperatures
+                from train.rollouts import workers_by_temperature
                 val = [t for t, _ in load_task_splits(config)["val"]]
                 worker_at = workers_by_temperature(config.rl, model, tok, sampling, verifier,
                                                    pool, tasks=val + tasks)

@@ -58,7 +58,7 @@ CHECKPOINT_KINDS = ("sft", "rl", "init")
 def _model_config(config):
     from model.config import ModelConfig
     if "model" in config:
-        from rl.loop import resolve_checkpoint
+        from train.models import resolve_checkpoint
         resolve_checkpoint(config)  # a released checkpoint's run: its model section
     return ModelConfig.from_dict(config.model if "model" in config else config)
 
@@ -149,7 +149,7 @@ def check_request(config, *, mode: str, checkpoint: str, out: str, experts: str,
         notes.append("checkpoint init: a freshly initialised model (seed "
                      f"{config.get('seed', 0)})")
     else:
-        from rl.loop import sft_checkpoint_dir
+        from train.weights import sft_checkpoint_dir
         if checkpoint == "sft":
             d, make = sft_checkpoint_dir(config), "scripts/sft.py"
         elif checkpoint == "rl":
@@ -205,15 +205,15 @@ def _restore(config, cfg):
     orbax directory of the run's layout."""
     import jax
 
+    import train.weights
     from model.transformer import Model
-    from rl import loop
 
     model = Model(cfg)
     if _CKPT.value == "init":
         return model.init(jax.random.key(config.get("seed", 0)))
     if _CKPT.value == "sft":
-        return loop.load_sft_variables(config, model)
-    return loop.load_rl_variables(config, model, None if _CKPT.value == "rl" else _CKPT.value)
+        return train.weights.load_sft_variables(config, model)
+    return train.weights.load_rl_variables(config, model, None if _CKPT.value == "rl" else _CKPT.value)
 
 
 def export(config):

@@ -121,7 +121,7 @@ import jax, numpy as np
 from configs import rl
 from model.transformer import Model
 from model.config import ModelConfig
-from rl.loop import load_rl_variables
+from train.weights import load_rl_variables
 from rl.checkpoint import tree_digest
 out = []
 for wd in {workdirs!r}:

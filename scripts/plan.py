@@ -12,7 +12,7 @@ decode-state memory, and the per-device memory on a mesh.
         --config configs/models.py:tiny --compiled_memory --batch 1 --seq 2048  # XLA's numbers
 
 The planner itself is model/plan.py (its docstring says what is counted and what is assumed);
-an RL or SFT config adds its run (rl/run_plan.py). This file holds the flags, the printed
+an RL or SFT config adds its run (train/run_plan.py). This file holds the flags, the printed
 report, and the pod launches of docs/scaling.md (`LAUNCHES`, `launch_plans`,
 `format_launch_table`: --launch_table).
 """
@@ -37,7 +37,7 @@ from model.plan import (  # noqa: E402
     per_device_plan,
     plan,
 )
-from rl.run_plan import run_batch_from_config, run_plan_from_config  # noqa: E402
+from train.run_plan import run_batch_from_config, run_plan_from_config  # noqa: E402
 
 # The pod launches of docs/scaling.md section 3 for configs/rl.py:reference (and the slice that
 # is too small): (what, mesh, device, devices per process, config.rl overrides). `launch_plans`
@@ -54,7 +54,7 @@ def launch_plans(launches=LAUNCHES, variant: str = "reference") -> list[dict]:
     """Per-device plans of configs/rl.py:<variant> for each launch: the config's rows and row
     width (run_batch_from_config), its run (run_plan_from_config), and the rows per process."""
     from configs import rl as rl_configs
-    from rl.loop import process_layout
+    from train.launch import process_layout
 
     out = []
     for what, mesh, device, per_process, overrides in launches:

@@ -7,12 +7,12 @@ First the DSA indexer's dense warm-up (config.sft.indexer_warmup_steps: the inde
 learns the dense attention's distribution, everything else frozen; 0 skips it), then the SFT
 objective (model/objectives.py: next-token + MTP + MoE balance + indexer KL, the same auxiliary
 terms the RL step trains; its first config.sft.dense_steps steps attend densely with the
-indexer KL over every key, in the demo all of them: rl/loop.py:sft_dense_steps says why)
+indexer KL over every key, in the demo all of them: train/sft.py:sft_dense_steps says why)
 on (prompt, completion) pairs drawn from the task domains
 (sandbox/tasks/domains/, by sandbox/tasks/sampling.py and sandbox/tasks/sft.py) with
 config.sft.imperfect_frac well-formed but wrong demonstrations; grain input, orbax checkpoints in
 <workdir>/sft/indexer_warmup/checkpoints and <workdir>/sft/checkpoints (resumed automatically
-when they came from the same config, else an error naming the differing fields: rl/workdir.py;
+when they came from the same config, else an error naming the differing fields: train/workdir.py;
 --noresume starts over, moving the previous <workdir>/sft aside).
 
 Scale-out: runs on the mesh of config.sharding, one process per host in a multi-process job
@@ -42,7 +42,7 @@ def main(_):
         return
     _common.setup_jax()
     _common.stop_on_bad_config(_CONFIG.value, ('sft',), device=_DEVICE.value)
-    from rl.loop import run_sft
+    from train.sft import run_sft
 
     with _common.stop_on_workdir_mismatch():
         state = run_sft(_CONFIG.value, resume=_RESUME.value)

@@ -8,7 +8,7 @@
 
 Progress bar, TensorBoard events + metrics.jsonl in <workdir>/rl, periodic held-out eval,
 orbax checkpoints (params, optimizer, rng, data position) resumed automatically when they came
-from the same config (else an error naming the differing fields: rl/workdir.py; --noresume
+from the same config (else an error naming the differing fields: train/workdir.py; --noresume
 starts over, moving the previous <workdir>/rl aside).
 
 Scale-out: the run uses the mesh of config.sharding (docs/scaling.md); in a multi-process job
@@ -43,7 +43,7 @@ def main(_):
 
     from model import sharding as shd
     from rl.checkpoint import tree_digest
-    from rl.loop import run_rl
+    from train.rl import run_rl
 
     with _common.stop_on_workdir_mismatch():
         state = run_rl(_CONFIG.value, resume=_RESUME.value)

@@ -193,9 +193,9 @@ def test_decode_flops_per_token_and_the_rate_they_give():
     import flax
     import jax
 
-    from rl import loop
+    import train.models
 
-    model = loop.rl_model(grpo_matched.run_config("hybrid"))
+    model = train.models.rl_model(grpo_matched.run_config("hybrid"))
     v = flax.core.meta.unbox(model.abstract_init())
     weights = sum(leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(v["params"])[0]
                   if not str(path[0].key).startswith("mtp") and leaf.ndim >= 2

@@ -131,7 +131,7 @@ def _serve() -> None:
 
     import configs.models  # noqa: F401
     import configs.rl  # noqa: F401
-    import rl.loop  # noqa: F401
+    import train.launch  # noqa: F401
     assert not xla_bridge._backends, "a backend was initialised before forking"
 
     jobs = json.load(sys.stdin)

@@ -93,7 +93,7 @@ class Clock:
         self.phase = "setup"
 
     def listen(self, event, duration_secs, **_):
-        if event in self.COMPILE_EVENTS:  # compiles on a "precompile" thread (rl.loop's
+        if event in self.COMPILE_EVENTS:  # compiles on a "precompile" thread (train.rl's
             # precompile_updates) are booked to "ahead", whatever the main thread is running
             ahead = threading.current_thread().name.startswith("precompile")
             phase = "ahead" if ahead else self.phase

@@ -4,7 +4,6 @@
     text = tpl.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     segs = tpl.segments(messages, tools=tools)   # [(text, is_assistant)], concatenating to the
                                                  # rendered conversation
-    msgs = turns_to_messages(prompt, turns, syntax="kimi")   # demo turns -> chat messages
 
 Rendering follows the conventions HF templates are written for: a sandboxed jinja environment
 (`ImmutableSandboxedEnvironment`, trim_blocks and lstrip_blocks, loop controls), the globals
@@ -245,33 +244,3 @@ def tool_messages(bodies: Sequence[str], ids: Sequence[str], names: Sequence[str
     escape = escape or (lambda b: b)
     return [{"role": "tool", "content": escape(b), "tool_call_id": ids[i] if i < len(ids) else "error",
              "name": names[i] if i < len(names) else "error"} for i, b in enumerate(bodies)]
-
-
-def turns_to_messages(prompt: str, turns, syntax: str | None, *,
-                      system: str | None = None, escape=None) -> list[dict]:
-    """A demonstration's (assistant text, observation or None) pairs (rl.envs.demo_turns, in the
-    Hermes protocol of rl/tools.py) as chat messages: each assistant text's tool calls become
-    `tool_calls` (rendered by the template in its own syntax; with syntax None the assistant
-    text stays as written, Hermes tags included), each observation's `<tool_response>` blocks
-    become `tool` messages answering them (`escape`d: see tool_messages)."""
-    from rl.tools import parse_tool_calls, split_responses
-
-    msgs: list[dict] = ([{"role": "system", "content": system}] if system else [])
-    msgs.append({"role": "user", "content": prompt})
-    n_calls = 0
-    for i, (text, obs) in enumerate(turns):
-        if obs is None and i != len(turns) - 1:
-            raise ValueError("only the last turn may have no observation")
-        parsed = parse_tool_calls(text)
-        if parsed.errors:
-            raise ValueError(f"demonstration turn {i} has malformed tool calls: {parsed.errors}")
-        calls = [(c.name, c.arguments) for c in parsed.calls]
-        m = assistant_message(parsed.text, calls, n_calls, syntax)
-        if syntax is None:  # a template without a tool-call syntax: the Hermes text as written
-            m = {"role": "assistant", "content": text}
-        msgs.append(m)
-        if obs is not None:
-            ids = [c["id"] for c in m.get("tool_calls", [])]
-            msgs += tool_messages(split_responses(obs), ids, [n for n, _ in calls], escape)
-        n_calls += len(calls)
-    return msgs

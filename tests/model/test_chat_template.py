@@ -8,8 +8,9 @@ transformers is installed) rendering and ids equal to its apply_chat_template. A
 import pytest
 from hf_tokenizer_fixtures import deepseek_dir, qwen_dir  # noqa: E402
 
-from model.hf.chat_template import ChatTemplateError, turns_to_messages  # noqa: E402
+from model.hf.chat_template import ChatTemplateError  # noqa: E402
 from model.hf.tokenizer import load_tokenizer  # noqa: E402
+from rl.agent import turns_to_messages  # noqa: E402
 from rl.tools import ToolCall, format_tool_call, parse_tool_calls, wrap_response  # noqa: E402
 
 TURNS = [(format_tool_call("bash", {"command": "ls"}) + format_tool_call("bash", {"command": "pwd"}),

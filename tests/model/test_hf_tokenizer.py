@@ -15,8 +15,9 @@ import pytest
 from hf_tokenizer_fixtures import deepseek_dir, kimi_dir  # noqa: E402
 
 from model import tokenizer as base_tokenizer  # noqa: E402
-from model.hf.chat_template import ChatTemplate, ChatTemplateError, turns_to_messages  # noqa: E402
+from model.hf.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
 from model.hf.tokenizer import TokenizerFileError, load_tokenizer  # noqa: E402
+from rl.agent import turns_to_messages  # noqa: E402
 from rl.tools import ToolCall, format_tool_call, parse_tool_calls_as, wrap_response  # noqa: E402
 
 TOOL_CONV = [

@@ -31,7 +31,7 @@ def cut_sft_config():
     """make(workdir, **sft) -> the smoke RL config on a cut test model (one DSA layer and its
     MoE, d_model 32, no MTP: the SFT programs compile in a fraction of the full test model's
     time), 8 train tasks per family, no indexer warm-up, logging every step, with the given
-    sft fields on top; for tests whose subject is an SFT phase's driving (rl/loop.py:run_sft)."""
+    sft fields on top; for tests whose subject is an SFT phase's driving (train/sft.py:run_sft)."""
     from configs import rl as rl_configs
 
     def make(workdir, **sft):

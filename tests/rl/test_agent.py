@@ -258,7 +258,7 @@ def test_one_device_mesh_rollouts_keep_the_turn_cache(agent):
     from configs import rl as rl_configs
     from model import sharding as shd
     from rl import sampler as sampler_mod
-    from rl.loop import make_rollout_worker
+    from train.rollouts import make_rollout_worker
 
     r = rl_configs.get_config("demo").rl
     r.agent.width = WIDTH

@@ -1,5 +1,5 @@
 """Batches by row width: the tool-tag tokenizer, SFT length buckets and RL task batches of one
-kind (rl/loop.py: sft_buckets, _sft_stream, train_width; rl/pipeline.py: task_dataset group_by).
+kind (train/sft.py:sft_buckets, _sft_stream, train_width; rl/pipeline.py: task_dataset group_by).
 
 A multi-turn episode is 2-4x a one-shot row; these tests check that one-shot rows are never
 padded to an episode's width (SFT and RL), that each kind keeps its share of the steps, that the
@@ -13,9 +13,13 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
+import train.models
+import train.rl
+import train.sft
+import train.state
 from configs import rl as rl_configs
 from model.tokenizer import TOOL_TAGS, ByteTokenizer, load_tokenizer
-from rl import loop, pipeline
+from rl import pipeline
 from rl.agent import encode_episode
 from rl.envs import EnvConfig, demo_turns
 from rl.pipeline import task_dataset
@@ -74,9 +78,9 @@ def test_model_vocab_must_cover_the_tokenizer():
     c.tokenizer = "byte_tools"
     c.model.vocab_size = 259
     with pytest.raises(ValueError, match="model.vocab_size=263"):
-        loop.model_config(c)
+        train.models.model_config(c)
     c.model.vocab_size = 263
-    assert loop.model_config(c).vocab_size == 263
+    assert train.models.model_config(c).vocab_size == 263
 
 
 # ------------------------------------------------------------------------ SFT buckets
@@ -98,10 +102,10 @@ def _sft(**kw):
 def test_sft_batches_hold_one_width_each_in_proportion():
     tok = load_tokenizer("byte_tools")
     ex = _examples()
-    b = loop.sft_buckets(ex, _sft())
+    b = train.sft.sft_buckets(ex, _sft())
     assert [(x["width"], x["batch_size"], len(x["examples"])) for x in b] == \
         [(32, 4, 24), (256, 2, 6)]
-    it = loop._sft_stream(ex, tok, _sft(), seed=0)
+    it = train.sft.sft_stream(ex, tok, _sft(), seed=0)
     batches = list(itertools.islice(it, 18))
     widths = [x["tokens"].shape for x in batches]
     assert set(widths) == {(4, 32), (2, 256)}
@@ -112,19 +116,19 @@ def test_sft_batches_hold_one_width_each_in_proportion():
             text = tok.decode(x["tokens"][0], stop_at_eos=False)
             n_tokens = (x["tokens"][0] > 0).sum()
             assert "<tool_response>" in text and x["loss_mask"][0].sum() < n_tokens
-    share = list(itertools.islice(loop._sft_stream(ex, tok, _sft(episode_share=0.5), 0), 20))
+    share = list(itertools.islice(train.sft.sft_stream(ex, tok, _sft(episode_share=0.5), 0), 20))
     assert sum(x["tokens"].shape[1] == 256 for x in share) == 10
 
 
 def test_sft_stream_resumes_at_its_saved_position():
     tok = load_tokenizer("byte_tools")
     ex = _examples()
-    it = loop._sft_stream(ex, tok, _sft(), seed=3)
+    it = train.sft.sft_stream(ex, tok, _sft(), seed=3)
     for _ in range(5):
         next(it)
     state = it.get_state()
     want = [next(it)["tokens"] for _ in range(6)]
-    it2 = loop._sft_stream(ex, tok, _sft(), seed=3)
+    it2 = train.sft.sft_stream(ex, tok, _sft(), seed=3)
     it2.set_state(state)
     for w in want:
         np.testing.assert_array_equal(next(it2)["tokens"], w)
@@ -133,11 +137,11 @@ def test_sft_stream_resumes_at_its_saved_position():
 def test_sft_bucket_errors_name_the_field():
     tok = load_tokenizer("byte_tools")
     with pytest.raises(ValueError, match="sft.episode_seq_len=64"):
-        loop._sft_stream(_examples(), tok, _sft(episode_seq_len=64), 0)
+        train.sft.sft_stream(_examples(), tok, _sft(episode_seq_len=64), 0)
     with pytest.raises(ValueError, match="episode_share"):
-        loop.sft_buckets(_examples(), _sft(episode_share=1.0))
+        train.sft.sft_buckets(_examples(), _sft(episode_share=1.0))
     # one kind only: one bucket, the share is ignored
-    assert len(loop.sft_buckets(_examples(n_ep=0), _sft(episode_share=0.3))) == 1
+    assert len(train.sft.sft_buckets(_examples(n_ep=0), _sft(episode_share=0.3))) == 1
 
 
 # ------------------------------------------------------------------------ RL task batches
@@ -159,7 +163,7 @@ def test_rl_task_batches_hold_one_kind_and_train_at_its_width():
     assert all(len(k) == 1 for k in kinds)
     assert sum(k == {True} for k in kinds) == 4  # 16 : 8 tasks -> 2 : 1 batches
     r = rl_configs.get_config("smoke").rl
-    widths = {loop.train_width(r, b) for b in batches}
+    widths = {train.rl.train_width(r, b) for b in batches}
     assert widths == {r.max_prompt_len + r.max_new_tokens, r.agent.width}
     # the saved position resumes the same batches
     _assert_resumes(iter(task_dataset(one + eps, seed=0, batch_size=4, group_by=is_agent_task)), 5)
@@ -207,22 +211,22 @@ def test_template_power_rebalances_rare_templates_and_keeps_domain_shares():
     with pytest.raises(ValueError, match="template_power"):
         pipeline.template_shares(code, 1.5)
     with pytest.raises(ValueError, match="template_power"):
-        loop.rl_template_power(ConfigDict(dict(template_power=-0.1)))
+        train.rl.rl_template_power(ConfigDict(dict(template_power=-0.1)))
     with pytest.raises(ValueError, match="repeat"):
         task_dataset(code, seed=0, batch_size=4, repeat=False, template_power=0.5)
-    assert loop.rl_template_power(ConfigDict(dict())) == 1.0  # configs written before the field
+    assert train.rl.rl_template_power(ConfigDict(dict())) == 1.0  # configs written before the field
 
 
 def test_rl_seed_defaults_to_the_run_seed_and_orders_the_prompts():
     """rl.seed: unset -> config.seed (runs before the field draw as they did); set -> RL's own
     prompt order (another order of the same tasks), SFT's seed untouched; bad values refused."""
     c = rl_configs.get_config("smoke")
-    assert c.rl.seed is None and loop.rl_seed(c) == c.seed
+    assert c.rl.seed is None and train.state.rl_seed(c) == c.seed
     c.rl.seed = 7
-    assert loop.rl_seed(c) == 7 and c.seed != 7
+    assert train.state.rl_seed(c) == 7 and c.seed != 7
     tasks = [t for t, _ in make_split("code", "train", 40, seed=0, difficulty=1)]
     order = lambda seed: [t.id for t in next(iter(task_dataset(tasks, seed=seed, batch_size=40)))]
-    assert order(loop.rl_seed(c)) != order(c.seed) and sorted(order(7)) == sorted(order(c.seed))
+    assert order(train.state.rl_seed(c)) != order(c.seed) and sorted(order(7)) == sorted(order(c.seed))
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="rl.seed"):
-            loop.rl_seed(ConfigDict(dict(seed=0, rl=dict(seed=bad))))
+            train.state.rl_seed(ConfigDict(dict(seed=0, rl=dict(seed=bad))))

@@ -63,7 +63,7 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
     from configs import rl as rl_configs
     from model.config import ModelConfig
     from model.transformer import Model
-    from rl.loop import load_rl_variables, load_sft_variables
+    from train.weights import load_rl_variables, load_sft_variables
 
     work = tmp_path / "smoke"
     # Every phase and artifact of the smoke run, on less work: 10 SFT steps (still logged and

@@ -1,5 +1,5 @@
 """DAPO's dynamic sampling with refill (rl.oversample; rl/pipeline.py: informative_groups,
-concat_groups, select_groups; rl/loop.py: _Launcher).
+concat_groups, select_groups; train/rl.py:_Launcher).
 
 Covered: which groups a selection keeps (rewards that differ first, drawn order, failed rows
 never count as informative, the batch's shape kept when too few are informative), that every
@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
+import train.launch
+import train.rl
 from configs import rl as rl_configs
-from rl import loop
 from rl.pipeline import ScoredGroup, concat_groups, informative_groups, select_groups
 from sandbox.tasks.loaders import save_tasks
 from sandbox.tasks.schema import Task
@@ -92,13 +93,13 @@ def test_concat_offsets_group_ids_and_pads_to_the_widest():
 def test_oversample_must_be_a_positive_int():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="rl.oversample must be an int >= 1"):
-            loop.rl_oversample(ConfigDict({"oversample": bad}))
+            train.rl.rl_oversample(ConfigDict({"oversample": bad}))
     c = rl_configs.get_config("smoke")
     c.rl.oversample = 0
     with pytest.raises(ValueError, match="rl.oversample must be an int >= 1"):
-        loop.validate_run_config(c)
+        train.launch.validate_run_config(c)
     c.rl.oversample = 3
-    assert "3 batches' prompts drawn per update" in loop.validate_run_config(c)
+    assert "3 batches' prompts drawn per update" in train.launch.validate_run_config(c)
 
 
 # Reward 1 when the (byte-level) answer contains a digit: a random policy's groups are mixed.
@@ -131,11 +132,11 @@ def test_run_rl_with_oversample_trains_one_batch_of_the_drawn_groups(tmp_path):
         ahead.append(state)
         return precompile_updates(tasks, rows, group_size, state, **kw)
 
-    precompile_updates = loop.precompile_updates
+    precompile_updates = train.rl.precompile_updates
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        with mock.patch.object(loop, "precompile_updates", precompile):
-            state = loop.run_rl(c, progress=False)
+        with mock.patch.object(train.rl, "precompile_updates", precompile):
+            state = train.rl.run_rl(c, progress=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert int(state.step) == 2

@@ -19,9 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import train.launch
+import train.models
+import train.rl
+import train.weights
 from configs import rl as rl_configs
 from model.hf import import_hf
-from rl import loop
+from model.tokenizer import load_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CKPT = str(ROOT / "tests" / "model" / "hf_fixtures" / "kimi_chat")
@@ -39,22 +43,22 @@ def _config(workdir, **rl):
 def test_an_hf_run_needs_its_checkpoint_directory(tmp_path):
     c = rl_configs.get_config("hf")
     with pytest.raises(ValueError, match="--config.hf_dir=DIR"):
-        loop.validate_run_config(c, ("rl",))
+        train.launch.validate_run_config(c, ("rl",))
     c.hf_dir = str(tmp_path / "nothing")
     with pytest.raises(ValueError, match="is not a directory"):
-        loop.validate_run_config(c, ("rl",))
+        train.launch.validate_run_config(c, ("rl",))
 
 
 def test_resolved_config_is_the_checkpoints():
     c = _config("unused")
-    loop.resolve_checkpoint(c)
-    loop.resolve_checkpoint(c)  # a second call changes nothing
-    cfg = loop.model_config(c)
+    train.models.resolve_checkpoint(c)
+    train.models.resolve_checkpoint(c)  # a second call changes nothing
+    cfg = train.models.model_config(c)
     raw = json.loads((pathlib.Path(CKPT) / "config.json").read_text())
     assert (cfg.d_model, cfg.vocab_size, cfg.num_layers) == (
         raw["hidden_size"], raw["vocab_size"], raw["num_hidden_layers"])
-    assert c.tokenizer == CKPT and loop.load_tokenizer(c.tokenizer).vocab_size == 316
-    assert "released checkpoint" in loop.check_rl_start(c)
+    assert c.tokenizer == CKPT and load_tokenizer(c.tokenizer).vocab_size == 316
+    assert "released checkpoint" in train.launch.check_rl_start(c)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def trained(tmp_path_factory):
     """Two RL steps from the checkpoint's weights, then --mode=hf export of the RL checkpoint."""
     workdir = tmp_path_factory.mktemp("hf_run")
     c = _config(workdir)
-    loop.run_rl(c, progress=False)
+    train.rl.run_rl(c, progress=False)
     out = workdir / "export_hf"
     cmd = [sys.executable, str(ROOT / "scripts" / "export.py"), "--mode=hf",
            "--config=configs/rl.py:hf", f"--config.hf_dir={CKPT}", f"--config.workdir={workdir}",
@@ -70,14 +74,14 @@ def trained(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    model = loop._model(c)
-    return c, model, loop.load_rl_variables(c, model), out
+    model = train.models.config_model(c)
+    return c, model, train.weights.load_rl_variables(c, model), out
 
 
 @pytest.mark.slow
 def test_rl_from_the_checkpoint_trains_and_exports_to_the_same_bytes(trained):
     c, model, v, out = trained
-    v0 = loop.checkpoint_variables(c, model)
+    v0 = train.weights.checkpoint_variables(c, model)
     moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
                 zip(jax.tree.leaves(v), jax.tree.leaves(v0)))
     assert moved > 0  # RL changed the imported weights

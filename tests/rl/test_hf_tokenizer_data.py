@@ -1,6 +1,6 @@
 """The engine's data path through a checkpoint tokenizer's chat template (model/hf/tokenizer.py).
 
-SFT rows (rl.loop's row encoder: one-shot examples and multi-turn demonstrations), RL prompts
+SFT rows (train.sft's row encoder: one-shot examples and multi-turn demonstrations), RL prompts
 (rl.pipeline.encode_prompts) and agent episodes (rl.agent: a model that memorised a
 demonstration rendered through a Kimi- or DeepSeek-format template plays it in a real sandbox
 session, its tool calls in the family's syntax, the session's results as `tool` messages) are the template's
@@ -21,18 +21,17 @@ from hf_tokenizer_fixtures import deepseek_dir, kimi_dir  # noqa: E402
 
 from configs import models  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from model.hf.chat_template import turns_to_messages  # noqa: E402
 from model.hf.tokenizer import load_tokenizer  # noqa: E402
 from model.objectives import fit_lm_on_batch  # noqa: E402
 from model.transformer import Model  # noqa: E402
-from rl.agent import AgentRolloutWorker, encode_episode  # noqa: E402
+from rl.agent import AgentRolloutWorker, encode_episode, turns_to_messages  # noqa: E402
 from rl.envs import EnvConfig, demo_turns  # noqa: E402
-from rl.loop import _sft_rows  # noqa: E402
 from rl.pipeline import encode_prompts  # noqa: E402
 from rl.sampler import SamplingConfig  # noqa: E402
 from rl.tools import parse_tool_calls_as  # noqa: E402
 from sandbox import SandboxPool  # noqa: E402
 from sandbox.tasks.domains import multistep  # noqa: E402
+from train.sft import sft_rows  # noqa: E402
 
 ENV = EnvConfig(observation_tokens=32, max_turns=4)
 
@@ -54,7 +53,7 @@ def _count(tok):
 @pytest.mark.parametrize("name", ["kimi", "deepseek"])
 def test_sft_rows_and_rl_prompts_are_the_template_conversation(toks, name):
     tok = toks[name]
-    encode = _sft_rows(tok, 512)
+    encode = sft_rows(tok, 512)
     # one-shot: the template's [user, assistant] conversation, targets = answer + end-of-turn
     row = encode(("What is 12 plus 30?", "The answer is 42.", True))
     want, want_mask = tok.encode_chat([{"role": "user", "content": "What is 12 plus 30?"},

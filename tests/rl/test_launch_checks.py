@@ -43,7 +43,7 @@ def test_dry_run_rejects_packed_experts_in_training():
 
 
 def test_rows_per_process_must_hold_whole_groups():
-    from rl.loop import check_groups, check_run_config
+    from train.launch import check_groups, check_run_config
 
     c = rl_configs.get_config("smoke_8dev")  # 4 prompts x 2 = 8 rows over 8 row blocks
     shape = shd.mesh_shape(c.sharding.mesh, 8)
@@ -68,8 +68,8 @@ def test_train_state_is_built_for_the_real_mesh_with_bf16_params_and_a_master_co
     """The abstract train state (jax.eval_shape, AbstractMesh: a 64-device mesh on this host)
     with bf16 parameters and the default f32 master copy: its optimizer-state shardings follow
     the parameters', and the per-device bytes are the planner's for params + master + moments."""
-    from rl.loop import abstract_train_state, check_run_config, state_bytes_per_device
     from rl.train_step import MasterCopyState
+    from train.launch import abstract_train_state, check_run_config, state_bytes_per_device
 
     c = rl_configs.get_config("smoke_8dev")
     c.model.param_dtype = c.model.dtype = "bfloat16"

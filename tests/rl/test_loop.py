@@ -81,7 +81,7 @@ def _train_cmd(workdir):
 
 def _final(workdir):
     from configs import rl as rl_configs
-    from rl.loop import load_rl_variables
+    from train.weights import load_rl_variables
     config = rl_configs.get_config("smoke")
     config.workdir = str(workdir)
     for k, v in SMALL_MODEL.items():

@@ -15,10 +15,10 @@ collectives over 4 fake CPU devices each, one (data 2, fsdp 2, expert 2) mesh ac
   across processes and meshes;
 * replica_mismatches: agrees when replicas agree, and names the slice when one device's replica
   of a "replicated" array was made to differ (a silent divergence);
-* the start-up config agreement (rl.loop.config_agreement): the same config passes, a config
+* the start-up config agreement (train.launch.config_agreement): the same config passes, a config
   that differs on one process stops both, naming the differing fields and the processes; a data
-  stream that ends on one process ends both at the same step (rl.loop.next_global_batch);
-* per-process SFT input (rl.loop._sft_stream with the mesh): each process reads only its rows
+  stream that ends on one process ends both at the same step (train.phase.next_global_batch);
+* per-process SFT input (train.sft.sft_stream with the mesh): each process reads only its rows
   of each global batch, and together they are the one-process stream's batches.
 
 The full loop on two processes (scripts/train_rl.py, 3 RL steps, compared with one process) is
@@ -184,25 +184,27 @@ def worker(tmp):
     assert bad == ["['bias']((None, None),)"], bad
 
     # -- start-up agreement on the config, and a data stream that ends on one process
+    import train.launch
+    import train.phase
+    import train.sft
     from configs import rl as rl_configs
-    from rl import loop
 
     c = rl_configs.get_config("smoke_8dev")
-    assert "the same on all 2 processes" in loop.config_agreement(c)
+    assert "the same on all 2 processes" in train.launch.config_agreement(c)
     if me == 1:
         c.seed, c.rl.steps = 5, 7
     try:
-        loop.config_agreement(c)
+        train.launch.config_agreement(c)
     except ValueError as e:
         assert "rl.steps (4 on process(es) [0]; 7 on process(es) [1])" in str(e) and \
             "seed (0 on process(es) [0]; 5 on process(es) [1])" in str(e), str(e)
     else:
         raise AssertionError("different configs on the two processes were accepted")
     stream = iter(range(3 if me == 0 else 2))
-    assert [loop.next_global_batch(stream, "test data", i) for i in range(2)] == [0, 1]
+    assert [train.phase.next_global_batch(stream, "test data", i) for i in range(2)] == [0, 1]
     try:
-        loop.next_global_batch(stream, "test data", 2)
-    except loop.DataExhausted as e:
+        train.phase.next_global_batch(stream, "test data", 2)
+    except train.phase.DataExhausted as e:
         assert "process(es) [1] ended at step 2" in str(e), str(e)
     else:
         raise AssertionError("a stream that ended on process 1 did not end both")
@@ -216,8 +218,8 @@ def worker(tmp):
     examples = [(f"add {i} and 1", str(i + 1), True) for i in range(24)]
     s = ConfigDict(dict(seq_len=32, batch_size=8, episode_seq_len=None,
                         episode_batch_size=None, episode_share=None))
-    mine = list(zip(range(3), loop._sft_stream(examples, tok, s, 0, mesh=mesh)))
-    every = list(zip(range(3), loop._sft_stream(examples, tok, s, 0)))
+    mine = list(zip(range(3), train.sft.sft_stream(examples, tok, s, 0, mesh=mesh)))
+    every = list(zip(range(3), train.sft.sft_stream(examples, tok, s, 0)))
     for (_, got), (_, full) in zip(mine, every):
         assert got["tokens"].shape == (4, 32)
         np.testing.assert_array_equal(got["tokens"], full["tokens"][4 * me:4 * me + 4])

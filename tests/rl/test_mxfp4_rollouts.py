@@ -1,4 +1,4 @@
-"""RL with MXFP4 rollouts (rl.rollout_experts="mxfp4", rl/loop.py:rollout_policy): the sampler
+"""RL with MXFP4 rollouts (rl.rollout_experts="mxfp4", train/rollouts.py:rollout_policy): the sampler
 runs packed experts, the trainer its float (or QAT) weights; the sampler/trainer log-prob gap is
 logged by build_train_batch and TIS weights correct it. With a QAT trainer the gap closes (its
 forward is the MXFP4 forward): the sampler on packed experts (grouped MXFP4 matmul) draws from
@@ -22,11 +22,11 @@ from model.tokenizer import ByteTokenizer
 from model.transformer import Model
 from rl import losses
 from rl.algorithms import algo_from_config
-from rl.loop import rollout_policy
 from rl.pipeline import RolloutWorker, build_train_batch
 from rl.sampler import SamplingConfig
 from rl.train_step import make_logp_fn
 from sandbox.tasks.schema import Task
+from train.rollouts import rollout_policy
 
 
 def _config(**rl):

@@ -76,7 +76,7 @@ def test_planner_counts_what_the_run_allocates():
     from configs import rl as rl_configs
     from model.config import ModelConfig
     from model.plan import RunPlan, per_device_plan
-    from rl.run_plan import run_plan_from_config
+    from train.run_plan import run_plan_from_config
 
     c = rl_configs.get_config("smoke_8dev")
     cfg = ModelConfig.from_dict(c.model)
@@ -111,7 +111,7 @@ def test_planner_warns_about_the_dropless_all_to_all():
     from configs import rl as rl_configs
     from model.config import ModelConfig
     from model.plan import ep_buffer_bytes, per_device_plan
-    from rl.run_plan import run_plan_from_config
+    from train.run_plan import run_plan_from_config
 
     c = rl_configs.get_config("reference")
     c.model.moe.expert_parallel = "all_to_all"

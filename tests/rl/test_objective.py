@@ -27,7 +27,6 @@ from model.config import ModelConfig
 from model.transformer import Model
 from rl import losses
 from rl.algorithms import algo_from_config, get_algorithm
-from rl.loop import rl_model, warmup_model
 from rl.sampler import Sampler, SamplingConfig, pack, process_logits, sampled_logprobs
 from rl.train_step import (
     decay_mask,
@@ -39,6 +38,7 @@ from rl.train_step import (
     make_sft_loss,
     make_sft_step,
 )
+from train.models import rl_model, warmup_model
 
 N, L, P = 4, 40, 12  # rows, packed width, prompt length
 
@@ -191,7 +191,7 @@ def test_indexer_warmup_trains_only_the_indexer_and_raises_recall(setup):
 
 
 def _optim(lr):
-    from rl.loop import _optim as optim
+    from train.state import optim_config as optim
     return optim(lr, 1, 100, 0.0)
 
 

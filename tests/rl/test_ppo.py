@@ -24,7 +24,6 @@ from model.transformer import Model
 from rl.algorithms import algo_from_config
 from rl.checkpoint import Checkpointer, CheckpointMismatchError
 from rl.critic import CriticConfig, init_value_params, token_values
-from rl.loop import init_rl_state, load_rl_variables, run_rl
 from rl.pipeline import ScoredGroup, build_train_batch
 from rl.train_step import (
     CriticTrainState,
@@ -36,6 +35,9 @@ from rl.train_step import (
 )
 from sandbox.tasks.loaders import save_tasks
 from sandbox.tasks.schema import Task
+from train.rl import run_rl
+from train.state import init_rl_state
+from train.weights import load_rl_variables
 
 
 def _config(workdir="/tmp/unused"):

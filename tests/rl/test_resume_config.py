@@ -1,5 +1,5 @@
 """Resuming a workdir only with the config that wrote it, and --noresume keeping the old run
-(rl/workdir.py, rl/loop.py:start_phase).
+(train/workdir.py, train/phase.py:start_phase).
 
 Covered: which config changes each stage depends on (a model field, an SFT hyper-parameter, the
 agent's rendering for SFT; the RL objective and the sampling-only KDA prefill form for RL only; log cadence, eval and a phase's own
@@ -20,11 +20,15 @@ import jax
 import numpy as np
 import pytest
 
+import train.data
+import train.models
+import train.rl
+import train.sft
+import train.weights
 from configs import rl as rl_configs
-from rl import loop
 from rl.checkpoint import Checkpointer
 from rl.metrics import MetricsWriter
-from rl.workdir import (
+from train.workdir import (
     ResumeConfigError,
     check_resumable,
     phase_data,
@@ -73,10 +77,10 @@ def test_each_stage_depends_on_what_changes_its_weights():
     demo, agent = rl_configs.get_config("demo"), rl_configs.get_config("agent")
     assert phase_diff(demo, agent, "sft") == []
     assert {"tasks.families", "sft.families"} <= set(_paths(phase_diff(demo, agent, "rl")))
-    assert loop.sft_families(agent) == loop.task_families(demo) != loop.task_families(agent)
+    assert train.data.sft_families(agent) == train.data.task_families(demo) != train.data.task_families(agent)
     for c in (demo, agent):
         c.tasks.train_per_family = 6
-    kinds = lambda c: sorted({loop._is_episode(ex) for ex in loop.sft_train_examples(c)})
+    kinds = lambda c: sorted({train.data.is_episode(ex) for ex in train.data.sft_train_examples(c)})
     assert kinds(demo) == kinds(agent) == [False, True]  # one-shot rows and episodes
     agent.sft.families = "multistep"  # SFT on the episodes alone: another SFT
     assert kinds(agent) == [True]
@@ -131,14 +135,14 @@ def _params(state):
 def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path, cut_sft_config):
     _config = functools.partial(cut_sft_config, steps=3, checkpoint_every=1, dense_steps=0)
     a = _config(tmp_path)
-    first = loop.run_sft(a, progress=False)
+    first = train.sft.run_sft(a, progress=False)
     sft = tmp_path / "sft"
     assert _steps(sft) == [2, 3]
 
     b = _config(tmp_path)
     b.sft.lr = a.sft.lr * 3
     with pytest.raises(ResumeConfigError) as e:
-        loop.run_sft(b, progress=False)
+        train.sft.run_sft(b, progress=False)
     msg = str(e.value)
     assert "sft.lr: 0.003 -> 0.009" in msg.replace("0.0030000000000000005", "0.003"), msg
     assert "--noresume" in msg and "--config.workdir" in msg and "latest step 3" in msg
@@ -148,18 +152,18 @@ def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path
 
     longer = _config(tmp_path)  # another cadence and a longer schedule: the same run, continued
     longer.sft.update(dict(steps=4, log_every=2, checkpoint_every=2))
-    cont = loop.run_sft(longer, progress=False)
+    cont = train.sft.run_sft(longer, progress=False)
     assert int(cont.step) == 4 and _steps(sft) == [3, 4]
     assert len((sft / "metrics.jsonl").read_text().splitlines()) == 4  # 3 + 1, none again
 
-    fresh = loop.run_sft(b, resume=False, progress=False)  # starts over; the old run is kept
+    fresh = train.sft.run_sft(b, resume=False, progress=False)  # starts over; the old run is kept
     old = [p for p in tmp_path.iterdir() if p.name.startswith("sft.replaced-")]
     assert len(old) == 1 and _steps(old[0]) == [3, 4]
     assert json.loads((old[0] / "config.json").read_text())["sft"]["steps"] == 4
     assert int(fresh.step) == 3 and _steps(sft) == [2, 3]
     assert len((sft / "metrics.jsonl").read_text().splitlines()) == 3  # the new run's alone
-    model = loop._model(b)
-    loaded = jax.tree.leaves(loop.load_sft_variables(b, model)["params"])
+    model = train.models.config_model(b)
+    loaded = jax.tree.leaves(train.weights.load_sft_variables(b, model)["params"])
     for x, y in zip(loaded, _params(fresh)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert any(not np.array_equal(y, z) for y, z in zip(_params(fresh), _params(first)))
@@ -169,7 +173,7 @@ def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path
     c.sft.lr = a.sft.lr * 3
     c.sft.weight_decay = 0.5
     with pytest.raises(ResumeConfigError, match=r"(?s)sft holds checkpoints.*sft.weight_decay"):
-        loop.run_rl(c, progress=False)
+        train.rl.run_rl(c, progress=False)
     # ... and to resume RL checkpoints written under another objective
     rl = tmp_path / "rl"
     MetricsWriter(str(rl), tensorboard=False, config=b).close()
@@ -181,7 +185,7 @@ def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path
     d.sft.lr = b.sft.lr
     d.rl.algo.kl_coef = 0.5
     with pytest.raises(ResumeConfigError, match=r"(?s)rl holds checkpoints.*rl.algo.kl_coef"):
-        loop.run_rl(d, progress=False)
+        train.rl.run_rl(d, progress=False)
     check_resumable(b, "rl")  # the config that wrote them resumes
 
 
@@ -211,7 +215,7 @@ def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
 
 
 def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
-    """A field rl.loop.validate_run_config rejects (here rl.oversample=0; with --dry_run
+    """A field train.launch.validate_run_config rejects (here rl.oversample=0; with --dry_run
     rl.template_power=2, and sandbox.reuse_verdicts=-1 for evaluate.py): exit code 2, the message on stderr, no traceback, nothing written to
     the workdir."""
     import os
@@ -263,7 +267,7 @@ def test_a_run_trained_on_other_data_does_not_resume(tmp_path):
     ck.close()
     check_resumable(c, "rl")  # no data record (a run from before them): resumes
     recorded = phase_data(c, "rl")
-    assert recorded["count"] == len(loop.load_task_splits(c)["train"]) > 0
+    assert recorded["count"] == len(train.data.load_task_splits(c)["train"]) > 0
     record_data(c, "rl", recorded)
     check_resumable(c, "rl")  # the same tasks: resumes
     save_tasks(tasks("no"), c.tasks.task_file)  # same path and config, other contents

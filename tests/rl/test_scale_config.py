@@ -54,7 +54,7 @@ def test_mesh_from_config_on_this_process():
 
 
 def test_check_run_config_catches_what_cannot_run():
-    from rl.loop import check_run_config
+    from train.launch import check_run_config
 
     c = rl_configs.get_config("reference")
     c.sharding.mesh = "fsdp=16,expert=8,tensor=4"
@@ -100,7 +100,7 @@ def test_pod_launch_lines_in_docs_validate(line, devices, processes):
 
 
 def test_sandbox_client_concurrency_sizing_rule():
-    from rl.loop import client_concurrency
+    from train.rollouts import client_concurrency
 
     c = rl_configs.get_config("smoke")
     assert client_concurrency(c) == 16  # nothing known about the fleet

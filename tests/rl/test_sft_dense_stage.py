@@ -1,4 +1,4 @@
-"""SFT's DSA dense stage (sft.dense_steps, rl/loop.py:run_sft / sft_dense_steps) on the smoke
+"""SFT's DSA dense stage (sft.dense_steps, train/sft.py:run_sft / sft_dense_steps) on the smoke
 config.
 
 Covered: the first dense_steps steps train the dense-attention model (their logged CE is that
@@ -15,11 +15,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import train.data
+import train.launch
+import train.models
+import train.sft
+import train.state
 from configs import rl as rl_configs
 from model.config import ModelConfig
 from model.tokenizer import load_tokenizer
 from model.transformer import Model
-from rl import loop
 from rl.checkpoint import Checkpointer
 from rl.train_step import init_train_state, make_optimizer, make_sft_loss
 
@@ -43,16 +47,16 @@ def _ce(model, variables, batch) -> float:
 @pytest.mark.slow
 def test_dense_stage_trains_the_dense_model_first_then_the_sparse_one(tmp_path, _config):
     config = _config(tmp_path)
-    loop.run_sft(config, progress=False)
+    train.sft.run_sft(config, progress=False)
     logged = [json.loads(line)["sft/ce"]
               for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert len(logged) == 3
 
     model = Model(ModelConfig.from_dict(config.model))
-    dense = loop.warmup_model(model.cfg)
+    dense = train.models.warmup_model(model.cfg)
     tok = load_tokenizer(config.tokenizer)
-    examples = loop.sft_train_examples(config)
-    stream = loop._sft_stream(examples, tok, config.sft, config.seed)
+    examples = train.data.sft_train_examples(config)
+    stream = train.sft.sft_stream(examples, tok, config.sft, config.seed)
     batches = [{k: jnp.asarray(v) for k, v in next(stream).items()} for _ in range(3)]
 
     # step 1: the logged CE is the dense model's at the initial weights, not the sparse one's
@@ -62,8 +66,8 @@ def test_dense_stage_trains_the_dense_model_first_then_the_sparse_one(tmp_path, 
     assert logged[0] == pytest.approx(ce0["dense"], rel=1e-5, abs=1e-6)
 
     # step 3 (after the 2-step stage): the sparse model's CE at the weights of step 2
-    opt = make_optimizer(loop._optim(config.sft.lr, config.sft.warmup_steps, config.sft.steps,
-                                     config.sft.weight_decay, loop.optim_numerics(config)))
+    opt = make_optimizer(train.state.optim_config(config.sft.lr, config.sft.warmup_steps, config.sft.steps,
+                                     config.sft.weight_decay, train.state.optim_numerics(config)))
     ckpt = Checkpointer(str(tmp_path / "sft" / "checkpoints"), keep=2)
     at2 = ckpt.restore(2, jax.eval_shape(lambda: init_train_state(init, opt))).state.variables
     ckpt.close()
@@ -71,10 +75,10 @@ def test_dense_stage_trains_the_dense_model_first_then_the_sparse_one(tmp_path, 
     assert abs(ce2["dense"] - ce2["sparse"]) > 1e-4, ce2
     assert logged[2] == pytest.approx(ce2["sparse"], rel=1e-5, abs=1e-6)
 
-    again = loop.run_sft(config, progress=False)  # finished: restored, nothing trained
+    again = train.sft.run_sft(config, progress=False)  # finished: restored, nothing trained
     assert int(again.step) == 3
     assert len((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()) == 3
-    report = loop.validate_run_config(config, phases=("sft",))
+    report = train.launch.validate_run_config(config, phases=("sft",))
     assert "SFT dense stage: the first 2 of 3 steps attend densely" in report
 
 
@@ -85,16 +89,16 @@ def test_dense_stage_rejects_bad_settings(tmp_path, _config):
         del c.sft.dense_steps  # the field is typed int; a hand-written config may hold anything
         c.sft.dense_steps = bad
         with pytest.raises(ValueError, match=r"sft.dense_steps must be an integer in \[0, "):
-            loop.sft_dense_steps(c, cfg)
+            train.sft.sft_dense_steps(c, cfg)
     c = _config(tmp_path)
     c.model.layer_pattern = "K"  # no DSA layer: nothing would differ
     with pytest.raises(ValueError, match="needs a model with a DSA layer.*sft.dense_steps=0"):
-        loop.validate_run_config(c, phases=("sft",))
+        train.launch.validate_run_config(c, phases=("sft",))
     c = _config(tmp_path)
     c.model.dsa.indexer_stage = "dense_warmup"  # dense throughout already
     with pytest.raises(ValueError, match="dense_warmup"):
-        loop.validate_run_config(c, phases=("sft",))
-    assert loop.sft_dense_steps(_config(tmp_path, dense_steps=0), cfg) == 0
+        train.launch.validate_run_config(c, phases=("sft",))
+    assert train.sft.sft_dense_steps(_config(tmp_path, dense_steps=0), cfg) == 0
 
 
 def test_demo_sft_is_dense_throughout_and_follows_its_step_count():
@@ -105,4 +109,4 @@ def test_demo_sft_is_dense_throughout_and_follows_its_step_count():
     c.sft.steps = 300  # --config.sft.steps=300: the stage follows
     assert c.sft.dense_steps == 300
     c.sft.dense_steps = 100  # setting the stage breaks only its own link
-    assert (c.sft.steps, loop.sft_dense_steps(c, loop.model_config(c))) == (300, 100)
+    assert (c.sft.steps, train.sft.sft_dense_steps(c, train.models.model_config(c))) == (300, 100)

@@ -384,13 +384,13 @@ def planner_vs_compiled():
     from model.plan import per_device_plan
     from model.transformer import Model
     from rl.algorithms import algo_from_config
-    from rl.run_plan import run_plan_from_config
     from rl.train_step import (
         init_train_state,
         make_optimizer,
         make_train_step,
         train_state_shardings,
     )
+    from train.run_plan import run_plan_from_config
 
     c = rl_configs.get_config("smoke_8dev")
     c.model = models.get_config("tiny")

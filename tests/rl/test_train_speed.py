@@ -1,5 +1,5 @@
-"""The RL train step's speed choices keep its numbers (rl/train_step.py, rl/loop.py,
-rl/pipeline.py).
+"""The RL train step's speed choices keep its numbers (rl/train_step.py, train/rl.py,
+train/rollouts.py, rl/pipeline.py).
 
 Covered: old_logp="current" (no separate old-log-prob forward: old = stop_gradient of the step's
 own log-probs) gives the loss, gradients, metrics and the updated parameters of the separate
@@ -15,8 +15,8 @@ rl.mtp_loss_weight scales exactly the MTP term and 0 drops it; the jitted prepar
 equals the eager one; the reference variables share the policy's tree (one log-prob compile);
 the loop's train step (on the mesh) compiles once for a batch shape, however many updates it
 feeds its own output state back (benchmarks/train_step_compile.py measures that compile); the
-programs compiled ahead on threads (rl.loop.precompile_updates for the RL update of both row
-kinds, rl.loop.supervised_step for SFT's batch shapes) are the ones the first steps then run
+programs compiled ahead on threads (train.rl.precompile_updates for the RL update of both row
+kinds, train.sft.supervised_step for SFT's batch shapes) are the ones the first steps then run
 (no compile there, and without them those steps do compile).
 Not covered: the timings (benchmarks/rl_loop.py and the peer bench measure them).
 """
@@ -37,7 +37,6 @@ from model.config import ModelConfig
 from model.transformer import Model
 from rl import losses
 from rl.algorithms import get_algorithm, prepare_advantages
-from rl.loop import old_logp_source, ref_logp_source, reference_variables
 from rl.pipeline import _prepare_advantages_jit
 from rl.sampler import SamplingConfig
 from rl.train_step import (
@@ -51,6 +50,8 @@ from rl.train_step import (
     make_train_step,
     train_state_shardings,
 )
+from train.rollouts import old_logp_source, ref_logp_source
+from train.weights import reference_variables
 
 N, L, P = 4, 24, 8
 
@@ -258,15 +259,16 @@ def _scored_group(rows, group_size, prompt_len, gen_len, task, seed=0):
 @pytest.mark.parametrize("ref_mode,ahead", [("step", "state"), ("batch", "state"),
                                             ("step", "abstract")])
 def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_mode, ahead):
-    """rl.loop.precompile_updates (the train step compiled on a thread while the first rollouts
+    """train.rl.precompile_updates (the train step compiled on a thread while the first rollouts
     generate) compiles exactly the programs the real updates then use: after it, updates on
     real groups of both row kinds (one-shot and multi-turn, each at its own width) compile
     nothing, with the reference log-probs in the step or from the separate forward, and when it
     compiled from the state's abstract form (shapes and shardings, before the state exists, as
     run_rl starts it where the forward has nothing to run). Without it the same updates compile
     (the count is not vacuous)."""
-    from rl.loop import _RolloutForward, _train_on, precompile_updates
     from sandbox.tasks.schema import Task
+    from train.rl import precompile_updates, train_on_group
+    from train.rollouts import RolloutForward
 
     model, variables = small_lm
     sampling = SamplingConfig(max_new_tokens=4, temperature=0.7)
@@ -284,7 +286,7 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_m
         ref = reference_variables(variables, state)  # on the mesh, as run_rl's initial weights
         ref = jax.device_put(ref, shd.variables_shardings(shd.model_shardings(model, mesh), ref,
                                                           mesh))
-        forward = _RolloutForward(logp_fn=make_logp_fn(model, sampling, mesh=mesh),
+        forward = RolloutForward(logp_fn=make_logp_fn(model, sampling, mesh=mesh),
                                   logp_value_fn=None, ref_vars=ref, old_logp=False,
                                   ref_in_step=ref_mode == "step", mesh=mesh)
         step = make_train_step(model, algo, opt, sampling=sampling, old_logp="current",
@@ -303,7 +305,7 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_m
         for i, t in enumerate(tasks * 2):
             g = _scored_group(rows, group, 10 if t is tasks[0] else 6,
                               12 if t is tasks[0] else 30, t, seed=i)
-            state, met, _ = _train_on(g, state, **kw)
+            state, met, _ = train_on_group(g, state, **kw)
         assert int(state.step) == 4 and np.isfinite(met["loss"])
         return before, len(compiles) - before
 
@@ -318,7 +320,8 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_m
 def test_precompile_from_shapes_only_where_the_forward_has_nothing_to_run(small_lm):
     """precompile_updates refuses an abstract state when the rollout-time forward runs on the
     state's weights (here the separate reference pass): that forward needs the real state."""
-    from rl.loop import _RolloutForward, precompile_updates
+    from train.rl import precompile_updates
+    from train.rollouts import RolloutForward
 
     model, variables = small_lm
     mesh = shd.make_mesh(devices=jax.devices()[:1])
@@ -326,7 +329,7 @@ def test_precompile_from_shapes_only_where_the_forward_has_nothing_to_run(small_
     abstract = shd.sharded_abstract(
         jax.eval_shape(lambda: init_train_state(variables, opt)),
         train_state_shardings(model, opt, mesh))
-    forward = _RolloutForward(logp_fn=None, logp_value_fn=None, ref_vars=abstract.variables,
+    forward = RolloutForward(logp_fn=None, logp_value_fn=None, ref_vars=abstract.variables,
                               old_logp=False, ref_in_step=False, mesh=mesh)
     assert forward.runs and not dataclasses.replace(forward, ref_in_step=True).runs
     with pytest.raises(ValueError, match="pass the train state itself"):
@@ -336,11 +339,11 @@ def test_precompile_from_shapes_only_where_the_forward_has_nothing_to_run(small_
 
 @pytest.mark.parametrize("algo_name", ["grpo", "ppo"])
 def test_abstract_rl_state_is_the_state_run_rl_creates(algo_name):
-    """rl.loop.abstract_rl_state (what run_rl's update compiles against before the weights
+    """train.state.abstract_rl_state (what run_rl's update compiles against before the weights
     load) has init_rl_state's tree, shapes, dtypes and shardings, with a critic too."""
     from configs import rl as rl_configs
     from rl.algorithms import algo_from_config
-    from rl.loop import abstract_rl_state, init_rl_state
+    from train.state import abstract_rl_state, init_rl_state
 
     c = rl_configs.get_config("smoke")
     c.model.update(dict(num_layers=1, layer_pattern="D"))
@@ -358,13 +361,13 @@ def test_abstract_rl_state_is_the_state_run_rl_creates(algo_name):
 
 
 def test_supervised_steps_compiled_ahead_compile_nothing_at_their_first_steps(small_lm):
-    """rl.loop.supervised_step with a compiler pool (run_sft: the warm-up's and SFT's batch
+    """train.sft.supervised_step with a compiler pool (run_sft: the warm-up's and SFT's batch
     shapes compile on threads, SFT's while the warm-up trains) compiles exactly the programs
     the phase then runs: its steps on batches of both widths compile nothing more. Without
     the pool the same steps compile (the count is not vacuous)."""
     import concurrent.futures
 
-    from rl.loop import supervised_step
+    from train.sft import supervised_step
 
     model, variables = small_lm
     mesh = shd.make_mesh(devices=jax.devices()[:1])

@@ -8,7 +8,7 @@ A domain makes tasks (data, prompt, check spec, demonstrations, corruptions; see
 interface); a scoring method judges them (sandbox/verifiers.py, the one list of those). Adding a
 domain: a new file here defining `DOMAIN` (a base.Domain) and its entry below; sampling
 (sandbox/tasks/sampling.py), SFT mixing (sandbox/tasks/sft.py), config.tasks.families
-(rl.loop.task_families) and multi-turn routing (`is_multi_turn_task`) read this registry.
+(train.data.task_families) and multi-turn routing (`is_multi_turn_task`) read this registry.
 """
 
 from __future__ import annotations

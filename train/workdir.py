@@ -16,13 +16,13 @@ length (sft.steps, sft.dense_steps, rl.steps and optim.total_steps: lengthening 
 continues it under the new schedule). SFT depends on the task families it reads (sft.families,
 or tasks.families when that is empty), not on those RL uses, and ignores the RL section and RL's
 optimizer (config.optim) except rl.agent (it renders the demonstrations' episodes) and the
-optimizer's numerics fields (rl.loop.optim_numerics), and the model fields only sampling reads
+optimizer's numerics fields (train.state.optim_numerics), and the model fields only sampling reads
 (model.kda.recurrent_max_len: SFT never samples); RL depends on everything SFT does and on those,
 since it starts from SFT's weights and samples, unless both configs have rl.init_from="scratch"
 (or "hf": a released checkpoint's weights, whose model section and hf_dir RL depends on).
 
 Each phase directory also records what its weights were trained on (data.json: a digest of
-SFT's demonstrations, `rl.loop.sft_train_examples`, or of RL's train tasks): the same config
+SFT's demonstrations, `train.data.sft_train_examples`, or of RL's train tasks): the same config
 can draw other data when the code that draws it changed (a task generator's new draw, a
 loader) or the task file's contents did, and such checkpoints do not resume either.
 
@@ -40,7 +40,7 @@ import os
 import shutil
 
 from rl.checkpoint import latest_committed_step
-from rl.data import phase_data
+from train.data import phase_data
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _under(path: str, prefixes) -> bool:
 
 def _sft_view(d: dict) -> dict:
     """A plain config with tasks.families replaced by the families SFT reads (the non-empty
-    sft.families, else tasks.families; rl.loop.sft_families) and sft.families dropped."""
+    sft.families, else tasks.families; train.data.sft_families) and sft.families dropped."""
     sft, tasks = dict(d.get("sft", {})), dict(d.get("tasks", {}))
     own = sft.pop("families", "")
     if own:

@@ -1,5 +1,5 @@
 """The data of a run: the task splits of its domains and SFT's demonstrations, and the digest of
-what a phase trains on (what a resumed phase must see again: rl/workdir.py).
+what a phase trains on (what a resumed phase must see again: train/workdir.py).
 
     splits = load_task_splits(config)          # {"train"|"val"|"test": [(Task, demo)]}
     examples = sft_train_examples(config)      # [(prompt, completion or turns, ok)]
@@ -77,24 +77,24 @@ def balanced(tasks: list, n: int) -> list:
 
 
 def is_episode(ex) -> bool:
-    """Whether an SFT example (prompt, completion, ok) is a multi-turn episode: its completion
-    is a list of (assistant text, observation) turns."""
+    """Whether an SFT example (prompt, completion, ok) is an episode (a demonstrated multi-turn
+    task): its completion is a list of (assistant text, observation) turns."""
     return isinstance(ex[1], (list, tuple))
 
 
 def sft_examples(config, pairs) -> list:
     """(prompt, completion, ok) for SFT from (task, demo) pairs, sft.imperfect_frac of each
     domain well-formed but wrong: one-shot domains through sandbox.tasks.sft.sft_examples,
-    multi-step episodes through sandbox.tasks.sft.sft_episodes rendered exactly as the rollouts'
+    multi-turn tasks' episodes through sandbox.tasks.sft.sft_episodes rendered exactly as the rollouts'
     environment renders turns (rl.envs.demo_turns with agent_env_config)."""
     s = config.sft
     one = [p for p in pairs if not is_multi_turn_task(p[0])]
-    agent = [p[0] for p in pairs if is_multi_turn_task(p[0])]
+    multi_turn = [p[0] for p in pairs if is_multi_turn_task(p[0])]
     out = sft.sft_examples(one, s.imperfect_frac, config.seed) if one else []
-    if agent:
+    if multi_turn:
         env = agent_env_config(config.rl.agent)
         out += [(t.prompt, demo_turns(t, env, turns), ok)
-                for t, turns, ok in sft.sft_episodes(agent, s.imperfect_frac, config.seed)]
+                for t, turns, ok in sft.sft_episodes(multi_turn, s.imperfect_frac, config.seed)]
     return out
 
 

@@ -1,0 +1,177 @@
+"""The project's packages import in one direction: no import circle between modules, and no
+package imports a package above it (LAYERS). Read from the source with ast (nothing imported), so
+an import inside a function body counts like one at module level: a function-level import hides
+a circle from Python's import machinery, not from this graph.
+
+Layers (lowest first), as the code has them: runtime (process set-up before jax) <
+pallas_kernels (kernels, usable without the model) < model < sandbox (which imports neither
+model nor rl) < rl (the engine) < train (the drivers) < configs (run configs, which read rl's
+algorithm presets and model's tokenizer) < scripts < benchmarks (which reuse scripts' and
+each other's pieces).
+
+Not covered: imports built at run time (importlib.import_module, __import__ with a computed
+name) and scripts/' own `import _common` (a path-relative import inside scripts/).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LAYERS = ("runtime", "pallas_kernels", "model", "sandbox", "rl", "train", "configs", "scripts",
+          "benchmarks")
+
+# Files allowed to import a higher layer while their fix lands elsewhere; each entry says why.
+ALLOWED_UPWARD = {
+    # builds the RL run's programs from rl/, train/ and configs/ inside its functions
+    "model/aot.py",
+    # reads model.config and configs.models for its compile targets
+    "pallas_kernels/tpu_compile.py",
+    # wraps a kernel in shard_map over the mesh model.sharding's use_mesh made active (an
+    # optional import: the kernels run without the model package)
+    "pallas_kernels/partition.py",
+}
+
+
+def project_modules(root: str = ROOT) -> dict[str, str]:
+    """{dotted module name: path relative to root} of every .py file under LAYERS' packages."""
+    mods = {}
+    for pkg in LAYERS:
+        for d, dirs, files in os.walk(os.path.join(root, pkg)):
+            dirs[:] = sorted(x for x in dirs if not x.startswith((".", "__pycache__")))
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(d, f), root)
+                    name = rel[:-3].replace(os.sep, ".")
+                    mods[name.removesuffix(".__init__")] = rel
+    return mods
+
+
+def import_edges(mods: dict[str, str], root: str = ROOT) -> dict[tuple[str, str], list[int]]:
+    """{(importer, imported): [line, ...]} between project modules, every import statement of
+    a file counted wherever it stands (module level, function body, class body)."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[tuple[str, str], list[int]] = {}
+    for mod, rel in mods.items():
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), rel)
+        package = mod if rel.endswith("__init__.py") else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [resolve(a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [resolve(f"{base}.{a.name}") if f"{base}.{a.name}" in mods
+                           else resolve(base) for a in node.names]
+            for t in targets:
+                if t is not None and t != mod:
+                    edges.setdefault((mod, t), []).append(node.lineno)
+    return edges
+
+
+def cycles(edges) -> list[list[str]]:
+    """The import circles of a graph: its strongly connected components of more than one
+    module (Tarjan's algorithm, iterative), each sorted."""
+    graph: dict[str, list[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, []).append(b)
+        graph.setdefault(b, [])
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on_stack.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def upward_imports(edges, mods, allowed=ALLOWED_UPWARD) -> list[str]:
+    """'file:line importer -> imported' for each import of a higher layer's module, except
+    from the files in `allowed`."""
+    rank = {p: i for i, p in enumerate(LAYERS)}
+    out = []
+    for (a, b), lines in sorted(edges.items()):
+        if rank[b.split(".")[0]] > rank[a.split(".")[0]] and mods[a] not in allowed:
+            out += [f"{mods[a]}:{n} {a} -> {b}" for n in lines]
+    return out
+
+
+@functools.cache
+def _repository_graph():
+    mods = project_modules()
+    return mods, import_edges(mods)
+
+
+def test_no_import_circle_between_modules():
+    _, edges = _repository_graph()
+    found = cycles(edges)
+    assert not found, ("import circles (move the shared piece down to a module both can "
+                       f"import): {found}")
+
+
+def test_no_package_imports_a_higher_layer():
+    mods, edges = _repository_graph()
+    found = upward_imports(edges, mods)
+    assert not found, (f"imports of a higher layer (layers, lowest first: {LAYERS}); move the "
+                       f"piece both need down: {found}")
+
+
+def test_the_allow_list_names_existing_files_that_still_need_it():
+    mods, edges = _repository_graph()
+    for rel in ALLOWED_UPWARD:
+        assert os.path.isfile(os.path.join(ROOT, rel)), rel
+        assert upward_imports(edges, mods, ALLOWED_UPWARD - {rel}), (
+            f"{rel} no longer imports a higher layer: remove it from ALLOWED_UPWARD")
+
+
+def test_the_checks_find_a_circle_and_an_upward_import_hidden_in_functions(tmp_path):
+    for rel, text in {"model/__init__.py": "", "rl/__init__.py": "",
+                      "model/a.py": "def f():\n    from rl import b\n",
+                      "rl/b.py": "import model.a\n",
+                      "rl/c.py": "from . import b\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    mods = project_modules(str(tmp_path))
+    edges = import_edges(mods, str(tmp_path))
+    assert ("rl.c", "rl.b") in edges
+    assert cycles(edges) == [["model.a", "rl.b"]]
+    assert upward_imports(edges, mods) == [f"model{os.sep}a.py:2 model.a -> rl.b"]
