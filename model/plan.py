@@ -437,7 +437,7 @@ def fsdp_gathered_bytes(cfg: ModelConfig, mesh_shape: dict, rules=None) -> dict:
     {"all_blocks": bytes of every gathered weight (kept for the backward without remat),
      "one_block": the largest single block's (what remat keeps live)}, minus the shards
     already held."""
-    rules = shd._rules(rules)
+    rules = shd.normalize_rules(rules)
     batch_axes = set(rules.get("batch", ()))
     ep = cfg.moe.expert_parallel != "none"
     # per layer: a scanned span's copies are gathered one at a time, each as its layer would

@@ -45,8 +45,6 @@ its own slice of the global batch (`host_batch_slice`) and assembles the global 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 import os
@@ -59,73 +57,24 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
-
-# logical name -> mesh axes (None, "axis" or ("axis", ...)). Parameter names come from the model
-# layers; activation names ("batch", "length", "act_*") are used with `constrain`.
-# Parameters: ZeRO-3 over the whole data-parallel group of the dense layers, fsdp x expert (the
-# expert axis is a batch axis outside the MoE); an expert matrix's "expert" dim takes the expert
-# axis first, so its "embed" dim gets fsdp only. Low-rank dims (q_lora, kv_lora, rank) also take
-# fsdp x expert, so every large matrix is split on some dim.
-DEFAULT_RULES: dict[str, Any] = {
-    # parameters
-    "vocab": "tensor",
-    "embed": ("fsdp", "expert"),
-    # MTP combine input (2*d_model). Not "tensor": with it, value_and_grad of the test model on
-    # (2,2,1,2) / (2,1,2,2) meshes gave wrong values (an XLA SPMD partitioning problem, seen on
-    # XLA:CPU with jax 0.10.2; tests/rl/test_sharded_rl.py's (2,1,2,2) mesh and
-    # the two-process step in tests/model/test_sharding.py would catch a regression).
-    "embed2": None,
-    "heads": "tensor",
-    "mlp": "tensor",
-    "mlp_out": "tensor",  # MXFP4 expert blocks: output features
-    "blocks": ("fsdp", "expert"),  # MXFP4 expert blocks: input features / 32
-    "nibbles": None,
-    "expert": "expert",
-    "rank": ("fsdp", "expert"),
-    "kv_lora": ("fsdp", "expert"),
-    "q_lora": ("fsdp", "expert"),
-    "head_dim": None,
-    "norm": None,
-    "conv": None,
-    # the stacking axis of scanned layer groups (model/transformer.py:scanned_group), unsplit
-    "layers": None,
-    # activations
-    "batch": ("data", "fsdp", "expert"),
-    "length": None,
-    "act_embed": None,
-    "act_heads": "tensor",
-    "act_mlp": "tensor",
-    "act_vocab": "tensor",
-}
-
-# Activation axes at a block boundary ([B,T,D] residual stream).
-BLOCK_AXES = ("batch", "length", "act_embed")
-
-Rules = Mapping[str, Any]
-
+from runtime.mesh import (  # noqa: F401  (re-exported: model.sharding's public names)
+    BLOCK_AXES,
+    DEFAULT_RULES,
+    MESH_AXES,
+    Rules,
+    active,
+    as_axes,
+    current_mesh,
+    current_rules,
+    in_manual_region,
+    logical_to_spec,
+    make_rules,
+    mesh_sizes,
+    normalize_rules,
+    use_mesh,
+)
 
 # --------------------------------------------------------------------------- rules and config
-def _as_axes(v: Any) -> tuple[str, ...]:
-    """None | "" | "none" | "a" | "a,b" | ("a", "b") -> tuple of mesh axis names."""
-    if v is None:
-        return ()
-    if isinstance(v, str):
-        v = v.strip()
-        if v.lower() in ("", "none", "replicated"):
-            return ()
-        return tuple(a.strip() for a in v.split(",") if a.strip())
-    return tuple(str(a) for a in v)
-
-
-def make_rules(overrides: Mapping[str, Any] | None = None) -> dict[str, tuple[str, ...]]:
-    """DEFAULT_RULES with `overrides` applied, normalised to tuples of mesh axis names."""
-    rules = {k: _as_axes(v) for k, v in DEFAULT_RULES.items()}
-    for k, v in (overrides or {}).items():
-        rules[str(k)] = _as_axes(v)
-    return rules
-
-
 # Named meshes for `sharding_config(preset)`; --config.sharding.mesh overrides the preset's.
 SHARDING_PRESETS: dict[str, str] = {
     # one device (the CPU demo): no collectives; with more devices present, the first is used
@@ -159,7 +108,7 @@ def sharding_config(preset: str = "all_devices"):
     c.preset = preset
     c.mesh = SHARDING_PRESETS[preset]
     c.rules = ml_collections.ConfigDict(
-        {k: ",".join(_as_axes(v)) or "none" for k, v in DEFAULT_RULES.items()})
+        {k: ",".join(as_axes(v)) or "none" for k, v in DEFAULT_RULES.items()})
     return c
 
 
@@ -197,12 +146,6 @@ def rules_from_config(cfg: Any = None) -> dict[str, tuple[str, ...]]:
         cfg = cfg["rules"]
     # extra logical names are allowed (new layers may add names)
     return make_rules({k: v for k, v in cfg.items() if k != "mesh"})
-
-
-def _rules(rules: Rules | None) -> dict[str, tuple[str, ...]]:
-    if rules is None:
-        return make_rules()
-    return {k: _as_axes(v) for k, v in rules.items()}
 
 
 # --------------------------------------------------------------------------- meshes
@@ -266,45 +209,7 @@ def make_mesh(shape: str | Mapping[str, int] | Sequence[int] | None = None, *,
                          devices=devices)
 
 
-def _mesh_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
-    if isinstance(mesh, Mapping):
-        return dict(mesh)
-    return dict(mesh.shape)
-
-
 # --------------------------------------------------------------------------- logical -> mesh
-def logical_to_spec(names: Sequence[str | None], shape: Sequence[int],
-                    mesh: Mesh | Mapping[str, int], rules: Rules | None = None,
-                    report: list | None = None) -> P:
-    """PartitionSpec for one array with logical axis `names` and `shape` (see module docstring
-    for the skipping rules). `report`, if given, receives (dim, name, axis, size, dim_size) for
-    every axis skipped because it does not divide the dimension."""
-    rules = _rules(rules)
-    sizes = _mesh_sizes(mesh)
-    used: set[str] = set()
-    entries = []
-    if len(names) != len(shape):
-        raise ValueError(f"logical names {tuple(names)} do not match shape {tuple(shape)}")
-    for dim, (name, n) in enumerate(zip(names, shape)):
-        axes = []
-        prod = 1
-        for a in (rules.get(name, ()) if name is not None else ()):
-            s = sizes.get(a, 1)
-            if s == 1 or a in used:
-                continue
-            if n % (prod * s):
-                if report is not None:
-                    report.append((dim, name, a, s, n))
-                continue
-            axes.append(a)
-            used.add(a)
-            prod *= s
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
-    while entries and entries[-1] is None:
-        entries.pop()
-    return P(*entries)
-
-
 def _is_box(x) -> bool:
     return isinstance(x, nn.Partitioned)
 
@@ -445,42 +350,11 @@ def sharded_abstract(tree, shardings):
 
 
 # --------------------------------------------------------------------------- activations
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("model_sharding_mesh", default=None)
-
-
-@contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules: Rules | None = None):
-    """Make `mesh` (and rules) visible to model code traced inside the block."""
-    token = _ACTIVE.set((mesh, _rules(rules)))
-    try:
-        yield mesh
-    finally:
-        _ACTIVE.reset(token)
-
-
-def current_mesh() -> Mesh | None:
-    ctx = _ACTIVE.get()
-    return None if ctx is None else ctx[0]
-
-
-def current_rules() -> dict[str, tuple[str, ...]]:
-    ctx = _ACTIVE.get()
-    return make_rules() if ctx is None else ctx[1]
-
-
-def _in_manual_region() -> bool:
-    try:
-        am = jax.sharding.get_abstract_mesh()
-        return bool(getattr(am, "manual_axes", ()))
-    except Exception:  # pragma: no cover - older/newer APIs
-        return False
-
-
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Annotate an activation with logical axes (no-op outside `use_mesh` or inside shard_map).
     Axes that do not divide the dimension are skipped, as for parameters."""
-    ctx = _ACTIVE.get()
-    if ctx is None or _in_manual_region():
+    ctx = active()
+    if ctx is None or in_manual_region():
         return x
     mesh, rules = ctx
     spec = logical_to_spec(tuple(logical_axes), x.shape, mesh, rules)
@@ -651,7 +525,7 @@ def mesh_key(mesh: Mesh | None, rules: Rules | None = None):
     without a mesh."""
     if mesh is None:
         return None
-    return mesh, tuple(sorted(_rules(rules).items()))
+    return mesh, tuple(sorted(normalize_rules(rules).items()))
 
 
 # --------------------------------------------------------------------------- mesh programs
@@ -670,7 +544,7 @@ class MeshJit:
 
     def __init__(self, fn, mesh: Mesh, rules: Rules | None = None, *, in_shardings=None,
                  out_shardings=None, donate_argnums=(), name: str = "program"):
-        self.fn, self.mesh, self.rules = fn, mesh, _rules(rules)
+        self.fn, self.mesh, self.rules = fn, mesh, normalize_rules(rules)
         self._in, self._out, self._donate = in_shardings, out_shardings, donate_argnums
         self.name = name
         self._jits: dict = {}
@@ -730,7 +604,7 @@ def global_rows(n_local: int, mesh: Mesh, rules: Rules | None = None) -> int:
         if rows.stop - rows.start == n_local:
             return total
     raise ValueError(f"a batch of {n_local} rows per process does not map onto mesh "
-                     f"{dict(mesh.shape)} (rules batch={_rules(rules)['batch']}): choose a batch "
+                     f"{dict(mesh.shape)} (rules batch={normalize_rules(rules)['batch']}): choose a batch "
                      "size the batch axes divide")
 
 

@@ -4,9 +4,9 @@ XLA cannot partition a Mosaic (TPU) kernel itself: a compiled TPU Pallas call in
 sharded over several devices fails with "Mosaic kernels cannot be automatically partitioned.
 Please wrap the call in a shard_map" (found by compiling the RL programs for TPU topologies,
 model/aot.py). `per_device(fn, args, in_names, out_names)` runs fn under `jax.shard_map` over the
-mesh the model is traced under (model.sharding.use_mesh, as its MoE dispatch does), each array
-split by its logical axis names through the same rules and skipping rule as the model's
-activations (model.sharding.logical_to_spec: "batch" over the data axes, "act_heads" over
+mesh the model is traced under (runtime.mesh.use_mesh, re-exported by model.sharding), each
+array split by its logical axis names through the same rules and skipping rule as the model's
+activations (runtime.mesh.logical_to_spec: "batch" over the data axes, "act_heads" over
 tensor; an axis that does not divide a dimension is left out, so that dimension is replicated).
 Outside a mesh, on a one-device mesh and inside a manual (shard_map) region it calls fn as is.
 
@@ -19,18 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from runtime import mesh as mesh_context
+
 
 def active_mesh():
     """(mesh, rules) the model is traced under when a compiled Pallas call must be wrapped in
     shard_map (more than one device, not already inside a manual region), else None."""
-    try:
-        from model import sharding as shd  # noqa: PLC0415
-    except ImportError:  # the kernels used without the model package
+    ctx = mesh_context.active()
+    if ctx is None or ctx[0].size == 1 or mesh_context.in_manual_region():
         return None
-    mesh = shd.current_mesh()
-    if mesh is None or mesh.size == 1 or shd._in_manual_region():
-        return None
-    return mesh, shd.current_rules()
+    return ctx
 
 
 def per_device(fn: Callable, args: Sequence, in_names: Sequence, out_names) -> object:
@@ -44,15 +42,13 @@ def per_device(fn: Callable, args: Sequence, in_names: Sequence, out_names) -> o
     ctx = active_mesh()
     if ctx is None:
         return fn(*args)
-    from model import sharding as shd  # noqa: PLC0415
-
     mesh, rules = ctx
     present = [i for i, a in enumerate(args) if a is not None]
     if any(in_names[i] is None for i in present):
         raise ValueError("per_device: every array argument needs its logical axis names")
 
     def spec(names, shape):
-        return shd.logical_to_spec(names, shape, mesh, rules)
+        return mesh_context.logical_to_spec(names, shape, mesh, rules)
 
     in_specs = tuple(spec(in_names[i], args[i].shape) for i in present)
     outs = jax.eval_shape(fn, *args)

@@ -30,9 +30,6 @@ ALLOWED_UPWARD = {
     "model/aot.py",
     # reads model.config and configs.models for its compile targets
     "pallas_kernels/tpu_compile.py",
-    # wraps a kernel in shard_map over the mesh model.sharding's use_mesh made active (an
-    # optional import: the kernels run without the model package)
-    "pallas_kernels/partition.py",
 }
 
 

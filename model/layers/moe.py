@@ -377,7 +377,7 @@ def expert_parallel_experts(x, weights, idx, valid, experts, *, num_experts, mes
     Returns (y [N,D], dropped assignments count) or None when N cannot be split over the batch
     axes including the expert axis (the caller then runs the local dispatch).
     collective: the ragged all-to-all to use (default lax.ragged_all_to_all)."""
-    rules = shd.current_rules() if rules is None else shd._rules(rules)
+    rules = shd.current_rules() if rules is None else shd.normalize_rules(rules)
     N = x.shape[0]
     sizes = dict(mesh.shape)
     ep_axes = tuple(a for a in rules.get("expert", ()) if sizes.get(a, 1) > 1)
