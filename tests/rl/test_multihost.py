@@ -104,6 +104,21 @@ def worker(tmp):
     np.testing.assert_array_equal(np.asarray(s), want)
     np.testing.assert_array_equal(shd.host_rows(doubled), local * 2)
     assert g.is_deleted()  # donated
+    # a sum over processes with one participant on each (the data axis) is x0 + x1 bit for bit,
+    # what one process's in-process all-reduce gives too; a sum over more participants runs as
+    # gloo's ring (another addition order than one process's device order), which is why
+    # scripts/multihost_check.py --devices 1 is the layout compared bit for bit
+    rows = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    rows *= np.logspace(0, 4, 64, dtype=np.float32)  # magnitudes that round differently
+    spec = P(("data", "fsdp", "expert"))
+    x = jax.make_array_from_callback(rows.shape, NamedSharding(mesh, spec), lambda i: rows[i])
+    over_data = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh,
+                                      in_specs=spec, out_specs=spec))(x)
+    from jax.experimental import multihost_utils
+
+    got = multihost_utils.process_allgather(over_data, tiled=True)
+    np.testing.assert_array_equal(got.view(np.uint32),
+                                  np.tile(rows[:4] + rows[4:], (2, 1)).view(np.uint32))
     # the host share of a batch that splits a group is refused
     try:
         host_prompt_slice(3, 2, mesh=shd.make_mesh((2, 1, 1, 4)))
@@ -164,8 +179,6 @@ def worker(tmp):
     r = ckpt.restore_latest(target, data_iter=it2)
     ckpt.close()
     assert r.step == 2 and next(it2) == after and batch != after
-    from jax.experimental import multihost_utils
-
     for k in vals:
         assert r.state[k].sharding == sh[k], (k, r.state[k].sharding)
         np.testing.assert_array_equal(multihost_utils.process_allgather(r.state[k], tiled=True),
