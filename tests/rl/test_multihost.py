@@ -4,7 +4,8 @@ collectives over 4 fake CPU devices each, one (data 2, fsdp 2, expert 2) mesh ac
 * each process's share of a global batch (rl.pipeline.host_prompt_slice) and the global array
   assembled from every process's rows (model.sharding.to_global), reduced by a MeshJit program
   (compiled, then a barrier, then run, with donation), and this process's rows back
-  (host_rows);
+  (host_rows); a sum over the data axis, one participant on each process, is x0 + x1 bit for
+  bit (what one process gives: the layout scripts/multihost_check.py compares bit for bit);
 * the advantages of a batch over both processes' rows (rl.pipeline.batch_advantages):
   REINFORCE++-baseline's batch std and the advantage metrics equal one process's over all rows;
 * host-side metrics reduced over processes (reduce_host_metrics: mean / max / sum by key, keys
@@ -22,8 +23,8 @@ collectives over 4 fake CPU devices each, one (data 2, fsdp 2, expert 2) mesh ac
   of each global batch, and together they are the one-process stream's batches.
 
 The full loop on two processes (scripts/train_rl.py, 3 RL steps, compared with one process) is
-`python scripts/multihost_check.py` (too slow for the suite; its last result is in
-docs/scaling.md).
+`python scripts/multihost_check.py` (3 to 4.5 minutes: too slow for the suite; its last result
+is in docs/scaling.md section 3).
 """
 
 from __future__ import annotations
