@@ -4,7 +4,8 @@ collectives over 4 fake CPU devices each, one (data 2, fsdp 2, expert 2) mesh ac
 * each process's share of a global batch (rl.pipeline.host_prompt_slice) and the global array
   assembled from every process's rows (model.sharding.to_global), reduced by a MeshJit program
   (compiled, then a barrier, then run, with donation), and this process's rows back
-  (host_rows);
+  (host_rows); a sum over the data axis, one participant on each process, is x0 + x1 bit for
+  bit (what one process gives: the layout scripts/multihost_check.py compares bit for bit);
 * the advantages of a batch over both processes' rows (rl.pipeline.batch_advantages):
   REINFORCE++-baseline's batch std and the advantage metrics equal one process's over all rows;
 * host-side metrics reduced over processes (reduce_host_metrics: mean / max / sum by key, keys
@@ -22,8 +23,8 @@ collectives over 4 fake CPU devices each, one (data 2, fsdp 2, expert 2) mesh ac
   of each global batch, and together they are the one-process stream's batches.
 
 The full loop on two processes (scripts/train_rl.py, 3 RL steps, compared with one process) is
-`python scripts/multihost_check.py` (too slow for the suite; its last result is in
-docs/scaling.md).
+`python scripts/multihost_check.py` (3 to 4.5 minutes: too slow for the suite; its last result
+is in docs/scaling.md section 3).
 """
 
 from __future__ import annotations
@@ -104,6 +105,21 @@ def worker(tmp):
     np.testing.assert_array_equal(np.asarray(s), want)
     np.testing.assert_array_equal(shd.host_rows(doubled), local * 2)
     assert g.is_deleted()  # donated
+    # a sum over processes with one participant on each (the data axis) is x0 + x1 bit for bit,
+    # what one process's in-process all-reduce gives too; a sum over more participants runs as
+    # gloo's ring (another addition order than one process's device order), which is why
+    # scripts/multihost_check.py --devices 1 is the layout compared bit for bit
+    rows = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    rows *= np.logspace(0, 4, 64, dtype=np.float32)  # magnitudes that round differently
+    spec = P(("data", "fsdp", "expert"))
+    x = jax.make_array_from_callback(rows.shape, NamedSharding(mesh, spec), lambda i: rows[i])
+    over_data = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh,
+                                      in_specs=spec, out_specs=spec))(x)
+    from jax.experimental import multihost_utils
+
+    got = multihost_utils.process_allgather(over_data, tiled=True)
+    np.testing.assert_array_equal(got.view(np.uint32),
+                                  np.tile(rows[:4] + rows[4:], (2, 1)).view(np.uint32))
     # the host share of a batch that splits a group is refused
     try:
         host_prompt_slice(3, 2, mesh=shd.make_mesh((2, 1, 1, 4)))
@@ -164,8 +180,6 @@ def worker(tmp):
     r = ckpt.restore_latest(target, data_iter=it2)
     ckpt.close()
     assert r.step == 2 and next(it2) == after and batch != after
-    from jax.experimental import multihost_utils
-
     for k in vals:
         assert r.state[k].sharding == sh[k], (k, r.state[k].sharding)
         np.testing.assert_array_equal(multihost_utils.process_allgather(r.state[k], tiled=True),
