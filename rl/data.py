@@ -40,8 +40,8 @@ def task_families(config) -> list[str]:
 
 def sft_families(config) -> list[str]:
     """The families SFT's demonstrations come from: config.sft.families, or tasks.families when
-    it is empty or absent."""
-    spec = config.sft.get("families", "")
+    it is empty."""
+    spec = config.sft.families
     return _families(spec, "sft.families") if spec else task_families(config)
 
 

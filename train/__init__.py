@@ -1,0 +1,1 @@
+"""Training: the run config's schema (train/run_config.py)."""
