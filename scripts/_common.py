@@ -124,8 +124,8 @@ def device_memory(config, phase: str, shape: dict, device: str) -> dict:
         run = run_plan.run_plan_from_config(config)
     else:
         rows, seq = int(config.sft.batch_size), int(config.sft.seq_len)
-        run = plan.RunPlan(master_dtype=config.optim.get("master_dtype", "") or "",
-                           mu_dtype=config.optim.get("mu_dtype", "") or "")
+        run = plan.RunPlan(master_dtype=config.optim.master_dtype,
+                           mu_dtype=config.optim.mu_dtype)
     pd = plan.per_device_plan(cfg, shape, device, rows, seq, rules=rules, run=run)
     return {"train": pd["train"]["total"],
             "rollout": pd["rollout"]["total"] if pd.get("rollout") else None,
@@ -153,6 +153,19 @@ def memory_check(config, phase: str, shape: dict, device: str | None) -> str:
     return (f"  {phase} memory on {device} ({m['source']}): "
             + ", ".join(f"{what} {v / gb:.1f} GB" for what, v in parts)
             + f" of {m['usable'] / gb:.1f} GB usable per device")
+
+
+def load_run_config(config):
+    """The validated run config (train/run_config.py: RunConfig.from_config) of a --config
+    ConfigDict after its flags; a field that is unknown, of the wrong type or out of range ends
+    the script with the message on stderr and exit code 2 before anything loads."""
+    from train.run_config import RunConfig, RunConfigError
+
+    try:
+        return RunConfig.from_config(config)
+    except RunConfigError as e:
+        print(f"error: the config is rejected before anything ran: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def launch_check(config, phases, *, num_devices: int | None = None, device: str | None = None,

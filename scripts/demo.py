@@ -122,11 +122,12 @@ def _plot(path, rl_metrics, val_curve):
 
 
 def main(_):
+    config = _common.load_run_config(_CONFIG.value)
     if _DRY.value:
-        _common.dry_run(_CONFIG.value, ('sft', 'rl'))
+        _common.dry_run(config, ('sft', 'rl'))
         return
     _common.setup_jax()
-    _common.stop_on_bad_config(_CONFIG.value, ('sft', 'rl'))
+    _common.stop_on_bad_config(config, ('sft', 'rl'))
     import functools
 
     import jax
@@ -148,7 +149,6 @@ def main(_):
     from rl.sampler import SamplingConfig
     from rl.workdir import check_resumable
 
-    config = _CONFIG.value
     if _RESUME.value:  # both phases' checkpoints must be this config's before anything runs
         with _common.stop_on_workdir_mismatch():
             check_resumable(config, "sft")

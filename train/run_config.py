@@ -464,6 +464,11 @@ class RunConfig:
             del d["hf_dir"]
         return d
 
+    def __contains__(self, name: str) -> bool:
+        """Whether the config has the field or section `name` (helpers that take either a run
+        config or one of its sections ask "sharding" in cfg)."""
+        return name in self.__dataclass_fields__ and not (name == "hf_dir" and self.hf_dir is None)
+
     def rl_seed(self) -> int:
         """RL's seed: rl.seed, or config.seed when it is unset (SFT keeps config.seed;
         evaluation keys depend on neither)."""
