@@ -7,8 +7,9 @@ rl/data.py's, re-exported here).
     load_sft_variables / load_rl_variables + make_rollout_worker + rl.pipeline.evaluate:
                                          per-domain pass@1 with 95% intervals (scripts/evaluate.py)
 
-Both read one ml_collections config (configs/rl.py); run_rl's helpers each get their own
-section of it (config.rl, config.rl.agent, config.eval). Every run is resumable: checkpoints hold
+Both read one run config (configs/rl.py), validated into train/run_config.py's frozen RunConfig
+(a ConfigDict given to them is converted first); run_rl's helpers each get their own section of
+it (config.rl, config.rl.agent, config.eval). Every run is resumable: checkpoints hold
 the train state (with a critic: the value head and its optimizer state), rng and data-iterator
 position; the frozen reference policy is not stored (it is the initial weights, reloaded on
 resume). `resume=True` picks up at the last good checkpoint and continues exactly (same data
@@ -73,11 +74,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ml_collections import ConfigDict
 
 from model import sharding as shd
 from model.config import ModelConfig
-from model.hf import hf_config, import_hf
+from model.hf import import_hf
 from model.tokenizer import load_tokenizer
 from model.transformer import Model
 from rl.algorithms import algo_from_config
@@ -120,6 +120,7 @@ from rl.train_step import (
 )
 from rl.workdir import check_resumable, record_data, set_aside
 from sandbox.tasks.domains import is_multi_turn_task
+from train.run_config import INIT_FROM, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -127,30 +128,6 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- model
 def _model(config) -> Model:
     return Model(model_config(config))
-
-
-def resolve_checkpoint(config) -> None:
-    """A run from a released checkpoint (`config.hf_dir`, configs/rl.py:hf): its model section
-    becomes the checkpoint's config.json translated (model.hf.hf_config; the run keeps its own
-    dtype, param_dtype and scan_layers, the only fields configs/rl.py:hf gives it) and its tokenizer the checkpoint's tokenizer files and
-    chat template. Called first by validate_run_config, run_sft, run_rl and evaluation; a
-    second call changes nothing. Without hf_dir: nothing to do."""
-    if "hf_dir" not in config:
-        return
-    d = config.hf_dir
-    if not d:
-        raise ValueError("this config starts from a released checkpoint: set --config.hf_dir=DIR "
-                         "(a directory in transformers' layout: config.json, *.safetensors, "
-                         "tokenizer files; docs/checkpoints.md)")
-    if not os.path.isdir(d):
-        raise ValueError(f"hf_dir={d!r} is not a directory: give a checkpoint directory in "
-                         "transformers' layout (config.json, *.safetensors, tokenizer files)")
-    m = config.model
-    cfg = hf_config(d, dtype=m.dtype, param_dtype=m.param_dtype).replace(
-        scan_layers=bool(m.get("scan_layers", False)))
-    with config.unlocked():
-        config.model = ConfigDict(dataclasses.asdict(cfg))
-        config.tokenizer = d
 
 
 def model_config(config) -> ModelConfig:
@@ -174,25 +151,7 @@ def _open_pool(config):
                        max_concurrency=client_concurrency(config))
     else:
         pool = connect("local", workers=s.workers)
-    return pool, Verifier(executor=pool, reuse=reuse_verdicts(s))
-
-
-def int_field(node, path: str, default: int, minimum: int, meaning: str) -> int:
-    """The int config field `path` ("section.name") of `node` (its section; `default` where a
-    config written before the field lacks it), refused unless an int >= minimum; `meaning`
-    explains the values in the error."""
-    v = node.get(path.rsplit(".", 1)[-1], default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{path} must be an int >= {minimum} ({meaning}), got {v!r}")
-    return v
-
-
-def reuse_verdicts(s) -> int:
-    """sandbox.reuse_verdicts (config.sandbox; absent in configs written before it: 0), checked,
-    as the Verifier's `reuse`."""
-    return int_field(s, "sandbox.reuse_verdicts", 0, 0,
-                     "the last N scored (task, completion) pairs whose verdicts identical "
-                     "completions take; 0 = run every completion")
+    return pool, Verifier(executor=pool, reuse=s.reuse_verdicts)
 
 
 def client_concurrency(config) -> int:
@@ -200,9 +159,9 @@ def client_concurrency(config) -> int:
     when set, else ceil(sandbox.fleet_slots / process count) (together the processes fill every
     fleet slot and queue nothing on the servers), else 16."""
     s = config.sandbox
-    if s.get("client_concurrency", 0):
+    if s.client_concurrency:
         return int(s.client_concurrency)
-    if s.get("fleet_slots", 0):
+    if s.fleet_slots:
         return max(1, -(-int(s.fleet_slots) // jax.process_count()))
     return 16
 
@@ -324,8 +283,8 @@ def sft_buckets(examples, s) -> list[dict]:
     -> [{"examples", "width", "batch_size", "weight"}] (one or two buckets)."""
     one = [ex for ex in examples if not _is_episode(ex)]
     eps = [ex for ex in examples if _is_episode(ex)]
-    ep_width = int(s.get("episode_seq_len", None) or s.seq_len)
-    ep_batch = int(s.get("episode_batch_size", None) or s.batch_size)
+    ep_width = int(s.episode_seq_len or s.seq_len)
+    ep_batch = int(s.episode_batch_size or s.batch_size)
     buckets = [dict(examples=one, width=int(s.seq_len), batch_size=int(s.batch_size)),
                dict(examples=eps, width=ep_width, batch_size=ep_batch)]
     buckets = [b for b in buckets if b["examples"]]
@@ -334,10 +293,8 @@ def sft_buckets(examples, s) -> list[dict]:
                          "tasks.train_per_family")
     for b in buckets:
         b["weight"] = len(b["examples"]) / b["batch_size"]
-    share = s.get("episode_share", None)
+    share = s.episode_share  # in (0, 1) (train/run_config.py)
     if share is not None and len(buckets) == 2:
-        if not 0.0 < share < 1.0:
-            raise ValueError(f"sft.episode_share must be in (0, 1) or None, got {share!r}")
         buckets[0]["weight"], buckets[1]["weight"] = 1.0 - share, share
     return buckets
 
@@ -487,7 +444,7 @@ def config_fields(config) -> dict[str, str]:
             else:
                 out[prefix + k] = repr(v)
 
-    walk(config, "")
+    walk(config.to_dict(), "")
     return out
 
 
@@ -694,11 +651,6 @@ def check_run_config(config, num_devices: int, phase: str = "rl",
     return "\n".join(lines)
 
 
-# where RL's weights come from: this workdir's SFT checkpoint, a fresh init, or a released
-# checkpoint (config.hf_dir, configs/rl.py:hf)
-INIT_FROM = ("sft", "scratch", "hf")
-
-
 def check_rl_start(config, required: bool = True) -> str:
     """The weights an RL run starts from (rl.init_from): with "sft", whether the SFT checkpoint
     (sft_checkpoint_dir) is there. `required`: a missing one raises ValueError (the job at
@@ -708,8 +660,6 @@ def check_rl_start(config, required: bool = True) -> str:
         return f"  RL starts from a fresh init (seed {config.seed})"
     if init_from == "hf":
         return f"  RL starts from the released checkpoint in {_hf_dir(config)}"
-    if init_from not in INIT_FROM:
-        raise ValueError(f"rl.init_from must be one of {INIT_FROM}, got {init_from!r}")
     d = sft_checkpoint_dir(config)
     found = os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
     if found:
@@ -739,11 +689,10 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     task families, and each phase's mesh, batch and group splits and train state built for the
     mesh (check_run_config) for `num_devices` (resolve_devices) run by `processes`.
     Raises ValueError on what cannot run; returns a report."""
-    resolve_checkpoint(config)
+    config = RunConfig.from_config(config)  # every field's type and range; hf_dir's model
     num_devices = resolve_devices(config, num_devices)
     algo = algo_from_config(config.rl.algo)
-    oversample = rl_oversample(config.rl) if "rl" in phases else 1
-    reuse_verdicts(config.sandbox)
+    oversample = config.rl.oversample if "rl" in phases else 1
     fams, sft_fams = task_families(config), sft_families(config)
     lines = [check_run_config(config, num_devices, phase=p, processes=processes)
              for p in phases]
@@ -752,7 +701,7 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
                      "densely (indexer KL over every causal key), "
                      + ("the rest" if dense < config.sft.steps else "RL and sampling")
                      + " through the top-k")
-    if qat := sft_qat_steps(config):  # SFT runs the phase; RL starts from its weights
+    if qat := config.sft.qat_steps:  # SFT runs the phase; RL starts from its weights
         qat_model(ModelConfig.from_dict(config.model))
         lines.append(f"  SFT QAT phase: {qat} steps (lr {config.sft.qat_lr}, MXFP4 fake-quantised"
                      f" experts), checkpoints in {sft_checkpoint_dir(config)}: the SFT weights "
@@ -765,10 +714,10 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     if oversample > 1:
         lines.append(f"  dynamic sampling: {oversample} batches' prompts drawn per update, one "
                      "batch of groups trained (informative groups first)")
-    if "rl" in phases and config.rl.get("seed") is not None:
-        lines.append(f"  RL seed {rl_seed(config)} (prompt order, rollout draws; SFT: seed "
+    if "rl" in phases and config.rl.seed is not None:
+        lines.append(f"  RL seed {config.rl_seed()} (prompt order, rollout draws; SFT: seed "
                      f"{config.seed})")
-    if "rl" in phases and (power := rl_template_power(config.rl)) != 1.0:
+    if "rl" in phases and (power := config.rl.template_power) != 1.0:
         lines.append(f"  RL prompts drawn per template: each domain's draws split over its "
                      f"templates as count ** {power:g}")
     return "\n".join(lines)
@@ -811,13 +760,13 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     Resuming picks up whichever phase was unfinished (a finished SFT skips the warm-up; a
     finished SFT is restored, not rerun, before the QAT phase)."""
 
-    resolve_checkpoint(config)
+    config = RunConfig.from_config(config)
     s = config.sft
     workdir = os.path.join(config.workdir, "sft")
     examples = sft_train_examples(config)
     start_phase(config, "sft", resume, phase_data(config, "sft", examples))
     model, tok = _model(config), load_tokenizer(config.tokenizer)
-    qat_steps = sft_qat_steps(config)
+    qat_steps = s.qat_steps
     qmodel = qat_model(model.cfg) if qat_steps else None  # rejected before SFT runs
     mesh, rules = shd.mesh_from_config(config)
     it = _sft_stream(examples, tok, s, config.seed, mesh=mesh, rules=rules)
@@ -825,13 +774,13 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     opt = make_optimizer(_optim(s.lr, s.warmup_steps, s.steps, s.weight_decay,
                                 optim_numerics(config)))
     variables = (checkpoint_variables(config, model, mesh=mesh, rules=rules)
-                 if config.get("hf_dir") else
+                 if config.hf_dir else
                  shd.init_sharded(model, jax.random.key(config.seed), mesh, rules))
     done = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     latest = done.latest_step() if resume else None
     done.close()
     sft_started, sft_at = latest is not None, latest or 0  # sft_at: the step SFT resumes at
-    warm_steps = int(s.get("indexer_warmup_steps", 0))
+    warm_steps = s.indexer_warmup_steps
     warm = warm_steps and has_indexer(model.cfg) and not sft_started
     # each phase's step compiles ahead, two programs at a time: the warm-up's batch shapes
     # first, then SFT's while the warm-up trains (supervised_step)
@@ -881,33 +830,20 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
 
 
 def sft_dense_steps(config, cfg: ModelConfig) -> int:
-    """sft.dense_steps (0 when the field is absent), validated: an int in [0, sft.steps], and
-    > 0 only for a model with a DSA layer in the sparse stage (the dense stage's difference).
+    """sft.dense_steps (an int in [0, sft.steps], train/run_config.py), checked against the
+    model: > 0 only for a model with a DSA layer in the sparse stage (the dense stage's
+    difference).
 
     Why a dense stage: in the sparse stage the indexer's KL covers only the keys it already
     selects, so a key it never picks gets no signal to be picked, and the attention cannot
     learn to use it. DeepSeek-V3.2 avoids this by starting from a trained dense model; here SFT
     starts from random weights, so its first steps play that model's part (README, "Agents":
     what it did to the episodes' name copying)."""
-    n = config.sft.get("dense_steps", 0)
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= config.sft.steps:
-        raise ValueError(f"sft.dense_steps must be an integer in [0, sft.steps={config.sft.steps}]"
-                         f" (0: sparse from the first step), got {n!r}")
+    n = config.sft.dense_steps
     if n and not (has_dsa(cfg) and cfg.dsa.indexer_stage == "sparse"):
         raise ValueError(f"sft.dense_steps={n} needs a model with a DSA layer in the sparse stage"
                          f" (model {cfg.name}: layer pattern {cfg.layer_pattern!r}, "
                          f"dsa.indexer_stage={cfg.dsa.indexer_stage!r}): set sft.dense_steps=0")
-    return n
-
-
-def sft_qat_steps(config) -> int:
-    """sft.qat_steps (0 when the field is absent), validated: an int >= 0."""
-    n = config.sft.get("qat_steps", 0)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"sft.qat_steps must be an integer >= 0 (0: no QAT phase), got {n!r}")
-    if n and not config.sft.get("qat_lr", 0) > 0:
-        raise ValueError(f"sft.qat_steps={n} needs sft.qat_lr > 0, got "
-                         f"{config.sft.get('qat_lr')!r}")
     return n
 
 
@@ -931,8 +867,7 @@ def qat_model(cfg: ModelConfig) -> Model:
 def optim_numerics(config) -> dict:
     """The optimizer's numerics fields of config.optim (mu_dtype, master_dtype), shared by the
     SFT phases' optimizers."""
-    o = config.get("optim", {})
-    return {k: o[k] for k in ("mu_dtype", "master_dtype") if k in o}
+    return {k: getattr(config.optim, k) for k in ("mu_dtype", "master_dtype")}
 
 
 def _optim(lr, warmup, total, wd, numerics=None):
@@ -965,7 +900,7 @@ def sft_checkpoint_dir(config) -> str:
     """Where the final SFT weights live (what load_sft_variables and RL's init_from="sft" read):
     workdir/sft/checkpoints, or the QAT phase's workdir/sft/qat/checkpoints when sft.qat_steps
     > 0 (run_sft)."""
-    sub = ("qat",) if sft_qat_steps(config) else ()
+    sub = ("qat",) if config.sft.qat_steps else ()
     return os.path.join(config.workdir, "sft", *sub, "checkpoints")
 
 
@@ -979,7 +914,7 @@ def load_sft_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
         raise FileNotFoundError(
             f"no SFT checkpoint under {d}: run scripts/sft.py with the same --config first"
             + (" (it runs the sft.qat_steps QAT phase after a finished SFT)"
-               if sft_qat_steps(config) else "") + ", or set --config.rl.init_from=scratch")
+               if config.sft.qat_steps else "") + ", or set --config.rl.init_from=scratch")
     return v
 
 
@@ -1038,7 +973,7 @@ def rl_optimizers(config, algo) -> tuple:
     (config.optim with lr * critic.lr_scale), else both None."""
     if not algo.needs_values:
         return make_optimizer(config.optim), None, None
-    critic = CriticConfig.from_config(config.rl.get("critic"))
+    critic = CriticConfig.from_config(config.rl.critic)
     return (make_optimizer(config.optim), critic,
             make_optimizer(critic_optim_config(config.optim, critic)))
 
@@ -1070,7 +1005,7 @@ def init_rl_state(config, model: Model, algo, init_vars: dict, *, mesh=None, rul
     value_params = None
     if critic is not None:
         value_params = init_value_params(critic, model.cfg,
-                                         jax.random.fold_in(jax.random.key(rl_seed(config)), 2))
+                                         jax.random.fold_in(jax.random.key(config.rl_seed()), 2))
     if mesh is None:
         state = init_train_state(init_vars, opt, value_params=value_params,
                                  value_optimizer=value_opt)
@@ -1088,7 +1023,7 @@ def rl_model(config) -> Model:
     """The policy as RL trains it: the config's model, with the indexer KL weight set to 0 when
     rl.train_indexer is False (the indexer then gets no gradient and stays as SFT left it)."""
     cfg = model_config(config)
-    if not config.rl.get("train_indexer", True):
+    if not config.rl.train_indexer:
         cfg = cfg.replace(dsa=dataclasses.replace(cfg.dsa, indexer_loss_weight=0.0))
     return Model(cfg)
 
@@ -1102,17 +1037,13 @@ def rollout_policy(config, model: Model, *, mesh=None, rules=None):
     is logged (logp_gap/*) and corrected by TIS, so rl.algo.tis_cap must be set."""
     from model import quant
 
-    mode = config.rl.get("rollout_experts", "bf16")
-    if mode == "bf16":
+    if config.rl.rollout_experts == "bf16":
         return model, lambda v: v
-    if mode != "mxfp4":
-        raise ValueError(f"rl.rollout_experts must be 'bf16' or 'mxfp4', got {mode!r}")
     if config.rl.algo.get("tis_cap") is None:
         raise ValueError("rl.rollout_experts='mxfp4' samples from the MXFP4 policy, not the "
                          "trained one: truncated importance sampling must correct the gap; set "
                          "rl.algo.tis_cap (2.0 in configs/rl.py)")
-    hp = (quant.parse_modules(config.quant.high_precision) if "quant" in config
-          else quant.DEFAULT_HIGH_PRECISION)
+    hp = quant.parse_modules(config.quant.high_precision)
     qmodel = Model(quant.mxfp4_config(model.cfg, hp))
     if qmodel.cfg.moe.expert_format != "mxfp4":
         raise ValueError("rl.rollout_experts='mxfp4' but quant.high_precision keeps the experts "
@@ -1148,7 +1079,7 @@ def _initial_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
 
 
 def _hf_dir(config) -> str:
-    d = config.get("hf_dir")
+    d = config.hf_dir
     if not d:
         raise ValueError("rl.init_from='hf' needs the checkpoint directory: set "
                          "--config.hf_dir=DIR (configs/rl.py:hf)")
@@ -1284,9 +1215,7 @@ def old_logp_source(r, algo) -> str:
     policy's) when the pass is "auto", every batch serves exactly one update (the loop's only
     mode: micro-batches accumulate into one optimizer step) and nothing needs old log-probs
     before the advantages (a critic's values, KL in the reward); "batch" otherwise."""
-    mode = r.get("old_logp_pass", "auto")
-    if mode not in ("auto", "always"):
-        raise ValueError(f"rl.old_logp_pass must be 'auto' or 'always', got {mode!r}")
+    mode = r.old_logp_pass
     needs_before = algo.needs_values or algo.kl_placement == "reward"
     return "current" if mode == "auto" and not needs_before else "batch"
 
@@ -1298,9 +1227,7 @@ def ref_logp_source(r, algo) -> str:
     KL term is in the loss; "batch" (a separate forward before the advantages) when it is
     "separate", or the KL is folded into the rewards (needed before the advantages), or there
     is no KL term."""
-    mode = r.get("ref_logp_pass", "auto")
-    if mode not in ("auto", "separate"):
-        raise ValueError(f"rl.ref_logp_pass must be 'auto' or 'separate', got {mode!r}")
+    mode = r.ref_logp_pass
     return "step" if mode == "auto" and kl_in_loss(algo) else "batch"
 
 
@@ -1376,34 +1303,6 @@ def precompile_updates(tasks, rows: int, group_size: int, state, *, algo, width,
     return future
 
 
-def rl_seed(config) -> int:
-    """RL's own seed (rl.seed: the prompts' order, the rollouts' draws, a critic's init), or
-    config.seed when unset: RL rerun from the same SFT weights under other draws (SFT keeps
-    config.seed; evaluation keys do not depend on either)."""
-    s = config.rl.get("seed")
-    if s is None:
-        return config.seed
-    if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-        raise ValueError(f"rl.seed must be an int >= 0 or unset (config.seed), got {s!r}")
-    return s
-
-
-def rl_template_power(r) -> float:
-    """rl.template_power (config.rl; absent in configs written before it: 1.0), checked."""
-    p = r.get("template_power", 1.0)
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-        raise ValueError(f"rl.template_power must be a number in [0, 1] (1: RL prompts drawn "
-                         f"uniformly over tasks; 0: each generator template of a domain equally "
-                         f"often), got {p!r}")
-    return float(p)
-
-
-def rl_oversample(r) -> int:
-    """rl.oversample (config.rl), checked: an int >= 1."""
-    return int_field(r, "rl.oversample", 1, 1, "1 = train on every drawn group; k: draw k "
-                     "batches' prompts, keep one batch, informative groups first")
-
-
 def _timing_metrics(group, train_s: float, iteration_s: float) -> dict:
     """The iteration's time split (generate / score-wait / score / train / whole), the
     fraction of scoring time hidden behind generation and the fraction of rows whose verdict
@@ -1437,7 +1336,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     default in configs/rl.py) corrects for it. `pool`: a sandbox executor to score with (default:
     one opened from config.sandbox and closed at the end); on_eval(step, results) after each
     evaluation."""
-    resolve_checkpoint(config)
+    config = RunConfig.from_config(config)
     r, e = config.rl, config.eval
     if r.init_from == "sft":  # the weights RL starts from must be this config's SFT
         check_resumable(config, "sft")
@@ -1450,11 +1349,11 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     on_mesh = dict(mesh=mesh, rules=rules)
     val_tasks = _balanced([t for t, _ in splits["val"]], e.val_tasks)
     # one-shot and multi-turn tasks in separate batches (each trains at its own row width)
-    oversample = rl_oversample(r)  # draw this many batches' prompts, train on one batch
-    seed = rl_seed(config)  # the prompts' order and the rollouts' draws
+    oversample = r.oversample  # draw this many batches' prompts, train on one batch
+    seed = config.rl_seed()  # the prompts' order and the rollouts' draws
     data = iter(task_dataset(train_tasks, seed=seed,
                              batch_size=r.prompts_per_batch * oversample, group_by=is_multi_turn_task,
-                             template_power=rl_template_power(r)))
+                             template_power=r.template_power))
 
     # the update (the jit train step on the mesh) and its programs, compiling on a thread from
     # the state's shapes while the weights load and the first evaluation and rollouts run
@@ -1466,7 +1365,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
                               sampling=sampling, critic=critic, value_optimizer=value_opt,
                               state_shardings=state_sh, old_logp=old_src, ref_logp=ref_src,
-                              mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
+                              mtp_loss_weight=r.mtp_loss_weight, **on_mesh)
     width = functools.partial(train_width, r)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=r.keep_checkpoints)
     precompile = functools.partial(precompile_updates, train_tasks,
@@ -1494,7 +1393,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         pool, verifier = _open_pool(config)
     else:
         from sandbox.verifiers import Verifier
-        verifier = Verifier(executor=pool, reuse=reuse_verdicts(config.sandbox))
+        verifier = Verifier(executor=pool, reuse=config.sandbox.reuse_verdicts)
     worker = make_rollout_worker(r, sample_model, tok, sampling, verifier, pool,
                                  group_size=r.group_size, tasks=train_tasks, **on_mesh)
     eval_worker = make_rollout_worker(r, sample_model, tok, eval_sampling(e, sampling), verifier,
