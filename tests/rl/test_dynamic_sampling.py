@@ -14,13 +14,13 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from ml_collections import ConfigDict
 
 from configs import rl as rl_configs
 from rl import loop
 from rl.pipeline import ScoredGroup, concat_groups, informative_groups, select_groups
 from sandbox.tasks.loaders import save_tasks
 from sandbox.tasks.schema import Task
+from train.run_config import RunConfig
 
 
 def _scored(rewards, failed=(), group_size=2, tag=""):
@@ -91,8 +91,10 @@ def test_concat_offsets_group_ids_and_pads_to_the_widest():
 
 def test_oversample_must_be_a_positive_int():
     for bad in (0, -1, 1.5, True, "2"):
+        d = rl_configs.get_config("smoke").to_dict()
+        d["rl"]["oversample"] = bad
         with pytest.raises(ValueError, match="rl.oversample must be an int >= 1"):
-            loop.rl_oversample(ConfigDict({"oversample": bad}))
+            RunConfig.from_config(d)
     c = rl_configs.get_config("smoke")
     c.rl.oversample = 0
     with pytest.raises(ValueError, match="rl.oversample must be an int >= 1"):

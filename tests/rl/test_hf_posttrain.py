@@ -22,6 +22,7 @@ import pytest
 from configs import rl as rl_configs
 from model.hf import import_hf
 from rl import loop
+from train import run_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CKPT = str(ROOT / "tests" / "model" / "hf_fixtures" / "kimi_chat")
@@ -47,8 +48,8 @@ def test_an_hf_run_needs_its_checkpoint_directory(tmp_path):
 
 def test_resolved_config_is_the_checkpoints():
     c = _config("unused")
-    loop.resolve_checkpoint(c)
-    loop.resolve_checkpoint(c)  # a second call changes nothing
+    run_config.resolve_checkpoint(c)
+    run_config.resolve_checkpoint(c)  # a second call changes nothing
     cfg = loop.model_config(c)
     raw = json.loads((pathlib.Path(CKPT) / "config.json").read_text())
     assert (cfg.d_model, cfg.vocab_size, cfg.num_layers) == (
