@@ -155,6 +155,52 @@ def memory_check(config, phase: str, shape: dict, device: str | None) -> str:
             + f" of {m['usable'] / gb:.1f} GB usable per device")
 
 
+def _unknown_override(argv, config) -> str | None:
+    """The first --config.<path>=... of `argv` that names no field of `config` (the ConfigDict
+    the --config flag loaded), as an error naming the dotted field and its section's fields."""
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        path = arg[len("--config."):].split("=", 1)[0]
+        node, done = config, []
+        for part in path.split("."):
+            if not hasattr(node, "keys") or part not in node:
+                where = ".".join(done)
+                fields = sorted(node.keys()) if hasattr(node, "keys") else []
+                return (f"{'.'.join(done + [part])}: unknown field (--config.{path}); valid "
+                        f"fields{' of ' + where if where else ''}: {fields}")
+            node, done = node[part], done + [part]
+    return None
+
+
+def parse_flags(argv):
+    """absl's flag parsing (app.run's flags_parser) where a --config.<field> override naming no
+    field of the run config ends the script with the dotted field and the fields its section
+    has (exit code 2); any other flag error is absl's."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError) as e:  # ConfigDict raises the latter two
+        bad = None
+        if "config" in flags.FLAGS:  # the --config file's ConfigDict, before its overrides
+            flag, spec = flags.FLAGS["config"], None
+            for i, a in enumerate(argv):
+                if a == "--config" and i + 1 < len(argv):
+                    spec = argv[i + 1]
+                elif a.startswith("--config="):
+                    spec = a.split("=", 1)[1]
+            bad = _unknown_override(argv, flag.parser.parse(spec or flag.default_unparsed))
+        if bad:
+            print(f"error: the config is rejected before anything ran: {bad}", file=sys.stderr)
+            sys.exit(2)
+        if not isinstance(e, flags.Error):
+            raise
+        print(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on "
+              "flags.", file=sys.stderr)
+        sys.exit(1)
+
+
 def load_run_config(config):
     """The validated run config (train/run_config.py: RunConfig.from_config) of a --config
     ConfigDict after its flags; a field that is unknown, of the wrong type or out of range ends

@@ -54,22 +54,29 @@ _KIND_WORDS = {int: "an int", float: "a number", bool: "a bool", str: "a string"
                tuple: "a list of numbers"}
 
 
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
 def _allowed(spec: dict, section: Mapping[str, Any], prefix: str) -> str:
     if spec["choices"] is not None:
         text = f"one of {tuple(spec['choices'])}"
     else:
         text = _KIND_WORDS[spec["kind"]]
-        hi = spec["hi"]
-        if isinstance(hi, str):
-            hi = f"{prefix}{hi}={section.get(hi)!r}"
-        if spec["lo"] is not None and hi is not None:
-            text += f" in [{spec['lo']}, {hi}]"
-        elif spec["above"] is not None and spec["below"] is not None:
-            text += f" in ({spec['above']}, {spec['below']})"
-        elif spec["lo"] is not None:
-            text += f" >= {spec['lo']}"
-        elif spec["above"] is not None:
-            text += f" > {spec['above']}"
+        lo, hi, above, below = (spec[k] for k in ("lo", "hi", "above", "below"))
+        hi = f"{prefix}{hi}={section.get(hi)!r}" if isinstance(hi, str) else hi
+        if lo is not None and hi is not None:
+            text += f" in [{_num(lo)}, {_num(hi)}]"
+        elif above is not None and hi is not None:
+            text += f" in ({_num(above)}, {_num(hi)}]"
+        elif lo is not None and below is not None:
+            text += f" in [{_num(lo)}, {_num(below)})"
+        elif above is not None and below is not None:
+            text += f" in ({_num(above)}, {_num(below)})"
+        elif lo is not None:
+            text += f" >= {_num(lo)}"
+        elif above is not None:
+            text += f" > {_num(above)}"
     if spec["optional"]:
         text += " or unset (None)"
     return text + (f" ({spec['meaning']})" if spec["meaning"] else "")

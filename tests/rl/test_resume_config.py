@@ -211,8 +211,9 @@ def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
 
 
 def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
-    """A field rl.loop.validate_run_config rejects (here rl.oversample=0; with --dry_run
-    rl.template_power=2, and sandbox.reuse_verdicts=-1 for evaluate.py): exit code 2, the message on stderr, no traceback, nothing written to
+    """A field the run config's schema rejects (train/run_config.py; here rl.oversample=0; with
+    --dry_run rl.template_power=2, and sandbox.reuse_verdicts=-1 for evaluate.py) or does not
+    have (rl.nonsense): exit code 2, the message on stderr, no traceback, nothing written to
     the workdir."""
     import os
     import subprocess
@@ -237,6 +238,12 @@ def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "sandbox.reuse_verdicts must be an int >= 0" in r.stderr
+    r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
+                        "--dry_run", "--config.rl.nonsense=1"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rl.nonsense: unknown field (--config.rl.nonsense); valid fields of rl: [" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_a_run_trained_on_other_data_does_not_resume(tmp_path):
