@@ -327,7 +327,7 @@ class OptimConfig:
     b1: float = _f(float, 0.9, lo=0.0, below=1.0)
     b2: float = _f(float, 0.99, lo=0.0, below=1.0)
     eps: float = _f(float, 1e-8, above=0.0)
-    clip_norm: float = _f(float, 1.0, above=0.0)
+    clip_norm: float = _f(float, 1.0, lo=0.0, meaning="0: no clipping")
     mu_dtype: str = _f(str, "float32", choices=MU_DTYPES)
     master_dtype: str = _f(str, "float32", choices=("float32", ""))
 
