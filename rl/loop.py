@@ -1463,6 +1463,7 @@ def load_rl_variables(config, model: Model, directory: str | None = None, *, mes
     """The latest good RL checkpoint's variables (workdir/rl/checkpoints or `directory`),
     restored into their shardings on `mesh` (default: this process's first device). A
     checkpoint written on any mesh and process count restores here."""
+    config = RunConfig.from_config(config)
     algo = algo_from_config(config.rl.algo)  # with a critic the state holds a value head
     opt = make_optimizer(config.optim)
     d = directory or os.path.join(config.workdir, "rl", "checkpoints")
