@@ -62,7 +62,7 @@ def test_resolved_config_is_the_checkpoints():
 def trained(tmp_path_factory):
     """Two RL steps from the checkpoint's weights, then --mode=hf export of the RL checkpoint."""
     workdir = tmp_path_factory.mktemp("hf_run")
-    c = _config(workdir)
+    c = run_config.RunConfig.from_config(_config(workdir))  # the checkpoint's model section
     loop.run_rl(c, progress=False)
     out = workdir / "export_hf"
     cmd = [sys.executable, str(ROOT / "scripts" / "export.py"), "--mode=hf",
