@@ -65,8 +65,8 @@ def _base(algo: str = "grpo") -> ml_collections.ConfigDict:
     return c
 
 
-def _episodes(c: ml_collections.ConfigDict, families: str) -> ml_collections.ConfigDict:
-    """`families` with multi-step terminal episodes (sandbox/tasks/domains/multistep.py level 1:
+def _episodes(c: ml_collections.ConfigDict, domains: str) -> ml_collections.ConfigDict:
+    """`domains` with multi-step terminal episodes (sandbox/tasks/domains/multistep.py level 1:
     two commands, the second needs what the first printed), played through Hermes tool calls in
     sandbox sessions: the tool-call tags as single tokens (model/tokenizer.py "byte_tools", the
     model's vocabulary sized to it), episode rows of rl.agent.width tokens (SFT: up to
@@ -77,7 +77,7 @@ def _episodes(c: ml_collections.ConfigDict, families: str) -> ml_collections.Con
     c.tokenizer = "byte_tools"
     c.model.vocab_size = load_tokenizer(c.tokenizer).vocab_size
     c.model.max_seq_len = max(c.model.max_seq_len, 512)
-    c.tasks.families = families
+    c.tasks.domains = domains
     c.tasks.difficulty.multistep = 1
     c.rl.agent.update(dict(width=352, turn_tokens=80, max_turns=4))
     c.sft.episode_seq_len = 256
@@ -124,7 +124,7 @@ def smoke() -> ml_collections.ConfigDict:
     c.name = "smoke"
     c.workdir = "runs/smoke"
     c.model = models.get_config("test")
-    c.tasks.update(dict(train_per_family=200, val_per_family=8, test_per_family=16))
+    c.tasks.update(dict(train_per_domain=200, val_per_domain=8, test_per_domain=16))
     c.sft.update(dict(steps=30, batch_size=16, log_every=10, checkpoint_every=15))
     c.model.dsa.indexer_loss_weight = 1.0  # as the demo: indexer warm-up, KL in SFT and RL
     c.sft.update(dict(indexer_warmup_steps=4))
@@ -150,8 +150,8 @@ def agent() -> ml_collections.ConfigDict:
     # val episodes after 600 or 900 dense steps), where the demo's mix (720 episode batches
     # beside 480 one-shot ones, whose completions copy names and numbers from their prompts)
     # formed it at 95% (docs/results.md)
-    c.sft.families = c.tasks.families
-    c.tasks.families = "multistep"
+    c.sft.domains = c.tasks.domains
+    c.tasks.domains = "multistep"
     c.rl.update(dict(steps=80))
     c.eval.update(dict(every=20, val_tasks=32))
     return c

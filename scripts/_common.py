@@ -69,7 +69,7 @@ def define_launch_flags():
 
     dry = flags.DEFINE_bool(
         "dry_run", False, "only check the config for the job at hand (its fully sized mesh, "
-        "else this host's devices) and exit: model, algorithm, task families, mesh, batch and "
+        "else this host's devices) and exit: model, algorithm, task domains, mesh, batch and "
         "group splits, the train state built for the mesh, memory with --device; exit code 2 "
         "with the reason when something would fail")
     check = flags.DEFINE_integer(
@@ -90,7 +90,7 @@ def define_dry_run():
 
     return flags.DEFINE_bool(
         "dry_run", False, "only check the config for the job at hand (model, algorithm, task "
-        "families, mesh, batch and group splits, the train state built for the mesh), print "
+        "domains, mesh, batch and group splits, the train state built for the mesh), print "
         "what would run, and exit; exit code 2 with the reason when something would fail")
 
 
@@ -158,10 +158,14 @@ def memory_check(config, phase: str, shape: dict, device: str | None) -> str:
 def _unknown_override(argv, config) -> str | None:
     """The first --config.<path>=... of `argv` that names no field of `config` (the ConfigDict
     the --config flag loaded), as an error naming the dotted field and its section's fields."""
+    from train.run_config import renamed
+
     for arg in argv:
         if not arg.startswith("--config."):
             continue
         path = arg[len("--config."):].split("=", 1)[0]
+        if why := renamed(path):
+            return why
         node, done = config, []
         for part in path.split("."):
             if not hasattr(node, "keys") or part not in node:

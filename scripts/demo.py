@@ -156,7 +156,7 @@ def main(_):
     os.makedirs(config.workdir, exist_ok=True)
     t0 = time.time()
     print(f"[demo] workdir {config.workdir}: SFT {config.sft.steps} steps, RL "
-          f"{config.rl.steps} steps ({config.rl.algo.name}), families {config.tasks.families}")
+          f"{config.rl.steps} steps ({config.rl.algo.name}), domains {config.tasks.domains}")
     run_sft(config, resume=_RESUME.value)
     t_sft = time.time() - t0
 

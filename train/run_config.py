@@ -3,7 +3,8 @@ rl.critic, optim, eval, sandbox, quant) and the top-level fields, each field wit
 default and its allowed values, stated once here.
 
     RunConfig.from_config(cd)   a ConfigDict (configs/rl.py after --config.* flags) or a plain
-                                dict (a recorded config.json) -> the validated, frozen RunConfig
+                                dict (a recorded config.json, its renamed fields migrated)
+                                -> the validated, frozen RunConfig
     RunConfig.to_dict()         the JSON a run directory records (config.json): the keys of the
                                 ConfigDict it came from
     defaults(algo)              the ConfigDict of every default (configs/rl.py builds its
@@ -18,7 +19,10 @@ CriticConfig. `tasks.difficulty` maps task domains to a level.
 
 A field a config lacks takes the value old runs behaved with when it is listed in ADDED_FIELDS
 (fields added after runs were recorded, so an old run directory's config.json still loads and
-resumes: rl/workdir.py reads the table), else its default. An unknown field, or a value of the
+resumes: rl/workdir.py reads the table), else its default; a field renamed since
+(RENAMED_FIELDS: the task-domain fields, once named "families") loads from a recorded
+config.json under its new name, and its old name on the command line is refused naming the
+new one. An unknown field, or a value of the
 wrong type or out of range, raises RunConfigError naming the dotted field and what is allowed.
 """
 
@@ -135,6 +139,8 @@ def _frozen(d: Mapping[str, Any]) -> ml_collections.FrozenConfigDict:
 
 def _unknown(values: Mapping[str, Any], names, prefix: str) -> None:
     unknown = sorted(set(values) - set(names))
+    if unknown and (why := renamed(prefix + unknown[0])):
+        raise RunConfigError(why)
     if unknown:
         raise RunConfigError(f"{prefix}{unknown[0]}: unknown field; valid fields: "
                              f"{sorted(names)}")
@@ -143,14 +149,16 @@ def _unknown(values: Mapping[str, Any], names, prefix: str) -> None:
 # ----------------------------------------------------------------------------- sections
 @dataclasses.dataclass(frozen=True)
 class TasksConfig:
-    """The generated task domains RL and evaluation use (or a JSONL task file for RL prompts)."""
+    """The generated task domains RL and evaluation use (or a JSONL task file for RL prompts),
+    with each split's size per domain. A domain is a task generator (sandbox/tasks/domains);
+    how its tasks are scored is each Task's `family` (answer_check, python_tests, ...)."""
 
-    families: str = _f(str, "arithmetic,code,terminal",
-                       meaning="comma-separated task domains (sandbox/tasks/domains)")
+    domains: str = _f(str, "arithmetic,code,terminal",
+                      meaning="comma-separated task domains (sandbox/tasks/domains)")
     task_file: str = _f(str, "", meaning="a JSONL task file replaces the generators for RL")
-    train_per_family: int = _f(int, 3000, lo=0)
-    val_per_family: int = _f(int, 64, lo=0)
-    test_per_family: int = _f(int, 200, lo=0)
+    train_per_domain: int = _f(int, 3000, lo=0)
+    val_per_domain: int = _f(int, 64, lo=0)
+    test_per_domain: int = _f(int, 200, lo=0)
     seed: int = _f(int, 1234, lo=0)
     # per-domain difficulty 1..3; 0 cycles through all levels. Arithmetic level 2 (three
     # numbers) is nearly unsolvable for the demo model (3.5% sampled pass@1 after SFT), which
@@ -191,9 +199,9 @@ class SFTConfig:
     # checkpoints in <workdir>/sft/qat, which are then the SFT weights RL starts from; 0 skips it
     qat_steps: int = _f(int, 0, lo=0, meaning="0: no QAT phase")
     qat_lr: float = _f(float, 3e-4, lo=0.0)
-    # the task domains SFT's demonstrations come from ("": tasks.families, those RL and
-    # evaluation use; rl/data.py:sft_families)
-    families: str = _f(str, "")
+    # the task domains SFT's demonstrations come from ("": tasks.domains, those RL and
+    # evaluation use; rl/data.py:sft_domains)
+    domains: str = _f(str, "")
     episode_seq_len: int | None = _f(int, None, lo=1, optional=True, meaning="None: seq_len")
     episode_batch_size: int | None = _f(int, None, lo=1, optional=True,
                                         meaning="None: batch_size")
@@ -397,6 +405,36 @@ _SECTIONS = {"tasks": TasksConfig, "sft": SFTConfig, "rl": RLConfig, "optim": Op
 ADDED_FIELDS = {"rl.oversample": 1, "model.dsa.indexer_kl_chunk": 0,
                 "model.kda.recurrent_max_len": 0, "rl.template_power": 1.0, "rl.seed": None,
                 "sandbox.reuse_verdicts": 0}
+# fields renamed: old dotted name -> new. A recorded config.json (a plain dict) with an old
+# name loads under the new one (migrate); a --config flag or ConfigDict with one is refused,
+# pointing to the new name
+RENAMED_FIELDS = {"tasks.families": "tasks.domains", "sft.families": "sft.domains",
+                  "tasks.train_per_family": "tasks.train_per_domain",
+                  "tasks.val_per_family": "tasks.val_per_domain",
+                  "tasks.test_per_family": "tasks.test_per_domain"}
+
+
+def migrate(d: Mapping[str, Any]) -> dict:
+    """A recorded config (config.json as a plain dict) with the renamed fields under their new
+    names (RENAMED_FIELDS); a config holding both an old and a new name is refused."""
+    d = _plain(d)
+    for old, new in RENAMED_FIELDS.items():
+        (sec, o), (_, n) = old.split("."), new.split(".")
+        section = d.get(sec)
+        if isinstance(section, dict) and o in section:
+            if n in section:
+                raise RunConfigError(f"{old}: renamed {new}, and the config has both")
+            section = d[sec] = dict(section)
+            section[n] = section.pop(o)
+    return d
+
+
+def renamed(path: str) -> str | None:
+    """The error for a renamed field's old dotted name (None for any other name)."""
+    if path in RENAMED_FIELDS:
+        return (f"{path}: renamed {RENAMED_FIELDS[path]} (a task domain, not a scoring family): "
+                f"use --config.{RENAMED_FIELDS[path]}")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,7 +475,7 @@ class RunConfig:
         domains. Raises RunConfigError (a ValueError) naming the field."""
         if isinstance(config, RunConfig):
             return config
-        d = _plain(config)
+        d = migrate(config) if isinstance(config, dict) else _plain(config)
         if not isinstance(d, dict):
             raise RunConfigError(f"a run config must be a ConfigDict or a dict, got "
                                  f"{type(config).__name__}")
@@ -576,10 +614,10 @@ def _check_model(model: dict, tokenizer: str) -> None:
 
 
 def _check_domains(config: RunConfig) -> None:
-    from rl.data import sft_families, task_families  # noqa: PLC0415
+    from rl.data import sft_domains, task_domains  # noqa: PLC0415
 
-    task_families(config)
-    sft_families(config)
+    task_domains(config)
+    sft_domains(config)
     from sandbox.tasks.domains import generated_domains  # noqa: PLC0415
 
     valid = generated_domains()

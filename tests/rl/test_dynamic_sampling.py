@@ -113,7 +113,7 @@ def test_run_rl_with_oversample_trains_one_batch_of_the_drawn_groups(tmp_path):
     c.workdir = str(tmp_path)
     c.rl.update(dict(steps=2, init_from="scratch", overlap_scoring=False, checkpoint_every=2,
                      oversample=2, prompts_per_batch=2, group_size=2, max_new_tokens=8))
-    c.tasks.update(dict(train_per_family=4, val_per_family=1, test_per_family=1,
+    c.tasks.update(dict(train_per_domain=4, val_per_domain=1, test_per_domain=1,
                         task_file=str(tmp_path / "tasks.jsonl")))
     c.model.update(dict(num_layers=1, layer_pattern="K"))
     c.model.moe.num_experts, c.model.mtp.depth = 0, 0

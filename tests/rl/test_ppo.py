@@ -44,7 +44,7 @@ def _config(workdir="/tmp/unused"):
     c.workdir = str(workdir)
     c.rl.algo = rl_configs.get_config("ppo_tiny").rl.algo  # gae lam .95, k1 KL in the reward
     c.rl.update(dict(steps=2, init_from="scratch", overlap_scoring=False, checkpoint_every=1))
-    c.tasks.update(dict(train_per_family=4, val_per_family=1, test_per_family=1))
+    c.tasks.update(dict(train_per_domain=4, val_per_domain=1, test_per_domain=1))
     c.model.update(dict(num_layers=1, layer_pattern="D"))
     c.model.moe.num_experts = 0  # dense FFN: no balance loss
     c.model.mtp.depth = 0

@@ -8,7 +8,7 @@ and the ways out, its checkpoints untouched), resumes under a changed cadence an
 schedule, and with resume=False moves the old run aside and trains a new one whose final weights
 are the ones loaded afterwards (before the fix the old final step was "already saved" and the
 new run's final weights were dropped); RL refuses to start from SFT weights of another config
-and to resume RL checkpoints of another objective; SFT reads its own families (sft.families:
+and to resume RL checkpoints of another objective; SFT reads its own domains (sft.domains:
 the agent variant's SFT is the demo's, one-shot rows and episodes, and a copy of it resumes).
 Not covered: multi-process set-aside (process 0 moves, all wait: the barrier is jax's).
 """
@@ -66,21 +66,21 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert changed(optim__lr=1e-3)["sft"] == [] and changed(optim__mu_dtype="bfloat16")["sft"] == [
         "optim.mu_dtype"]
     assert changed(sft__log_every=1, rl__checkpoint_every=5, eval__val_tasks=8,
-                   workdir="elsewhere", tasks__test_per_family=50) == {
+                   workdir="elsewhere", tasks__test_per_domain=50) == {
         "sft": [], "sft_qat": [], "rl": []}
     assert changed(seed=3) == {s: ["seed"] for s in ("sft", "sft_qat", "rl")}
-    # the agent variant's SFT is the demo's (its own families): a copy of the demo's sft/ resumes
+    # the agent variant's SFT is the demo's (its own domains): a copy of the demo's sft/ resumes
     demo, agent = rl_configs.get_config("demo"), rl_configs.get_config("agent")
     assert phase_diff(demo, agent, "sft") == []
-    assert {"tasks.families", "sft.families"} <= set(_paths(phase_diff(demo, agent, "rl")))
-    assert loop.sft_families(agent) == loop.task_families(demo) != loop.task_families(agent)
+    assert {"tasks.domains", "sft.domains"} <= set(_paths(phase_diff(demo, agent, "rl")))
+    assert loop.sft_domains(agent) == loop.task_domains(demo) != loop.task_domains(agent)
     for c in (demo, agent):
-        c.tasks.train_per_family = 6
+        c.tasks.train_per_domain = 6
     kinds = lambda c: sorted({loop._is_episode(ex) for ex in loop.sft_train_examples(c)})
     assert kinds(demo) == kinds(agent) == [False, True]  # one-shot rows and episodes
-    agent.sft.families = "multistep"  # SFT on the episodes alone: another SFT
+    agent.sft.domains = "multistep"  # SFT on the episodes alone: another SFT
     assert kinds(agent) == [True]
-    assert _paths(phase_diff(demo, agent, "sft")) == ["tasks.families"]
+    assert _paths(phase_diff(demo, agent, "sft")) == ["tasks.domains"]
     # RL from scratch on both sides does not depend on SFT's settings
     a, b = rl_configs.get_config("demo"), rl_configs.get_config("demo")
     a.rl.init_from = b.rl.init_from = "scratch"
@@ -95,6 +95,14 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert changed(rl__oversample=2)["rl"] == ["rl.oversample"]
     assert phase_diff(old, changed_config(rl__oversample=2), "rl") == [
         ("rl.oversample", "<absent>", 2)]
+    # a record from before the task-domain fields were renamed (tasks.families, ...) compares
+    # under the new names (train/run_config.py:RENAMED_FIELDS)
+    old = base.to_dict()
+    old["tasks"]["families"] = old["tasks"].pop("domains")
+    old["tasks"]["val_per_family"] = old["tasks"].pop("val_per_domain")
+    old["sft"]["families"] = old["sft"].pop("domains")
+    assert phase_diff(old, base, "sft") == phase_diff(old, base, "rl") == []
+    assert _paths(phase_diff(old, changed_config(sft__domains="code"), "sft")) == ["tasks.domains"]
     # the KDA prefill form: only sampling reads it, so SFT resumes across it and RL does not (a
     # record from before the field ran the chunked form, 0)
     assert changed(model__kda__recurrent_max_len=0) == {
@@ -244,6 +252,12 @@ def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rl.nonsense: unknown field (--config.rl.nonsense); valid fields of rl: [" in r.stderr
     assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
+                        "--dry_run", "--config.tasks.families=code"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "tasks.families: renamed tasks.domains" in r.stderr and "--config.tasks.domains" in (
+        r.stderr)
 
 
 def test_a_run_trained_on_other_data_does_not_resume(tmp_path):

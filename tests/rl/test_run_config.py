@@ -49,7 +49,8 @@ def test_bad_fields_are_refused_naming_them():
             ("sandbox", "workers", 0, r"sandbox.workers must be an int >= 1 \(the local"),
             ("rl", "speculative", "eagle", r"rl.speculative must be one of \('none', 'mtp'\)"),
             ("eval", "greedy", 1, r"eval.greedy must be a bool, got 1"),
-            ("tasks", "families", "arithmetic,chess", r"tasks.families: unknown family 'chess'")):
+            ("tasks", "domains", "arithmetic,chess", r"tasks.domains: unknown task domain 'chess'"),
+            ("sft", "domains", "chess", r"sft.domains: unknown task domain 'chess'")):
         d = rl_configs.get_config("smoke").to_dict()
         d[section][field] = value
         with pytest.raises(ValueError, match=message):
@@ -61,6 +62,26 @@ def test_bad_fields_are_refused_naming_them():
     d = rl_configs.get_config("smoke").to_dict()
     d["rl"]["critic"]["hidden_dim"] = -1
     with pytest.raises(RunConfigError, match="rl.critic: CriticConfig.hidden_dim=-1"):
+        RunConfig.from_config(d)
+
+
+def test_renamed_fields_load_from_a_record_and_are_refused_elsewhere():
+    """The task-domain fields were named "families" (also the scoring method's word, Task.family):
+    a recorded config.json with the old names loads under the new ones; a ConfigDict (flags,
+    code) with an old name is refused naming the new one."""
+    c = rl_configs.get_config("agent")
+    d = c.to_dict()
+    d["tasks"]["families"] = d["tasks"].pop("domains")
+    d["tasks"]["train_per_family"] = d["tasks"].pop("train_per_domain")
+    d["sft"]["families"] = d["sft"].pop("domains")
+    assert RunConfig.from_config(d) == RunConfig.from_config(c)
+    c.tasks.train_per_family = 5
+    with pytest.raises(RunConfigError, match=r"tasks.train_per_family: renamed "
+                                             r"tasks.train_per_domain .*--config.tasks.train_per"):
+        RunConfig.from_config(c)
+    d["tasks"]["domains"] = "code"
+    with pytest.raises(RunConfigError, match="tasks.families: renamed tasks.domains, and the "
+                                             "config has both"):
         RunConfig.from_config(d)
 
 
