@@ -87,10 +87,10 @@ from rl.data import (
     agent_env_config,
     load_task_splits,
     phase_data,
+    sft_domains,
     sft_examples,  # noqa: F401  (re-exported: rl.loop is where scripts import it)
-    sft_families,
     sft_train_examples,
-    task_families,
+    task_domains,
 )
 from rl.data import balanced as _balanced
 from rl.data import is_episode as _is_episode
@@ -289,8 +289,8 @@ def sft_buckets(examples, s) -> list[dict]:
                dict(examples=eps, width=ep_width, batch_size=ep_batch)]
     buckets = [b for b in buckets if b["examples"]]
     if not buckets:
-        raise ValueError("no SFT examples: check sft.families (empty: tasks.families) and "
-                         "tasks.train_per_family")
+        raise ValueError("no SFT examples: check sft.domains (empty: tasks.domains) and "
+                         "tasks.train_per_domain")
     for b in buckets:
         b["weight"] = len(b["examples"]) / b["batch_size"]
     share = s.episode_share  # in (0, 1) (train/run_config.py)
@@ -686,14 +686,14 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     """What `--dry_run` of the run scripts prints: everything a run would reject at start-up,
     checked without training, sampling or touching the sandbox (so a launch line is cheap to
     check): the model config, the RL algorithm (preset plus overrides, rl/algorithms.py), the
-    task families, and each phase's mesh, batch and group splits and train state built for the
+    task domains, and each phase's mesh, batch and group splits and train state built for the
     mesh (check_run_config) for `num_devices` (resolve_devices) run by `processes`.
     Raises ValueError on what cannot run; returns a report."""
     config = RunConfig.from_config(config)  # every field's type and range; hf_dir's model
     num_devices = resolve_devices(config, num_devices)
     algo = algo_from_config(config.rl.algo)
     oversample = config.rl.oversample if "rl" in phases else 1
-    fams, sft_fams = task_families(config), sft_families(config)
+    fams, sft_fams = task_domains(config), sft_domains(config)
     lines = [check_run_config(config, num_devices, phase=p, processes=processes)
              for p in phases]
     if "sft" in phases and (dense := sft_dense_steps(config, model_config(config))):
