@@ -352,8 +352,9 @@ def test_abstract_rl_state_is_the_state_run_rl_creates(algo_name):
     model, algo = Model(ModelConfig.from_dict(c.model)), algo_from_config(c.rl.algo)
     assert algo.needs_values == (algo_name == "ppo")
     mesh, rules = shd.mesh_from_config(c)
-    state = init_rl_state(RunConfig.from_config(c), model, algo, model.init(jax.random.key(0)),
-                          mesh=mesh, rules=rules)[0]
+    c = RunConfig.from_config(c)
+    state = init_rl_state(c, model, algo, model.init(jax.random.key(0)), mesh=mesh,
+                          rules=rules)[0]
     abstract = abstract_rl_state(c, model, algo, mesh=mesh, rules=rules)
     assert jax.tree.structure(abstract) == jax.tree.structure(state)
     for a, x in zip(jax.tree.leaves(abstract), jax.tree.leaves(state)):
