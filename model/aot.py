@@ -132,11 +132,12 @@ def compiled_memory(run_config, topology: str, *, programs=PROGRAMS,
     from rl.algorithms import algo_from_config  # noqa: PLC0415
     from rl.sampler import Sampler  # noqa: PLC0415
     from rl.train_step import make_logp_fn, make_train_step  # noqa: PLC0415
+    from train.run_config import RunConfig  # noqa: PLC0415
 
     unknown = sorted(set(programs) - set(PROGRAMS))
     if unknown:
         raise ValueError(f"unknown programs {unknown}; valid: {list(PROGRAMS)}")
-    c = apply_overrides(run_config, overrides)
+    c = RunConfig.from_config(apply_overrides(run_config, overrides))
     devices = tpu_compile.topology_devices(topology)
     kind = devices[0].device_kind
     out = {"topology": tpu_compile.topology_name(topology), "devices": len(devices),
