@@ -615,6 +615,7 @@ def check_run_config(config, num_devices: int, phase: str = "rl",
     phase's train state and optimizer-state shardings built for the real mesh
     (abstract_train_state). Raises ValueError on what cannot run; returns a report (warnings
     included)."""
+    config = RunConfig.from_config(config)
     cfg = model_config(config)
     shape = shd.mesh_shape(config.sharding.mesh, num_devices)
     rules = shd.rules_from_config(config)
