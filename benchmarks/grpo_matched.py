@@ -111,7 +111,8 @@ def apply_overrides(config, items) -> None:
 
 
 def run_config(variant: str, overrides=(), spec: dict = MATCHED):
-    """configs/rl.py:demo with the matched work's fields, the variant's model and overrides."""
+    """configs/rl.py:demo with the matched work's fields, the variant's model and overrides,
+    validated (train/run_config.py's RunConfig)."""
     from configs import rl as rl_configs
 
     c = rl_configs.demo()
@@ -129,7 +130,9 @@ def run_config(variant: str, overrides=(), spec: dict = MATCHED):
                         clip_norm=0.0))
     c.eval.every = 0
     apply_overrides(c, overrides)
-    return c
+    from train.run_config import RunConfig
+
+    return RunConfig.from_config(c)
 
 
 class IdTokenizer:
@@ -211,7 +214,7 @@ def matched_train_step(config, model, algo, opt, state, sampling, on_mesh):
                            state_shardings=jax.tree.map(lambda x: x.sharding, state),
                            old_logp=train.rollouts.old_logp_source(r, algo),
                            ref_logp=train.rollouts.ref_logp_source(r, algo),
-                           mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
+                           mtp_loss_weight=r.mtp_loss_weight, **on_mesh)
 
 
 def grpo(clock: Clock, config, steps: int, spec: dict = MATCHED) -> dict:

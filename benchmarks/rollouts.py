@@ -61,7 +61,7 @@ def _setup(quick: bool):
         source = f"RL checkpoint {WORKDIR}"
     if variables is None:
         variables = model.init(jax.random.key(0))
-    config.tasks.update(dict(train_per_family=16, val_per_family=16, test_per_family=16))
+    config.tasks.update(dict(train_per_domain=16, val_per_domain=16, test_per_domain=16))
     tasks = [t for t, _ in load_task_splits(config)["val"]]
     rng = np.random.default_rng(0)
     picks = [tasks[i] for i in rng.permutation(len(tasks))[:32]]
@@ -165,7 +165,7 @@ def _episodes(config, model, tok, variables, rounds: int) -> dict:
     if mesh is not None:
         variables = jax.device_put(variables, shd.variables_shardings(
             shd.model_shardings(model, mesh), variables, mesh))
-    config.tasks.update(dict(families="multistep", val_per_family=32))
+    config.tasks.update(dict(domains="multistep", val_per_domain=32))
     tasks = [t for t, _ in load_task_splits(config)["val"]]
     base = SamplingConfig(max_new_tokens=int(a.turn_tokens), eos_id=tok.eos_id)
     shapes = {"rl": (tasks[:8], 4, 1.0), "eval": (tasks[:32], 1, 0.0)}

@@ -133,12 +133,13 @@ def compiled_memory(run_config, topology: str, *, programs=PROGRAMS,
     from rl.train_step import make_logp_fn, make_train_step  # noqa: PLC0415
     from train.rl import train_width  # noqa: PLC0415
     from train.rollouts import old_logp_source, ref_logp_source, rollout_sampling  # noqa: PLC0415
+    from train.run_config import RunConfig  # noqa: PLC0415
     from train.state import abstract_rl_state, rl_optimizers  # noqa: PLC0415
 
     unknown = sorted(set(programs) - set(PROGRAMS))
     if unknown:
         raise ValueError(f"unknown programs {unknown}; valid: {list(PROGRAMS)}")
-    c = apply_overrides(run_config, overrides)
+    c = RunConfig.from_config(apply_overrides(run_config, overrides))
     devices = tpu_compile.topology_devices(topology)
     kind = devices[0].device_kind
     out = {"topology": tpu_compile.topology_name(topology), "devices": len(devices),

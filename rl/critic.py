@@ -116,9 +116,12 @@ def token_values(critic: CriticConfig, value_params: dict, hidden: jax.Array) ->
 
 
 def critic_optim_config(optim, critic: CriticConfig):
-    """The critic's optimizer config: a copy of ``optim`` with lr scaled by critic.lr_scale."""
+    """The critic's optimizer config: a copy of ``optim`` (a run config's optim section, or a
+    mapping) with lr scaled by critic.lr_scale."""
     import ml_collections
 
+    if dataclasses.is_dataclass(optim):
+        return dataclasses.replace(optim, lr=float(optim.lr) * float(critic.lr_scale))
     d = dict(optim.to_dict() if hasattr(optim, "to_dict") else optim)
     d["lr"] = float(d["lr"]) * float(critic.lr_scale)
     return ml_collections.ConfigDict(d)

@@ -154,7 +154,7 @@ def make_optimizer(ocfg, *, trainable=None) -> optax.GradientTransformation:
         decay_steps=max(int(ocfg.total_steps), int(ocfg.warmup_steps) + 1),
         end_value=ocfg.lr * ocfg.final_lr_frac)
     parts = [optax.clip_by_global_norm(ocfg.clip_norm)] if ocfg.clip_norm else []
-    mu_dtype = ocfg.get("mu_dtype", None) or None  # None: the parameter's dtype (optax)
+    mu_dtype = getattr(ocfg, "mu_dtype", None) or None  # None: the parameter's dtype (optax)
     parts.append(optax.adamw(sched, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
                              weight_decay=ocfg.weight_decay, mask=decay_mask,
                              mu_dtype=mu_dtype))
@@ -163,7 +163,7 @@ def make_optimizer(ocfg, *, trainable=None) -> optax.GradientTransformation:
         def labels(params):
             return jax.tree.map(lambda t: "train" if t else "freeze", trainable(params))
         opt = optax.multi_transform({"train": opt, "freeze": optax.set_to_zero()}, labels)
-    master = ocfg.get("master_dtype", None) or None
+    master = getattr(ocfg, "master_dtype", None) or None
     return with_master_copy(opt, master) if master else opt
 
 

@@ -69,7 +69,7 @@ def define_launch_flags():
 
     dry = flags.DEFINE_bool(
         "dry_run", False, "only check the config for the job at hand (its fully sized mesh, "
-        "else this host's devices) and exit: model, algorithm, task families, mesh, batch and "
+        "else this host's devices) and exit: model, algorithm, task domains, mesh, batch and "
         "group splits, the train state built for the mesh, memory with --device; exit code 2 "
         "with the reason when something would fail")
     check = flags.DEFINE_integer(
@@ -90,7 +90,7 @@ def define_dry_run():
 
     return flags.DEFINE_bool(
         "dry_run", False, "only check the config for the job at hand (model, algorithm, task "
-        "families, mesh, batch and group splits, the train state built for the mesh), print "
+        "domains, mesh, batch and group splits, the train state built for the mesh), print "
         "what would run, and exit; exit code 2 with the reason when something would fail")
 
 
@@ -124,8 +124,8 @@ def device_memory(config, phase: str, shape: dict, device: str) -> dict:
         run = run_plan.run_plan_from_config(config)
     else:
         rows, seq = int(config.sft.batch_size), int(config.sft.seq_len)
-        run = plan.RunPlan(master_dtype=config.optim.get("master_dtype", "") or "",
-                           mu_dtype=config.optim.get("mu_dtype", "") or "")
+        run = plan.RunPlan(master_dtype=config.optim.master_dtype,
+                           mu_dtype=config.optim.mu_dtype)
     pd = plan.per_device_plan(cfg, shape, device, rows, seq, rules=rules, run=run)
     return {"train": pd["train"]["total"],
             "rollout": pd["rollout"]["total"] if pd.get("rollout") else None,
@@ -153,6 +153,69 @@ def memory_check(config, phase: str, shape: dict, device: str | None) -> str:
     return (f"  {phase} memory on {device} ({m['source']}): "
             + ", ".join(f"{what} {v / gb:.1f} GB" for what, v in parts)
             + f" of {m['usable'] / gb:.1f} GB usable per device")
+
+
+def _unknown_override(argv, config) -> str | None:
+    """The first --config.<path>=... of `argv` that names no field of `config` (the ConfigDict
+    the --config flag loaded), as an error naming the dotted field and its section's fields."""
+    from train.run_config import renamed
+
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        path = arg[len("--config."):].split("=", 1)[0]
+        if why := renamed(path):
+            return why
+        node, done = config, []
+        for part in path.split("."):
+            if not hasattr(node, "keys") or part not in node:
+                where = ".".join(done)
+                fields = sorted(node.keys()) if hasattr(node, "keys") else []
+                return (f"{'.'.join(done + [part])}: unknown field (--config.{path}); valid "
+                        f"fields{' of ' + where if where else ''}: {fields}")
+            node, done = node[part], done + [part]
+    return None
+
+
+def parse_flags(argv):
+    """absl's flag parsing (app.run's flags_parser) where a --config.<field> override naming no
+    field of the run config ends the script with the dotted field and the fields its section
+    has (exit code 2); any other flag error is absl's."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError) as e:  # ConfigDict raises the latter two
+        bad = None
+        if "config" in flags.FLAGS:  # the --config file's ConfigDict, before its overrides
+            flag, spec = flags.FLAGS["config"], None
+            for i, a in enumerate(argv):
+                if a == "--config" and i + 1 < len(argv):
+                    spec = argv[i + 1]
+                elif a.startswith("--config="):
+                    spec = a.split("=", 1)[1]
+            bad = _unknown_override(argv, flag.parser.parse(spec or flag.default_unparsed))
+        if bad:
+            print(f"error: the config is rejected before anything ran: {bad}", file=sys.stderr)
+            sys.exit(2)
+        if not isinstance(e, flags.Error):
+            raise
+        print(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on "
+              "flags.", file=sys.stderr)
+        sys.exit(1)
+
+
+def load_run_config(config):
+    """The validated run config (train/run_config.py: RunConfig.from_config) of a --config
+    ConfigDict after its flags; a field that is unknown, of the wrong type or out of range ends
+    the script with the message on stderr and exit code 2 before anything loads."""
+    from train.run_config import RunConfig, RunConfigError
+
+    try:
+        return RunConfig.from_config(config)
+    except RunConfigError as e:
+        print(f"error: the config is rejected before anything ran: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def launch_check(config, phases, *, num_devices: int | None = None, device: str | None = None,

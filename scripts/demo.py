@@ -122,11 +122,12 @@ def _plot(path, rl_metrics, val_curve):
 
 
 def main(_):
+    config = _common.load_run_config(_CONFIG.value)
     if _DRY.value:
-        _common.dry_run(_CONFIG.value, ('sft', 'rl'))
+        _common.dry_run(config, ('sft', 'rl'))
         return
     _common.setup_jax()
-    _common.stop_on_bad_config(_CONFIG.value, ('sft', 'rl'))
+    _common.stop_on_bad_config(config, ('sft', 'rl'))
     import functools
 
     import jax
@@ -142,7 +143,6 @@ def main(_):
     from train.weights import load_rl_variables, load_sft_variables, load_warmup_variables
     from train.workdir import check_resumable
 
-    config = _CONFIG.value
     if _RESUME.value:  # both phases' checkpoints must be this config's before anything runs
         with _common.stop_on_workdir_mismatch():
             check_resumable(config, "sft")
@@ -150,7 +150,7 @@ def main(_):
     os.makedirs(config.workdir, exist_ok=True)
     t0 = time.time()
     print(f"[demo] workdir {config.workdir}: SFT {config.sft.steps} steps, RL "
-          f"{config.rl.steps} steps ({config.rl.algo.name}), families {config.tasks.families}")
+          f"{config.rl.steps} steps ({config.rl.algo.name}), domains {config.tasks.domains}")
     run_sft(config, resume=_RESUME.value)
     t_sft = time.time() - t0
 
@@ -229,4 +229,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_common.parse_flags)

@@ -232,12 +232,13 @@ def _temperatures() -> tuple:
 
 
 def main(_):
-    if _DRY.value:
+    config = _common.load_run_config(_CONFIG.value)  # a released checkpoint's run: its model
+    if _DRY.value:  # section and tokenizer are the checkpoint's
         for f in (_HE.value, _TASKS.value, _TB2.value):
             if f and not os.path.exists(f):
                 raise SystemExit(f"no such file: {f}")
         _temperatures()
-        _common.dry_run(_CONFIG.value, ('rl',))
+        _common.dry_run(config, ('rl',))
         return
     temps = _temperatures()
     _common.setup_jax()
@@ -247,12 +248,10 @@ def main(_):
     from rl.pipeline import evaluate
     from rl.sampler import SamplingConfig
     from train.data import load_task_splits
-    from train.models import config_model, resolve_checkpoint
+    from train.models import config_model
     from train.rollouts import make_rollout_worker, open_pool
     from train.weights import checkpoint_variables, load_sft_variables
 
-    config = _CONFIG.value
-    resolve_checkpoint(config)  # a released checkpoint's run: its model section and tokenizer
     pool, verifier = open_pool(config)
     tables = None  # title -> result, when not the one table of `res`
     try:
@@ -289,8 +288,7 @@ def main(_):
                 cfg, variables = model.cfg, load_rl_variables(config, model, path)
             model, variables = quant.inference_model(
                 cfg, variables, experts=_EXPERTS.value,
-                high_precision=quant.parse_modules(config.quant.high_precision)
-                if "quant" in config else quant.DEFAULT_HIGH_PRECISION)
+                high_precision=quant.parse_modules(config.quant.high_precision))
             if _EXPERTS.value == "mxfp4":
                 b = quant.expert_bytes(variables["params"])
                 print(f"experts: {model.cfg.moe.expert_format}, {b['experts']} bytes "
@@ -340,4 +338,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_common.parse_flags)

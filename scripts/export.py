@@ -58,7 +58,7 @@ CHECKPOINT_KINDS = ("sft", "rl", "init")
 def _model_config(config):
     from model.config import ModelConfig
     if "model" in config:
-        from train.models import resolve_checkpoint
+        from train.run_config import resolve_checkpoint
         resolve_checkpoint(config)  # a released checkpoint's run: its model section
     return ModelConfig.from_dict(config.model if "model" in config else config)
 

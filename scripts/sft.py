@@ -36,18 +36,19 @@ _RESUME = flags.DEFINE_bool("resume", True, "continue from the last good checkpo
 
 
 def main(_):
+    config = _common.load_run_config(_CONFIG.value)
     if _DRY.value or _CHECK.value:  # nothing runs: the checks of a start-up, then exit
-        _common.dry_run(_CONFIG.value, ('sft',), num_devices=_CHECK.value or None,
+        _common.dry_run(config, ('sft',), num_devices=_CHECK.value or None,
                         device=_DEVICE.value, processes=_PROCESSES.value)
         return
     _common.setup_jax()
-    _common.stop_on_bad_config(_CONFIG.value, ('sft',), device=_DEVICE.value)
+    _common.stop_on_bad_config(config, ('sft',), device=_DEVICE.value)
     from train.sft import run_sft
 
     with _common.stop_on_workdir_mismatch():
-        state = run_sft(_CONFIG.value, resume=_RESUME.value)
-    print(f"SFT done: step {int(state.step)}, checkpoints in {_CONFIG.value.workdir}/sft")
+        state = run_sft(config, resume=_RESUME.value)
+    print(f"SFT done: step {int(state.step)}, checkpoints in {config.workdir}/sft")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_common.parse_flags)

@@ -33,12 +33,13 @@ _RESUME = flags.DEFINE_bool("resume", True, "continue from the last good checkpo
 
 
 def main(_):
+    config = _common.load_run_config(_CONFIG.value)
     if _DRY.value or _CHECK.value:  # nothing runs: the checks of a start-up, then exit
-        _common.dry_run(_CONFIG.value, ('rl',), num_devices=_CHECK.value or None,
+        _common.dry_run(config, ('rl',), num_devices=_CHECK.value or None,
                         device=_DEVICE.value, processes=_PROCESSES.value)
         return
     _common.setup_jax()
-    _common.stop_on_bad_config(_CONFIG.value, ('rl',), device=_DEVICE.value)
+    _common.stop_on_bad_config(config, ('rl',), device=_DEVICE.value)
     import jax
 
     from model import sharding as shd
@@ -46,17 +47,17 @@ def main(_):
     from train.rl import run_rl
 
     with _common.stop_on_workdir_mismatch():
-        state = run_rl(_CONFIG.value, resume=_RESUME.value)
+        state = run_rl(config, resume=_RESUME.value)
     digest = tree_digest(state.params)
     bad = shd.replica_mismatches(state.params)
     print(f"process {jax.process_index()}/{jax.process_count()}: params digest {digest}; "
           + (f"REPLICAS DISAGREE in {len(bad)} slices: {bad[:5]}" if bad else
              "all replicas agree"))
     print(f"RL done: step {int(state.step)} (skipped {int(state.skipped)} non-finite updates), "
-          f"checkpoints in {_CONFIG.value.workdir}/rl")
+          f"checkpoints in {config.workdir}/rl")
     if bad:
         raise SystemExit(2)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_common.parse_flags)

@@ -1,7 +1,7 @@
 """Every command shown in README.md, docs/results.md, docs/speed.md and in the docstrings of
 configs/*.py and scripts/*.py runs as written: each is extracted (fenced shell blocks,
 `\\`-continued lines, inline `--config.` override fragments) and run with `--dry_run` (sft,
-train_rl, demo, evaluate: the config, its overrides, the algorithm, task families and mesh are
+train_rl, demo, evaluate: the config, its overrides, the algorithm, task domains and mesh are
 validated without training; plan.py: the model config and mesh without planning), or as written
 where it already only validates (--check_devices).
 The commands run in forked children of one process that imported jax once (about 0.2 s each).

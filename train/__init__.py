@@ -18,9 +18,11 @@ algorithms, sampler, train step, agent, pipeline, checkpoints).
     sft.py        the SFT driver (run_sft): rows, buckets, stream, supervised phases
     rl.py         the RL driver (run_rl): launcher, update, compiles ahead, evaluation
     launch.py     launch checks (validate_run_config, check_run_config, config_agreement)
+    run_config.py the run config's schema: typed frozen sections, defaults, ranges, migration
 
-Both drivers read one ml_collections config (configs/rl.py); run_rl's helpers each get their own
-section of it (config.rl, config.rl.agent, config.eval). Every run is resumable: checkpoints hold
+Both drivers read one run config (configs/rl.py), validated into run_config.RunConfig's frozen
+typed sections (a ConfigDict given to them is converted first); run_rl's helpers each get their
+own section of it (config.rl, config.rl.agent, config.eval). Every run is resumable: checkpoints hold
 the train state (with a critic: the value head and its optimizer state), rng and data-iterator
 position; the frozen reference policy is not stored (it is the initial weights, reloaded on
 resume). `resume=True` picks up at the last good checkpoint and continues exactly (same data

@@ -5,8 +5,8 @@ what a phase trains on (what a resumed phase must see again: train/workdir.py).
     examples = sft_train_examples(config)      # [(prompt, completion or turns, ok)]
     record = phase_data(config, "rl")          # {"data", "count", "sha256"}
 
-Tasks come from the generated domains (config.tasks.families, sandbox/tasks/domains) or, for
-RL's prompts, a task file (config.tasks.task_file); SFT reads its own families (sft.families).
+Tasks come from the generated domains (config.tasks.domains, sandbox/tasks/domains) or, for
+RL's prompts, a task file (config.tasks.task_file); SFT reads its own domains (sft.domains).
 """
 
 from __future__ import annotations
@@ -22,42 +22,42 @@ from sandbox.tasks.domains import generated_domains, is_multi_turn_task
 from sandbox.tasks.sampling import make_split
 
 
-def _families(spec: str, field: str) -> list[str]:
-    fams = [f.strip() for f in spec.split(",") if f.strip()]
+def _domains(spec: str, field: str) -> list[str]:
+    doms = [f.strip() for f in spec.split(",") if f.strip()]
     valid = generated_domains()
-    unknown = [f for f in fams if f not in valid]
-    if unknown or not fams:
-        raise ValueError(f"{field}: unknown family {(unknown or [''])[0]!r}; give a "
+    unknown = [f for f in doms if f not in valid]
+    if unknown or not doms:
+        raise ValueError(f"{field}: unknown task domain {(unknown or [''])[0]!r}; give a "
                          f"comma-separated list of {valid}")
-    return fams
+    return doms
 
 
-def task_families(config) -> list[str]:
-    """config.tasks.families (RL's and evaluation's) as a list, each checked against the task
+def task_domains(config) -> list[str]:
+    """config.tasks.domains (RL's and evaluation's) as a list, each checked against the task
     domain registry."""
-    return _families(config.tasks.families, "tasks.families")
+    return _domains(config.tasks.domains, "tasks.domains")
 
 
-def sft_families(config) -> list[str]:
-    """The families SFT's demonstrations come from: config.sft.families, or tasks.families when
-    it is empty or absent."""
-    spec = config.sft.get("families", "")
-    return _families(spec, "sft.families") if spec else task_families(config)
+def sft_domains(config) -> list[str]:
+    """The domains SFT's demonstrations come from: config.sft.domains, or tasks.domains when
+    it is empty."""
+    spec = config.sft.domains
+    return _domains(spec, "sft.domains") if spec else task_domains(config)
 
 
-def load_task_splits(config, families: list[str] | None = None) -> dict:
+def load_task_splits(config, domains: list[str] | None = None) -> dict:
     """{"train": [(Task, demo)], "val": [...], "test": [...]} from the generated domains
-    `families` (default: task_families) (or tasks.task_file for RL prompts, without
+    `domains` (default: task_domains) (or tasks.task_file for RL prompts, without
     demonstrations)."""
     t = config.tasks
-    fams = task_families(config) if families is None else families
-    diff = {f: (t.difficulty.get(f, 0) or None) for f in fams}
-    n = {"train": t.train_per_family, "val": t.val_per_family, "test": t.test_per_family}
+    doms = task_domains(config) if domains is None else domains
+    diff = {f: (t.difficulty.get(f, 0) or None) for f in doms}
+    n = {"train": t.train_per_domain, "val": t.val_per_domain, "test": t.test_per_domain}
 
     def split(f, s):  # a multi-turn domain's demo is its list of turns (meta["demo_turns"])
         return make_split(f, s, n[s], t.seed, difficulty=diff[f])
 
-    out = {s: [p for f in fams for p in split(f, s)] for s in n}
+    out = {s: [p for f in doms for p in split(f, s)] for s in n}
     if t.task_file:
         out["train"] = [(task, None) for task in load_tasks(t.task_file)]
     return out
@@ -99,8 +99,8 @@ def sft_examples(config, pairs) -> list:
 
 
 def sft_train_examples(config) -> list:
-    """SFT's examples (sft_examples) from the train split of its own families (sft_families)."""
-    return sft_examples(config, load_task_splits(config, sft_families(config))["train"])
+    """SFT's examples (sft_examples) from the train split of its own domains (sft_domains)."""
+    return sft_examples(config, load_task_splits(config, sft_domains(config))["train"])
 
 
 def agent_env_config(a):

@@ -17,20 +17,18 @@ from model import sharding as shd
 from model.config import ModelConfig
 from rl.algorithms import algo_from_config
 from rl.train_step import init_train_state, make_optimizer, train_state_shardings
-from train.data import sft_families, task_families
+from train.data import sft_domains, task_domains
 from train.models import (
     config_model,
     model_config,
     qat_model,
-    resolve_checkpoint,
     rl_model,
     trainable_experts,
 )
-from train.rl import rl_oversample, rl_template_power
-from train.rollouts import reuse_verdicts
+from train.run_config import RunConfig
 from train.sft import sft_dense_steps
-from train.state import abstract_rl_state, optim_config, optim_numerics, rl_seed
-from train.weights import INIT_FROM, hf_checkpoint_dir, sft_checkpoint_dir, sft_qat_steps
+from train.state import abstract_rl_state, optim_config, optim_numerics
+from train.weights import hf_checkpoint_dir, sft_checkpoint_dir
 
 
 def config_fields(config) -> dict[str, str]:
@@ -45,7 +43,7 @@ def config_fields(config) -> dict[str, str]:
             else:
                 out[prefix + k] = repr(v)
 
-    walk(config, "")
+    walk(config.to_dict(), "")
     return out
 
 
@@ -167,6 +165,7 @@ def check_run_config(config, num_devices: int, phase: str = "rl",
     phase's train state and optimizer-state shardings built for the real mesh
     (abstract_train_state). Raises ValueError on what cannot run; returns a report (warnings
     included)."""
+    config = RunConfig.from_config(config)
     cfg = model_config(config)
     shape = shd.mesh_shape(config.sharding.mesh, num_devices)
     rules = shd.rules_from_config(config)
@@ -212,8 +211,6 @@ def check_rl_start(config, required: bool = True) -> str:
         return f"  RL starts from a fresh init (seed {config.seed})"
     if init_from == "hf":
         return f"  RL starts from the released checkpoint in {hf_checkpoint_dir(config)}"
-    if init_from not in INIT_FROM:
-        raise ValueError(f"rl.init_from must be one of {INIT_FROM}, got {init_from!r}")
     d = sft_checkpoint_dir(config)
     found = os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
     if found:
@@ -240,15 +237,14 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     """What `--dry_run` of the run scripts prints: everything a run would reject at start-up,
     checked without training, sampling or touching the sandbox (so a launch line is cheap to
     check): the model config, the RL algorithm (preset plus overrides, rl/algorithms.py), the
-    task families, and each phase's mesh, batch and group splits and train state built for the
+    task domains, and each phase's mesh, batch and group splits and train state built for the
     mesh (check_run_config) for `num_devices` (resolve_devices) run by `processes`.
     Raises ValueError on what cannot run; returns a report."""
-    resolve_checkpoint(config)
+    config = RunConfig.from_config(config)  # every field's type and range; hf_dir's model
     num_devices = resolve_devices(config, num_devices)
     algo = algo_from_config(config.rl.algo)
-    oversample = rl_oversample(config.rl) if "rl" in phases else 1
-    reuse_verdicts(config.sandbox)
-    fams, sft_fams = task_families(config), sft_families(config)
+    oversample = config.rl.oversample if "rl" in phases else 1
+    fams, sft_fams = task_domains(config), sft_domains(config)
     lines = [check_run_config(config, num_devices, phase=p, processes=processes)
              for p in phases]
     if "sft" in phases and (dense := sft_dense_steps(config, model_config(config))):
@@ -256,7 +252,7 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
                      "densely (indexer KL over every causal key), "
                      + ("the rest" if dense < config.sft.steps else "RL and sampling")
                      + " through the top-k")
-    if qat := sft_qat_steps(config):  # SFT runs the phase; RL starts from its weights
+    if qat := config.sft.qat_steps:  # SFT runs the phase; RL starts from its weights
         qat_model(ModelConfig.from_dict(config.model))
         lines.append(f"  SFT QAT phase: {qat} steps (lr {config.sft.qat_lr}, MXFP4 fake-quantised"
                      f" experts), checkpoints in {sft_checkpoint_dir(config)}: the SFT weights "
@@ -269,10 +265,10 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     if oversample > 1:
         lines.append(f"  dynamic sampling: {oversample} batches' prompts drawn per update, one "
                      "batch of groups trained (informative groups first)")
-    if "rl" in phases and config.rl.get("seed") is not None:
-        lines.append(f"  RL seed {rl_seed(config)} (prompt order, rollout draws; SFT: seed "
+    if "rl" in phases and config.rl.seed is not None:
+        lines.append(f"  RL seed {config.rl_seed()} (prompt order, rollout draws; SFT: seed "
                      f"{config.seed})")
-    if "rl" in phases and (power := rl_template_power(config.rl)) != 1.0:
+    if "rl" in phases and (power := config.rl.template_power) != 1.0:
         lines.append(f"  RL prompts drawn per template: each domain's draws split over its "
                      f"templates as count ** {power:g}")
     return "\n".join(lines)

@@ -1,46 +1,18 @@
 """The model of a run's config: the config's model section (resolved from a released checkpoint
-when config.hf_dir is set: resolve_checkpoint) checked against its tokenizer (model_config), and
+when config.hf_dir is set: train.run_config.resolve_checkpoint) checked against its tokenizer (model_config), and
 the variants each phase trains: the dense warm-up's, the QAT phase's, RL's policy."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-
-from ml_collections import ConfigDict
 
 from model.config import ModelConfig
-from model.hf import hf_config
 from model.tokenizer import load_tokenizer
 from model.transformer import Model
 
 
 def config_model(config) -> Model:
     return Model(model_config(config))
-
-
-def resolve_checkpoint(config) -> None:
-    """A run from a released checkpoint (`config.hf_dir`, configs/rl.py:hf): its model section
-    becomes the checkpoint's config.json translated (model.hf.hf_config; the run keeps its own
-    dtype, param_dtype and scan_layers, the only fields configs/rl.py:hf gives it) and its tokenizer the checkpoint's tokenizer files and
-    chat template. Called first by validate_run_config, run_sft, run_rl and evaluation; a
-    second call changes nothing. Without hf_dir: nothing to do."""
-    if "hf_dir" not in config:
-        return
-    d = config.hf_dir
-    if not d:
-        raise ValueError("this config starts from a released checkpoint: set --config.hf_dir=DIR "
-                         "(a directory in transformers' layout: config.json, *.safetensors, "
-                         "tokenizer files; docs/checkpoints.md)")
-    if not os.path.isdir(d):
-        raise ValueError(f"hf_dir={d!r} is not a directory: give a checkpoint directory in "
-                         "transformers' layout (config.json, *.safetensors, tokenizer files)")
-    m = config.model
-    cfg = hf_config(d, dtype=m.dtype, param_dtype=m.param_dtype).replace(
-        scan_layers=bool(m.get("scan_layers", False)))
-    with config.unlocked():
-        config.model = ConfigDict(dataclasses.asdict(cfg))
-        config.tokenizer = d
 
 
 def model_config(config) -> ModelConfig:
@@ -58,7 +30,7 @@ def rl_model(config) -> Model:
     """The policy as RL trains it: the config's model, with the indexer KL weight set to 0 when
     rl.train_indexer is False (the indexer then gets no gradient and stays as SFT left it)."""
     cfg = model_config(config)
-    if not config.rl.get("train_indexer", True):
+    if not config.rl.train_indexer:
         cfg = cfg.replace(dsa=dataclasses.replace(cfg.dsa, indexer_loss_weight=0.0))
     return Model(cfg)
 

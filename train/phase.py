@@ -1,6 +1,6 @@
 """What every phase of a run shares: starting or resuming a phase (start_phase, resume_state),
 the global batch agreed over processes (next_global_batch, DataExhausted), the primary process
-and its progress bar, and the checked int config field (int_field)."""
+and its progress bar."""
 
 from __future__ import annotations
 
@@ -15,16 +15,6 @@ from rl.checkpoint import Checkpointer
 from train.workdir import check_resumable, record_data, set_aside
 
 log = logging.getLogger(__name__)
-
-
-def int_field(node, path: str, default: int, minimum: int, meaning: str) -> int:
-    """The int config field `path` ("section.name") of `node` (its section; `default` where a
-    config written before the field lacks it), refused unless an int >= minimum; `meaning`
-    explains the values in the error."""
-    v = node.get(path.rsplit(".", 1)[-1], default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{path} must be an int >= {minimum} ({meaning}), got {v!r}")
-    return v
 
 
 def is_primary() -> bool:

@@ -55,9 +55,8 @@ from rl.pipeline import (
 from rl.train_step import TrainState, make_logp_fn, make_logp_value_fn, make_train_step
 from sandbox.tasks.domains import is_multi_turn_task
 from train.data import balanced, load_task_splits, phase_data
-from train.models import resolve_checkpoint, rl_model
+from train.models import rl_model
 from train.phase import (
-    int_field,
     is_primary,
     next_global_batch,
     progress_bar,
@@ -71,11 +70,11 @@ from train.rollouts import (
     old_logp_source,
     open_pool,
     ref_logp_source,
-    reuse_verdicts,
     rollout_policy,
     rollout_sampling,
 )
-from train.state import abstract_rl_state, init_rl_state, rl_optimizers, rl_seed
+from train.run_config import RunConfig
+from train.state import abstract_rl_state, init_rl_state, rl_optimizers
 from train.weights import initial_variables, reference_variables
 from train.workdir import check_resumable
 
@@ -87,22 +86,6 @@ def train_width(r, tasks=()) -> int:
 
     w = r.max_prompt_len + r.max_new_tokens
     return max(w, int(r.agent.width)) if any(is_multi_turn_task(t) for t in tasks) else w
-
-
-def rl_template_power(r) -> float:
-    """rl.template_power (config.rl; absent in configs written before it: 1.0), checked."""
-    p = r.get("template_power", 1.0)
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-        raise ValueError(f"rl.template_power must be a number in [0, 1] (1: RL prompts drawn "
-                         f"uniformly over tasks; 0: each generator template of a domain equally "
-                         f"often), got {p!r}")
-    return float(p)
-
-
-def rl_oversample(r) -> int:
-    """rl.oversample (config.rl), checked: an int >= 1."""
-    return int_field(r, "rl.oversample", 1, 1, "1 = train on every drawn group; k: draw k "
-                     "batches' prompts, keep one batch, informative groups first")
 
 
 class _Position:
@@ -262,7 +245,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     default in configs/rl.py) corrects for it. `pool`: a sandbox executor to score with (default:
     one opened from config.sandbox and closed at the end); on_eval(step, results) after each
     evaluation."""
-    resolve_checkpoint(config)
+    config = RunConfig.from_config(config)
     r, e = config.rl, config.eval
     if r.init_from == "sft":  # the weights RL starts from must be this config's SFT
         check_resumable(config, "sft")
@@ -275,11 +258,11 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     on_mesh = dict(mesh=mesh, rules=rules)
     val_tasks = balanced([t for t, _ in splits["val"]], e.val_tasks)
     # one-shot and multi-turn tasks in separate batches (each trains at its own row width)
-    oversample = rl_oversample(r)  # draw this many batches' prompts, train on one batch
-    seed = rl_seed(config)  # the prompts' order and the rollouts' draws
+    oversample = r.oversample  # draw this many batches' prompts, train on one batch
+    seed = config.rl_seed()  # the prompts' order and the rollouts' draws
     data = iter(task_dataset(train_tasks, seed=seed,
                              batch_size=r.prompts_per_batch * oversample, group_by=is_multi_turn_task,
-                             template_power=rl_template_power(r)))
+                             template_power=r.template_power))
 
     # the update (the jit train step on the mesh) and its programs, compiling on a thread from
     # the state's shapes while the weights load and the first evaluation and rollouts run
@@ -291,7 +274,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
     step_fn = make_train_step(model, algo, opt, micro_batches=r.micro_batches,
                               sampling=sampling, critic=critic, value_optimizer=value_opt,
                               state_shardings=state_sh, old_logp=old_src, ref_logp=ref_src,
-                              mtp_loss_weight=r.get("mtp_loss_weight", None), **on_mesh)
+                              mtp_loss_weight=r.mtp_loss_weight, **on_mesh)
     width = functools.partial(train_width, r)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=r.keep_checkpoints)
     precompile = functools.partial(precompile_updates, train_tasks,
@@ -319,7 +302,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         pool, verifier = open_pool(config)
     else:
         from sandbox.verifiers import Verifier
-        verifier = Verifier(executor=pool, reuse=reuse_verdicts(config.sandbox))
+        verifier = Verifier(executor=pool, reuse=config.sandbox.reuse_verdicts)
     worker = make_rollout_worker(r, sample_model, tok, sampling, verifier, pool,
                                  group_size=r.group_size, tasks=train_tasks, **on_mesh)
     eval_worker = make_rollout_worker(r, sample_model, tok, eval_sampling(e, sampling), verifier,

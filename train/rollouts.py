@@ -18,7 +18,6 @@ from rl.sampler import SamplingConfig
 from rl.train_step import kl_in_loss
 from sandbox.tasks.domains import is_multi_turn_task
 from train.data import agent_env_config
-from train.phase import int_field
 
 
 def open_pool(config):
@@ -31,15 +30,7 @@ def open_pool(config):
                        max_concurrency=client_concurrency(config))
     else:
         pool = connect("local", workers=s.workers)
-    return pool, Verifier(executor=pool, reuse=reuse_verdicts(s))
-
-
-def reuse_verdicts(s) -> int:
-    """sandbox.reuse_verdicts (config.sandbox; absent in configs written before it: 0), checked,
-    as the Verifier's `reuse`."""
-    return int_field(s, "sandbox.reuse_verdicts", 0, 0,
-                     "the last N scored (task, completion) pairs whose verdicts identical "
-                     "completions take; 0 = run every completion")
+    return pool, Verifier(executor=pool, reuse=s.reuse_verdicts)
 
 
 def client_concurrency(config) -> int:
@@ -47,9 +38,9 @@ def client_concurrency(config) -> int:
     when set, else ceil(sandbox.fleet_slots / process count) (together the processes fill every
     fleet slot and queue nothing on the servers), else 16."""
     s = config.sandbox
-    if s.get("client_concurrency", 0):
+    if s.client_concurrency:
         return int(s.client_concurrency)
-    if s.get("fleet_slots", 0):
+    if s.fleet_slots:
         return max(1, -(-int(s.fleet_slots) // jax.process_count()))
     return 16
 
@@ -125,17 +116,13 @@ def rollout_policy(config, model: Model, *, mesh=None, rules=None):
     is logged (logp_gap/*) and corrected by TIS, so rl.algo.tis_cap must be set."""
     from model import quant
 
-    mode = config.rl.get("rollout_experts", "bf16")
-    if mode == "bf16":
+    if config.rl.rollout_experts == "bf16":
         return model, lambda v: v
-    if mode != "mxfp4":
-        raise ValueError(f"rl.rollout_experts must be 'bf16' or 'mxfp4', got {mode!r}")
     if config.rl.algo.get("tis_cap") is None:
         raise ValueError("rl.rollout_experts='mxfp4' samples from the MXFP4 policy, not the "
                          "trained one: truncated importance sampling must correct the gap; set "
                          "rl.algo.tis_cap (2.0 in configs/rl.py)")
-    hp = (quant.parse_modules(config.quant.high_precision) if "quant" in config
-          else quant.DEFAULT_HIGH_PRECISION)
+    hp = quant.parse_modules(config.quant.high_precision)
     qmodel = Model(quant.mxfp4_config(model.cfg, hp))
     if qmodel.cfg.moe.expert_format != "mxfp4":
         raise ValueError("rl.rollout_experts='mxfp4' but quant.high_precision keeps the experts "
@@ -163,9 +150,7 @@ def old_logp_source(r, algo) -> str:
     policy's) when the pass is "auto", every batch serves exactly one update (the loop's only
     mode: micro-batches accumulate into one optimizer step) and nothing needs old log-probs
     before the advantages (a critic's values, KL in the reward); "batch" otherwise."""
-    mode = r.get("old_logp_pass", "auto")
-    if mode not in ("auto", "always"):
-        raise ValueError(f"rl.old_logp_pass must be 'auto' or 'always', got {mode!r}")
+    mode = r.old_logp_pass
     needs_before = algo.needs_values or algo.kl_placement == "reward"
     return "current" if mode == "auto" and not needs_before else "batch"
 
@@ -177,9 +162,7 @@ def ref_logp_source(r, algo) -> str:
     KL term is in the loss; "batch" (a separate forward before the advantages) when it is
     "separate", or the KL is folded into the rewards (needed before the advantages), or there
     is no KL term."""
-    mode = r.get("ref_logp_pass", "auto")
-    if mode not in ("auto", "separate"):
-        raise ValueError(f"rl.ref_logp_pass must be 'auto' or 'separate', got {mode!r}")
+    mode = r.ref_logp_pass
     return "step" if mode == "auto" and kl_in_loss(algo) else "batch"
 
 

@@ -15,12 +15,11 @@ def run_plan_from_config(config) -> RunPlan:
     the algorithm keeps a reference policy, and the rollout batch."""
     o, r = config.optim, config.rl
     algo = algo_from_config(r.algo)
-    return RunPlan(master_dtype=o.get("master_dtype", "") or "",
-                   mu_dtype=o.get("mu_dtype", "") or "", micro_batches=int(r.micro_batches),
+    return RunPlan(master_dtype=o.master_dtype, mu_dtype=o.mu_dtype, micro_batches=int(r.micro_batches),
                    reference=bool(algo.needs_ref),
                    rollout_rows=int(r.prompts_per_batch * r.group_size),
                    rollout_len=int(r.max_prompt_len + r.max_new_tokens),
-                   rollout_experts=str(r.get("rollout_experts", "bf16")))
+                   rollout_experts=r.rollout_experts)
 
 
 def run_batch_from_config(config) -> tuple[int, int]:

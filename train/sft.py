@@ -48,12 +48,12 @@ from train.models import (
     has_dsa,
     has_indexer,
     qat_model,
-    resolve_checkpoint,
     warmup_model,
 )
 from train.phase import is_primary, next_global_batch, progress_bar, resume_state, start_phase
+from train.run_config import RunConfig
 from train.state import optim_config, optim_numerics
-from train.weights import checkpoint_variables, sft_qat_steps
+from train.weights import checkpoint_variables
 
 
 def sft_rows(tokenizer, seq_len):
@@ -92,20 +92,18 @@ def sft_buckets(examples, s) -> list[dict]:
     -> [{"examples", "width", "batch_size", "weight"}] (one or two buckets)."""
     one = [ex for ex in examples if not is_episode(ex)]
     eps = [ex for ex in examples if is_episode(ex)]
-    ep_width = int(s.get("episode_seq_len", None) or s.seq_len)
-    ep_batch = int(s.get("episode_batch_size", None) or s.batch_size)
+    ep_width = int(s.episode_seq_len or s.seq_len)
+    ep_batch = int(s.episode_batch_size or s.batch_size)
     buckets = [dict(examples=one, width=int(s.seq_len), batch_size=int(s.batch_size)),
                dict(examples=eps, width=ep_width, batch_size=ep_batch)]
     buckets = [b for b in buckets if b["examples"]]
     if not buckets:
-        raise ValueError("no SFT examples: check sft.families (empty: tasks.families) and "
-                         "tasks.train_per_family")
+        raise ValueError("no SFT examples: check sft.domains (empty: tasks.domains) and "
+                         "tasks.train_per_domain")
     for b in buckets:
         b["weight"] = len(b["examples"]) / b["batch_size"]
-    share = s.get("episode_share", None)
+    share = s.episode_share  # in (0, 1) (train/run_config.py)
     if share is not None and len(buckets) == 2:
-        if not 0.0 < share < 1.0:
-            raise ValueError(f"sft.episode_share must be in (0, 1) or None, got {share!r}")
         buckets[0]["weight"], buckets[1]["weight"] = 1.0 - share, share
     return buckets
 
@@ -245,13 +243,13 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     Resuming picks up whichever phase was unfinished (a finished SFT skips the warm-up; a
     finished SFT is restored, not rerun, before the QAT phase)."""
 
-    resolve_checkpoint(config)
+    config = RunConfig.from_config(config)
     s = config.sft
     workdir = os.path.join(config.workdir, "sft")
     examples = sft_train_examples(config)
     start_phase(config, "sft", resume, phase_data(config, "sft", examples))
     model, tok = config_model(config), load_tokenizer(config.tokenizer)
-    qat_steps = sft_qat_steps(config)
+    qat_steps = s.qat_steps
     qmodel = qat_model(model.cfg) if qat_steps else None  # rejected before SFT runs
     mesh, rules = shd.mesh_from_config(config)
     it = sft_stream(examples, tok, s, config.seed, mesh=mesh, rules=rules)
@@ -259,13 +257,13 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
     opt = make_optimizer(optim_config(s.lr, s.warmup_steps, s.steps, s.weight_decay,
                                 optim_numerics(config)))
     variables = (checkpoint_variables(config, model, mesh=mesh, rules=rules)
-                 if config.get("hf_dir") else
+                 if config.hf_dir else
                  shd.init_sharded(model, jax.random.key(config.seed), mesh, rules))
     done = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     latest = done.latest_step() if resume else None
     done.close()
     sft_started, sft_at = latest is not None, latest or 0  # sft_at: the step SFT resumes at
-    warm_steps = int(s.get("indexer_warmup_steps", 0))
+    warm_steps = s.indexer_warmup_steps
     warm = warm_steps and has_indexer(model.cfg) and not sft_started
     # each phase's step compiles ahead, two programs at a time: the warm-up's batch shapes
     # first, then SFT's while the warm-up trains (supervised_step)
@@ -315,18 +313,16 @@ def run_sft(config, *, resume: bool = True, progress: bool = True) -> TrainState
 
 
 def sft_dense_steps(config, cfg: ModelConfig) -> int:
-    """sft.dense_steps (0 when the field is absent), validated: an int in [0, sft.steps], and
-    > 0 only for a model with a DSA layer in the sparse stage (the dense stage's difference).
+    """sft.dense_steps (an int in [0, sft.steps], train/run_config.py), checked against the
+    model: > 0 only for a model with a DSA layer in the sparse stage (the dense stage's
+    difference).
 
     Why a dense stage: in the sparse stage the indexer's KL covers only the keys it already
     selects, so a key it never picks gets no signal to be picked, and the attention cannot
     learn to use it. DeepSeek-V3.2 avoids this by starting from a trained dense model; here SFT
     starts from random weights, so its first steps play that model's part (README, "Agents":
     what it did to the episodes' name copying)."""
-    n = config.sft.get("dense_steps", 0)
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= config.sft.steps:
-        raise ValueError(f"sft.dense_steps must be an integer in [0, sft.steps={config.sft.steps}]"
-                         f" (0: sparse from the first step), got {n!r}")
+    n = config.sft.dense_steps
     if n and not (has_dsa(cfg) and cfg.dsa.indexer_stage == "sparse"):
         raise ValueError(f"sft.dense_steps={n} needs a model with a DSA layer in the sparse stage"
                          f" (model {cfg.name}: layer pattern {cfg.layer_pattern!r}, "

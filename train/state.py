@@ -20,8 +20,7 @@ from rl.train_step import (
 def optim_numerics(config) -> dict:
     """The optimizer's numerics fields of config.optim (mu_dtype, master_dtype), shared by the
     SFT phases' optimizers."""
-    o = config.get("optim", {})
-    return {k: o[k] for k in ("mu_dtype", "master_dtype") if k in o}
+    return {k: getattr(config.optim, k) for k in ("mu_dtype", "master_dtype")}
 
 
 def optim_config(lr, warmup, total, wd, numerics=None):
@@ -31,25 +30,13 @@ def optim_config(lr, warmup, total, wd, numerics=None):
                                           eps=1e-8, clip_norm=1.0, **(numerics or {})))
 
 
-def rl_seed(config) -> int:
-    """RL's own seed (rl.seed: the prompts' order, the rollouts' draws, a critic's init), or
-    config.seed when unset: RL rerun from the same SFT weights under other draws (SFT keeps
-    config.seed; evaluation keys do not depend on either)."""
-    s = config.rl.get("seed")
-    if s is None:
-        return config.seed
-    if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-        raise ValueError(f"rl.seed must be an int >= 0 or unset (config.seed), got {s!r}")
-    return s
-
-
 def rl_optimizers(config, algo) -> tuple:
     """(optimizer, critic, value optimizer) of the RL run: config.optim's optimizer; with a
     critic (algo.needs_values) its config (config.rl.critic, rl/critic.py) and optimizer
     (config.optim with lr * critic.lr_scale), else both None."""
     if not algo.needs_values:
         return make_optimizer(config.optim), None, None
-    critic = CriticConfig.from_config(config.rl.get("critic"))
+    critic = CriticConfig.from_config(config.rl.critic)
     return (make_optimizer(config.optim), critic,
             make_optimizer(critic_optim_config(config.optim, critic)))
 
@@ -81,7 +68,7 @@ def init_rl_state(config, model: Model, algo, init_vars: dict, *, mesh=None, rul
     value_params = None
     if critic is not None:
         value_params = init_value_params(critic, model.cfg,
-                                         jax.random.fold_in(jax.random.key(rl_seed(config)), 2))
+                                         jax.random.fold_in(jax.random.key(config.rl_seed()), 2))
     if mesh is None:
         state = init_train_state(init_vars, opt, value_params=value_params,
                                  value_optimizer=value_opt)

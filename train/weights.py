@@ -16,11 +16,8 @@ from model.transformer import Model
 from rl.algorithms import algo_from_config
 from rl.checkpoint import Checkpointer
 from rl.train_step import indexer_mask, init_train_state, make_optimizer, train_state_shardings
+from train.run_config import INIT_FROM, RunConfig
 from train.state import optim_config, optim_numerics, rl_state_shapes
-
-# where RL's weights come from: this workdir's SFT checkpoint, a fresh init, or a released
-# checkpoint (config.hf_dir, configs/rl.py:hf)
-INIT_FROM = ("sft", "scratch", "hf")
 
 
 def _restore_variables(directory, model: Model, opt, mesh=None, rules=None, abstract_fn=None):
@@ -42,22 +39,11 @@ def _restore_variables(directory, model: Model, opt, mesh=None, rules=None, abst
     return None if restored is None else next(iter(restored)).variables
 
 
-def sft_qat_steps(config) -> int:
-    """sft.qat_steps (0 when the field is absent), validated: an int >= 0."""
-    n = config.sft.get("qat_steps", 0)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"sft.qat_steps must be an integer >= 0 (0: no QAT phase), got {n!r}")
-    if n and not config.sft.get("qat_lr", 0) > 0:
-        raise ValueError(f"sft.qat_steps={n} needs sft.qat_lr > 0, got "
-                         f"{config.sft.get('qat_lr')!r}")
-    return n
-
-
 def sft_checkpoint_dir(config) -> str:
     """Where the final SFT weights live (what load_sft_variables and RL's init_from="sft" read):
     workdir/sft/checkpoints, or the QAT phase's workdir/sft/qat/checkpoints when sft.qat_steps
     > 0 (run_sft)."""
-    sub = ("qat",) if sft_qat_steps(config) else ()
+    sub = ("qat",) if config.sft.qat_steps else ()
     return os.path.join(config.workdir, "sft", *sub, "checkpoints")
 
 
@@ -71,7 +57,7 @@ def load_sft_variables(config, model: Model, *, mesh=None, rules=None) -> dict:
         raise FileNotFoundError(
             f"no SFT checkpoint under {d}: run scripts/sft.py with the same --config first"
             + (" (it runs the sft.qat_steps QAT phase after a finished SFT)"
-               if sft_qat_steps(config) else "") + ", or set --config.rl.init_from=scratch")
+               if config.sft.qat_steps else "") + ", or set --config.rl.init_from=scratch")
     return v
 
 
@@ -86,7 +72,7 @@ def load_warmup_variables(config, model: Model, *, mesh=None, rules=None) -> dic
 
 
 def hf_checkpoint_dir(config) -> str:
-    d = config.get("hf_dir")
+    d = config.hf_dir
     if not d:
         raise ValueError("rl.init_from='hf' needs the checkpoint directory: set "
                          "--config.hf_dir=DIR (configs/rl.py:hf)")
@@ -134,6 +120,7 @@ def load_rl_variables(config, model: Model, directory: str | None = None, *, mes
     """The latest good RL checkpoint's variables (workdir/rl/checkpoints or `directory`),
     restored into their shardings on `mesh` (default: this process's first device). A
     checkpoint written on any mesh and process count restores here."""
+    config = RunConfig.from_config(config)
     algo = algo_from_config(config.rl.algo)  # with a critic the state holds a value head
     opt = make_optimizer(config.optim)
     d = directory or os.path.join(config.workdir, "rl", "checkpoints")

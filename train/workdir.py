@@ -13,10 +13,11 @@ What a phase depends on (`PHASES`): the whole config except the fields listed as
 it: where and how a run is logged, checkpointed, evaluated, sharded and scored (workdir, name,
 eval, sandbox, sharding, log/checkpoint cadence, held-out split sizes), and the phase's own
 length (sft.steps, sft.dense_steps, rl.steps and optim.total_steps: lengthening a finished phase
-continues it under the new schedule). SFT depends on the task families it reads (sft.families,
-or tasks.families when that is empty), not on those RL uses, and ignores the RL section and RL's
-optimizer (config.optim) except rl.agent (it renders the demonstrations' episodes) and the
-optimizer's numerics fields (train.state.optim_numerics), and the model fields only sampling reads
+continues it under the new schedule); a field the recorded config lacks counts as the value
+train/run_config.py's ADDED_FIELDS gives it (what runs before the field behaved with), and a
+recorded field renamed since (RENAMED_FIELDS) compares under its new name. SFT depends on the
+task domains it reads (sft.domains, or tasks.domains when that is empty), not on those RL uses, and ignores the RL section and RL's optimizer (config.optim) except
+rl.agent (it renders the demonstrations' episodes) and the optimizer's numerics fields (train.state.optim_numerics), and the model fields only sampling reads
 (model.kda.recurrent_max_len: SFT never samples); RL depends on everything SFT does and on those,
 since it starts from SFT's weights and samples, unless both configs have rl.init_from="scratch"
 (or "hf": a released checkpoint's weights, whose model section and hf_dir RL depends on).
@@ -41,11 +42,12 @@ import shutil
 
 from rl.checkpoint import latest_committed_step
 from train.data import phase_data
+from train.run_config import ADDED_FIELDS, migrate
 
 log = logging.getLogger(__name__)
 
-_EVERY_PHASE = ("name", "workdir", "eval", "sandbox", "sharding", "tasks.val_per_family",
-                "tasks.test_per_family", "sft.log_every", "sft.checkpoint_every",
+_EVERY_PHASE = ("name", "workdir", "eval", "sandbox", "sharding", "tasks.val_per_domain",
+                "tasks.test_per_domain", "sft.log_every", "sft.checkpoint_every",
                 "rl.log_every", "rl.checkpoint_every", "rl.keep_checkpoints", "rl.precompile")
 
 # stage -> (dotted prefixes that do not affect it, prefixes kept although under an ignored one)
@@ -60,11 +62,6 @@ PHASES = {
                 _SFT_KEEPS),  # after SFT's end
     "rl": (_EVERY_PHASE + ("rl.steps", "optim.total_steps"), ()),  # total_steps: RL's length
 }
-# fields added after runs were recorded: absent from an older config.json means this value
-# (the behaviour those runs had), so such a run still resumes under the default
-ADDED_DEFAULTS = {"rl.oversample": 1, "model.dsa.indexer_kl_chunk": 0,
-                  "model.kda.recurrent_max_len": 0, "rl.template_power": 1.0,
-                  "rl.seed": None}
 # a stage's directory under the workdir -> its entry in PHASES
 STAGE_DIRS = {"sft": "sft", os.path.join("sft", "indexer_warmup"): "sft",
               os.path.join("sft", "qat"): "sft_qat", "rl": "rl"}
@@ -91,9 +88,10 @@ def record_data(config, phase: str, record: dict) -> None:
 
 
 def _plain(config) -> dict:
-    """A config (ConfigDict or dict) as the JSON config.json holds (MetricsWriter's encoding)."""
+    """A config (RunConfig, ConfigDict or dict) as the JSON config.json holds (MetricsWriter's
+    encoding), renamed fields under their new names (train/run_config.py:migrate)."""
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    return json.loads(json.dumps(d, sort_keys=True, default=str))
+    return migrate(json.loads(json.dumps(d, sort_keys=True, default=str)))
 
 
 def config_diff(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
@@ -116,12 +114,12 @@ def _under(path: str, prefixes) -> bool:
 
 
 def _sft_view(d: dict) -> dict:
-    """A plain config with tasks.families replaced by the families SFT reads (the non-empty
-    sft.families, else tasks.families; train.data.sft_families) and sft.families dropped."""
+    """A plain config with tasks.domains replaced by the domains SFT reads (the non-empty
+    sft.domains, else tasks.domains; train.data.sft_domains) and sft.domains dropped."""
     sft, tasks = dict(d.get("sft", {})), dict(d.get("tasks", {}))
-    own = sft.pop("families", "")
+    own = sft.pop("domains", "")
     if own:
-        tasks["families"] = own
+        tasks["domains"] = own
     return {**d, "sft": sft, "tasks": tasks}
 
 
@@ -130,10 +128,10 @@ def phase_diff(old, new, phase: str) -> list[tuple[str, object, object]]:
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
     ignored, kept = PHASES[phase]
-    if phase != "rl":  # SFT reads its own families (sft.families, "" = tasks.families)
+    if phase != "rl":  # SFT reads its own domains (sft.domains, "" = tasks.domains)
         old, new = (_sft_view(_plain(c)) for c in (old, new))
     diff = [(p, a, b) for p, a, b in config_diff(old, new)
-            if not (a == "<absent>" and p in ADDED_DEFAULTS and b == ADDED_DEFAULTS[p])]
+            if not (a == "<absent>" and p in ADDED_FIELDS and b == ADDED_FIELDS[p])]
     if phase == "rl" and all(_plain(c).get("rl", {}).get("init_from") in ("scratch", "hf")
                              for c in (old, new)):
         ignored = ignored + ("sft",)

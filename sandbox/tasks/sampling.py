@@ -29,8 +29,8 @@ def make_split(family: str, split: str, n: int, seed: int,
     return draw_split(domain, split, n, seed, difficulty)
 
 
-def make_mixture(families: Iterable[str], split: str, n_per_family: int,
+def make_mixture(domains: Iterable[str], split: str, n_per_domain: int,
                  seed: int) -> list[tuple[Task, Demo]]:
-    """n_per_family tasks of each domain, interleaved round-robin (every prefix is balanced)."""
-    per = [make_split(f, split, n_per_family, seed) for f in families]
-    return [p[i] for i in range(n_per_family) for p in per]
+    """n_per_domain tasks of each domain, interleaved round-robin (every prefix is balanced)."""
+    per = [make_split(f, split, n_per_domain, seed) for f in domains]
+    return [p[i] for i in range(n_per_domain) for p in per]

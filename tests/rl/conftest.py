@@ -39,7 +39,7 @@ def cut_sft_config():
         c.workdir = str(workdir)
         c.model.num_layers, c.model.layer_pattern, c.model.d_model = 1, "D", 32
         c.model.moe.expert_dim, c.model.moe.dense_dim, c.model.mtp.depth = 32, 32, 0
-        c.tasks.update(dict(train_per_family=8, val_per_family=2, test_per_family=2))
+        c.tasks.update(dict(train_per_domain=8, val_per_domain=2, test_per_domain=2))
         c.sft.update(dict(batch_size=4, indexer_warmup_steps=0, log_every=1, **sft))
         return c
     return make

@@ -26,6 +26,7 @@ from rl.pipeline import task_dataset
 from sandbox.tasks.domains import is_multi_turn_task as is_agent_task
 from sandbox.tasks.domains import multistep
 from sandbox.tasks.sampling import make_split
+from train.run_config import RunConfig
 
 
 # ------------------------------------------------------------------------ tokenizer
@@ -92,6 +93,15 @@ def _examples(n_one=24, n_ep=6):
     return one + eps
 
 
+def _smoke(**sections) -> dict:
+    """The smoke config as a plain dict with `sections`' fields set (any value: the schema's
+    checks are what the tests exercise)."""
+    d = rl_configs.get_config("smoke").to_dict()
+    for name, fields in sections.items():
+        d[name].update(fields)
+    return d
+
+
 def _sft(**kw):
     s = ConfigDict(dict(seq_len=32, batch_size=4, episode_seq_len=256, episode_batch_size=2,
                         episode_share=None))
@@ -138,8 +148,8 @@ def test_sft_bucket_errors_name_the_field():
     tok = load_tokenizer("byte_tools")
     with pytest.raises(ValueError, match="sft.episode_seq_len=64"):
         train.sft.sft_stream(_examples(), tok, _sft(episode_seq_len=64), 0)
-    with pytest.raises(ValueError, match="episode_share"):
-        train.sft.sft_buckets(_examples(), _sft(episode_share=1.0))
+    with pytest.raises(ValueError, match="sft.episode_share must be a number in"):
+        RunConfig.from_config(_smoke(sft=dict(episode_share=1.0)))
     # one kind only: one bucket, the share is ignored
     assert len(train.sft.sft_buckets(_examples(n_ep=0), _sft(episode_share=0.3))) == 1
 
@@ -210,23 +220,25 @@ def test_template_power_rebalances_rare_templates_and_keeps_domain_shares():
     _assert_resumes(iter(task_dataset(code + arith, seed=0, batch_size=9, template_power=0.0)), 4)
     with pytest.raises(ValueError, match="template_power"):
         pipeline.template_shares(code, 1.5)
-    with pytest.raises(ValueError, match="template_power"):
-        train.rl.rl_template_power(ConfigDict(dict(template_power=-0.1)))
+    with pytest.raises(ValueError, match="rl.template_power must be a number in"):
+        RunConfig.from_config(_smoke(rl=dict(template_power=-0.1)))
     with pytest.raises(ValueError, match="repeat"):
         task_dataset(code, seed=0, batch_size=4, repeat=False, template_power=0.5)
-    assert train.rl.rl_template_power(ConfigDict(dict())) == 1.0  # configs written before the field
+    old = _smoke()
+    del old["rl"]["template_power"]  # a config.json written before the field
+    assert RunConfig.from_config(old).rl.template_power == 1.0
 
 
 def test_rl_seed_defaults_to_the_run_seed_and_orders_the_prompts():
     """rl.seed: unset -> config.seed (runs before the field draw as they did); set -> RL's own
     prompt order (another order of the same tasks), SFT's seed untouched; bad values refused."""
     c = rl_configs.get_config("smoke")
-    assert c.rl.seed is None and train.state.rl_seed(c) == c.seed
+    assert c.rl.seed is None and RunConfig.from_config(c).rl_seed() == c.seed
     c.rl.seed = 7
-    assert train.state.rl_seed(c) == 7 and c.seed != 7
+    assert RunConfig.from_config(c).rl_seed() == 7 and c.seed != 7
     tasks = [t for t, _ in make_split("code", "train", 40, seed=0, difficulty=1)]
     order = lambda seed: [t.id for t in next(iter(task_dataset(tasks, seed=seed, batch_size=40)))]
-    assert order(train.state.rl_seed(c)) != order(c.seed) and sorted(order(7)) == sorted(order(c.seed))
+    assert order(7) != order(c.seed) and sorted(order(7)) == sorted(order(c.seed))
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="rl.seed"):
-            train.state.rl_seed(ConfigDict(dict(seed=0, rl=dict(seed=bad))))
+            RunConfig.from_config(_smoke(rl=dict(seed=bad)))

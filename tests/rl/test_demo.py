@@ -73,7 +73,7 @@ def test_demo_smoke_produces_every_artifact(tmp_path):
                         os.path.join(ROOT, "configs", "rl.py") + ":smoke",
                         f"--config.workdir={work}", "--config.sft.steps=10",
                         "--config.sft.log_every=5", "--config.sft.checkpoint_every=5",
-                        "--config.tasks.test_per_family=4", "--eval_samples=2"],
+                        "--config.tasks.test_per_domain=4", "--eval_samples=2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     for m in ("pass@1", "pass@2"):  # each checkpoint at its best val temperature, per metric

@@ -14,7 +14,6 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from ml_collections import ConfigDict
 
 import train.launch
 import train.rl
@@ -22,6 +21,7 @@ from configs import rl as rl_configs
 from rl.pipeline import ScoredGroup, concat_groups, informative_groups, select_groups
 from sandbox.tasks.loaders import save_tasks
 from sandbox.tasks.schema import Task
+from train.run_config import RunConfig
 
 
 def _scored(rewards, failed=(), group_size=2, tag=""):
@@ -92,8 +92,10 @@ def test_concat_offsets_group_ids_and_pads_to_the_widest():
 
 def test_oversample_must_be_a_positive_int():
     for bad in (0, -1, 1.5, True, "2"):
+        d = rl_configs.get_config("smoke").to_dict()
+        d["rl"]["oversample"] = bad
         with pytest.raises(ValueError, match="rl.oversample must be an int >= 1"):
-            train.rl.rl_oversample(ConfigDict({"oversample": bad}))
+            RunConfig.from_config(d)
     c = rl_configs.get_config("smoke")
     c.rl.oversample = 0
     with pytest.raises(ValueError, match="rl.oversample must be an int >= 1"):
@@ -112,7 +114,7 @@ def test_run_rl_with_oversample_trains_one_batch_of_the_drawn_groups(tmp_path):
     c.workdir = str(tmp_path)
     c.rl.update(dict(steps=2, init_from="scratch", overlap_scoring=False, checkpoint_every=2,
                      oversample=2, prompts_per_batch=2, group_size=2, max_new_tokens=8))
-    c.tasks.update(dict(train_per_family=4, val_per_family=1, test_per_family=1,
+    c.tasks.update(dict(train_per_domain=4, val_per_domain=1, test_per_domain=1,
                         task_file=str(tmp_path / "tasks.jsonl")))
     c.model.update(dict(num_layers=1, layer_pattern="K"))
     c.model.moe.num_experts, c.model.mtp.depth = 0, 0

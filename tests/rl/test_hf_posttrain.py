@@ -26,6 +26,7 @@ import train.weights
 from configs import rl as rl_configs
 from model.hf import import_hf
 from model.tokenizer import load_tokenizer
+from train import run_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CKPT = str(ROOT / "tests" / "model" / "hf_fixtures" / "kimi_chat")
@@ -51,8 +52,8 @@ def test_an_hf_run_needs_its_checkpoint_directory(tmp_path):
 
 def test_resolved_config_is_the_checkpoints():
     c = _config("unused")
-    train.models.resolve_checkpoint(c)
-    train.models.resolve_checkpoint(c)  # a second call changes nothing
+    run_config.resolve_checkpoint(c)
+    run_config.resolve_checkpoint(c)  # a second call changes nothing
     cfg = train.models.model_config(c)
     raw = json.loads((pathlib.Path(CKPT) / "config.json").read_text())
     assert (cfg.d_model, cfg.vocab_size, cfg.num_layers) == (
@@ -65,7 +66,7 @@ def test_resolved_config_is_the_checkpoints():
 def trained(tmp_path_factory):
     """Two RL steps from the checkpoint's weights, then --mode=hf export of the RL checkpoint."""
     workdir = tmp_path_factory.mktemp("hf_run")
-    c = _config(workdir)
+    c = run_config.RunConfig.from_config(_config(workdir))  # the checkpoint's model section
     train.rl.run_rl(c, progress=False)
     out = workdir / "export_hf"
     cmd = [sys.executable, str(ROOT / "scripts" / "export.py"), "--mode=hf",

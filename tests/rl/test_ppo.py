@@ -36,6 +36,7 @@ from rl.train_step import (
 from sandbox.tasks.loaders import save_tasks
 from sandbox.tasks.schema import Task
 from train.rl import run_rl
+from train.run_config import RunConfig
 from train.state import init_rl_state
 from train.weights import load_rl_variables
 
@@ -45,7 +46,7 @@ def _config(workdir="/tmp/unused"):
     c.workdir = str(workdir)
     c.rl.algo = rl_configs.get_config("ppo_tiny").rl.algo  # gae lam .95, k1 KL in the reward
     c.rl.update(dict(steps=2, init_from="scratch", overlap_scoring=False, checkpoint_every=1))
-    c.tasks.update(dict(train_per_family=4, val_per_family=1, test_per_family=1))
+    c.tasks.update(dict(train_per_domain=4, val_per_domain=1, test_per_domain=1))
     c.model.update(dict(num_layers=1, layer_pattern="D"))
     c.model.moe.num_experts = 0  # dense FFN: no balance loss
     c.model.mtp.depth = 0
@@ -65,10 +66,11 @@ def ppo():
     model = Model(ModelConfig.from_dict(config.model))
     algo = algo_from_config(r.algo)
     init_vars = model.init(jax.random.key(config.seed))
-    _, opt, critic, value_opt = init_rl_state(config, model, algo, init_vars)
+    typed = RunConfig.from_config(config)
+    _, opt, critic, value_opt = init_rl_state(typed, model, algo, init_vars)
 
     def fresh_state():  # the step donates its input: a new copy per use
-        return init_rl_state(config, model, algo, jax.tree.map(jnp.copy, init_vars))[0]
+        return init_rl_state(typed, model, algo, jax.tree.map(jnp.copy, init_vars))[0]
 
     step = make_train_step(model, algo, opt, micro_batches=r.micro_batches, critic=critic,
                            value_optimizer=value_opt)
@@ -266,7 +268,7 @@ def test_run_rl_ppo_trains_and_checkpoints_the_critic(ppo, tmp_path):
 
     model = ppo["model"]
     template = jax.eval_shape(lambda: init_rl_state(
-        config, model, ppo["algo"], model.init(jax.random.key(0)))[0])
+        RunConfig.from_config(config), model, ppo["algo"], model.init(jax.random.key(0)))[0])
     ckdir = tmp_path / "rl" / "checkpoints"
     with Checkpointer(ckdir, keep=5) as ck:
         restored = ck.restore_latest(template)

@@ -8,7 +8,7 @@ and the ways out, its checkpoints untouched), resumes under a changed cadence an
 schedule, and with resume=False moves the old run aside and trains a new one whose final weights
 are the ones loaded afterwards (before the fix the old final step was "already saved" and the
 new run's final weights were dropped); RL refuses to start from SFT weights of another config
-and to resume RL checkpoints of another objective; SFT reads its own families (sft.families:
+and to resume RL checkpoints of another objective; SFT reads its own domains (sft.domains:
 the agent variant's SFT is the demo's, one-shot rows and episodes, and a copy of it resumes).
 Not covered: multi-process set-aside (process 0 moves, all wait: the barrier is jax's).
 """
@@ -70,21 +70,21 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert changed(optim__lr=1e-3)["sft"] == [] and changed(optim__mu_dtype="bfloat16")["sft"] == [
         "optim.mu_dtype"]
     assert changed(sft__log_every=1, rl__checkpoint_every=5, eval__val_tasks=8,
-                   workdir="elsewhere", tasks__test_per_family=50) == {
+                   workdir="elsewhere", tasks__test_per_domain=50) == {
         "sft": [], "sft_qat": [], "rl": []}
     assert changed(seed=3) == {s: ["seed"] for s in ("sft", "sft_qat", "rl")}
-    # the agent variant's SFT is the demo's (its own families): a copy of the demo's sft/ resumes
+    # the agent variant's SFT is the demo's (its own domains): a copy of the demo's sft/ resumes
     demo, agent = rl_configs.get_config("demo"), rl_configs.get_config("agent")
     assert phase_diff(demo, agent, "sft") == []
-    assert {"tasks.families", "sft.families"} <= set(_paths(phase_diff(demo, agent, "rl")))
-    assert train.data.sft_families(agent) == train.data.task_families(demo) != train.data.task_families(agent)
+    assert {"tasks.domains", "sft.domains"} <= set(_paths(phase_diff(demo, agent, "rl")))
+    assert train.data.sft_domains(agent) == train.data.task_domains(demo) != train.data.task_domains(agent)
     for c in (demo, agent):
-        c.tasks.train_per_family = 6
+        c.tasks.train_per_domain = 6
     kinds = lambda c: sorted({train.data.is_episode(ex) for ex in train.data.sft_train_examples(c)})
     assert kinds(demo) == kinds(agent) == [False, True]  # one-shot rows and episodes
-    agent.sft.families = "multistep"  # SFT on the episodes alone: another SFT
+    agent.sft.domains = "multistep"  # SFT on the episodes alone: another SFT
     assert kinds(agent) == [True]
-    assert _paths(phase_diff(demo, agent, "sft")) == ["tasks.families"]
+    assert _paths(phase_diff(demo, agent, "sft")) == ["tasks.domains"]
     # RL from scratch on both sides does not depend on SFT's settings
     a, b = rl_configs.get_config("demo"), rl_configs.get_config("demo")
     a.rl.init_from = b.rl.init_from = "scratch"
@@ -99,6 +99,14 @@ def test_each_stage_depends_on_what_changes_its_weights():
     assert changed(rl__oversample=2)["rl"] == ["rl.oversample"]
     assert phase_diff(old, changed_config(rl__oversample=2), "rl") == [
         ("rl.oversample", "<absent>", 2)]
+    # a record from before the task-domain fields were renamed (tasks.families, ...) compares
+    # under the new names (train/run_config.py:RENAMED_FIELDS)
+    old = base.to_dict()
+    old["tasks"]["families"] = old["tasks"].pop("domains")
+    old["tasks"]["val_per_family"] = old["tasks"].pop("val_per_domain")
+    old["sft"]["families"] = old["sft"].pop("domains")
+    assert phase_diff(old, base, "sft") == phase_diff(old, base, "rl") == []
+    assert _paths(phase_diff(old, changed_config(sft__domains="code"), "sft")) == ["tasks.domains"]
     # the KDA prefill form: only sampling reads it, so SFT resumes across it and RL does not (a
     # record from before the field ran the chunked form, 0)
     assert changed(model__kda__recurrent_max_len=0) == {
@@ -215,8 +223,9 @@ def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
 
 
 def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
-    """A field train.launch.validate_run_config rejects (here rl.oversample=0; with --dry_run
-    rl.template_power=2, and sandbox.reuse_verdicts=-1 for evaluate.py): exit code 2, the message on stderr, no traceback, nothing written to
+    """A field the run config's schema rejects (train/run_config.py; here rl.oversample=0; with
+    --dry_run rl.template_power=2, and sandbox.reuse_verdicts=-1 for evaluate.py) or does not
+    have (rl.nonsense): exit code 2, the message on stderr, no traceback, nothing written to
     the workdir."""
     import os
     import subprocess
@@ -241,6 +250,18 @@ def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "sandbox.reuse_verdicts must be an int >= 0" in r.stderr
+    r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
+                        "--dry_run", "--config.rl.nonsense=1"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rl.nonsense: unknown field (--config.rl.nonsense); valid fields of rl: [" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
+                        "--dry_run", "--config.tasks.families=code"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "tasks.families: renamed tasks.domains" in r.stderr and "--config.tasks.domains" in (
+        r.stderr)
 
 
 def test_a_run_trained_on_other_data_does_not_resume(tmp_path):

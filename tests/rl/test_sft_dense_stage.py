@@ -26,6 +26,7 @@ from model.tokenizer import load_tokenizer
 from model.transformer import Model
 from rl.checkpoint import Checkpointer
 from rl.train_step import init_train_state, make_optimizer, make_sft_loss
+from train.run_config import RunConfig
 
 
 @pytest.fixture
@@ -88,8 +89,8 @@ def test_dense_stage_rejects_bad_settings(tmp_path, _config):
         c = _config(tmp_path, dense_steps=0)
         del c.sft.dense_steps  # the field is typed int; a hand-written config may hold anything
         c.sft.dense_steps = bad
-        with pytest.raises(ValueError, match=r"sft.dense_steps must be an integer in \[0, "):
-            train.sft.sft_dense_steps(c, cfg)
+        with pytest.raises(ValueError, match=r"sft.dense_steps must be an int in \[0, sft.steps="):
+            RunConfig.from_config(c)
     c = _config(tmp_path)
     c.model.layer_pattern = "K"  # no DSA layer: nothing would differ
     with pytest.raises(ValueError, match="needs a model with a DSA layer.*sft.dense_steps=0"):
@@ -98,7 +99,7 @@ def test_dense_stage_rejects_bad_settings(tmp_path, _config):
     c.model.dsa.indexer_stage = "dense_warmup"  # dense throughout already
     with pytest.raises(ValueError, match="dense_warmup"):
         train.launch.validate_run_config(c, phases=("sft",))
-    assert train.sft.sft_dense_steps(_config(tmp_path, dense_steps=0), cfg) == 0
+    assert train.sft.sft_dense_steps(RunConfig.from_config(_config(tmp_path, dense_steps=0)), cfg) == 0
 
 
 def test_demo_sft_is_dense_throughout_and_follows_its_step_count():

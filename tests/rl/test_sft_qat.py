@@ -28,6 +28,7 @@ from model.config import ModelConfig
 from model.tokenizer import load_tokenizer
 from model.transformer import Model
 from rl.train_step import make_sft_loss
+from train.run_config import RunConfig
 
 
 @pytest.fixture
@@ -88,8 +89,8 @@ def test_qat_phase_rejects_bad_settings(tmp_path, _config):
         c = _config(tmp_path, qat_steps=0)
         del c.sft.qat_steps  # the field is typed int; a hand-written config may hold anything
         c.sft.qat_steps = bad
-        with pytest.raises(ValueError, match="sft.qat_steps must be an integer >= 0"):
-            train.weights.sft_qat_steps(c)
+        with pytest.raises(ValueError, match="sft.qat_steps must be an int >= 0"):
+            RunConfig.from_config(c)
     c = _config(tmp_path)
     c.sft.qat_lr = 0.0
     with pytest.raises(ValueError, match="needs sft.qat_lr > 0"):

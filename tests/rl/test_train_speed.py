@@ -32,6 +32,7 @@ import optax
 import pytest
 
 from configs import models
+from configs import rl as configs_rl
 from model import sharding as shd
 from model.config import ModelConfig
 from model.transformer import Model
@@ -51,6 +52,7 @@ from rl.train_step import (
     train_state_shardings,
 )
 from train.rollouts import old_logp_source, ref_logp_source
+from train.run_config import RLConfig, RunConfig
 from train.weights import reference_variables
 
 N, L, P = 4, 24, 8
@@ -208,10 +210,11 @@ def test_ref_logp_in_the_step_exactly_where_the_kl_is_in_the_loss():
             check_ref_logp(algo, "step")
     separate = ml_collections.ConfigDict(dict(ref_logp_pass="separate"))
     assert ref_logp_source(separate, get_algorithm("grpo")) == "batch"
-    assert ref_logp_source(ml_collections.ConfigDict(), get_algorithm("grpo")) == "step"
-    with pytest.raises(ValueError, match="ref_logp_pass"):
-        ref_logp_source(ml_collections.ConfigDict(dict(ref_logp_pass="fused")),
-                        get_algorithm("grpo"))
+    assert ref_logp_source(RLConfig(), get_algorithm("grpo")) == "step"  # the default
+    d = configs_rl.get_config("smoke").to_dict()
+    d["rl"]["ref_logp_pass"] = "fused"
+    with pytest.raises(ValueError, match="rl.ref_logp_pass must be one of"):
+        RunConfig.from_config(d)
     with pytest.raises(ValueError, match="ref_logp must be"):
         check_ref_logp(get_algorithm("grpo"), "inline")
 
@@ -352,6 +355,7 @@ def test_abstract_rl_state_is_the_state_run_rl_creates(algo_name):
     model, algo = Model(ModelConfig.from_dict(c.model)), algo_from_config(c.rl.algo)
     assert algo.needs_values == (algo_name == "ppo")
     mesh, rules = shd.mesh_from_config(c)
+    c = RunConfig.from_config(c)
     state = init_rl_state(c, model, algo, model.init(jax.random.key(0)), mesh=mesh,
                           rules=rules)[0]
     abstract = abstract_rl_state(c, model, algo, mesh=mesh, rules=rules)
@@ -410,9 +414,10 @@ def test_old_logp_pass_kept_where_old_is_needed_before_the_advantages():
             check_old_logp(algo, "current")
     always = ml_collections.ConfigDict(dict(old_logp_pass="always"))
     assert old_logp_source(always, get_algorithm("grpo")) == "batch"
-    with pytest.raises(ValueError, match="old_logp_pass"):
-        old_logp_source(ml_collections.ConfigDict(dict(old_logp_pass="never")),
-                        get_algorithm("grpo"))
+    d = configs_rl.get_config("smoke").to_dict()
+    d["rl"]["old_logp_pass"] = "never"
+    with pytest.raises(ValueError, match="rl.old_logp_pass must be one of"):
+        RunConfig.from_config(d)
     with pytest.raises(ValueError, match="old_logp must be"):
         check_old_logp(get_algorithm("grpo"), "fused")
 

@@ -7,8 +7,8 @@ in the DOMAINS tuple).
 A domain makes tasks (data, prompt, check spec, demonstrations, corruptions; see base.py for the
 interface); a scoring method judges them (sandbox/verifiers.py, the one list of those). Adding a
 domain: a new file here defining `DOMAIN` (a base.Domain) and its entry below; sampling
-(sandbox/tasks/sampling.py), SFT mixing (sandbox/tasks/sft.py), config.tasks.families
-(train.data.task_families) and multi-turn routing (`is_multi_turn_task`) read this registry.
+(sandbox/tasks/sampling.py), SFT mixing (sandbox/tasks/sft.py), config.tasks.domains
+(train.data.task_domains) and multi-turn routing (`is_multi_turn_task`) read this registry.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def get_domain(name: str) -> Domain:
 
 
 def generated_domains() -> list[str]:
-    """Names of the domains that draw tasks (what config.tasks.families may list), sorted."""
+    """Names of the domains that draw tasks (what config.tasks.domains may list), sorted."""
     return sorted(n for n, d in DOMAINS.items() if d.generated)
 
 

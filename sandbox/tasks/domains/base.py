@@ -7,7 +7,7 @@ wrong demonstrations. How a task is scored is not a domain's business: `Task.fam
 scoring method, `meta["family_name"]` names the domain that made the task.
 
     class Domain:
-        name          the domain's name (meta["family_name"] of its tasks; config.tasks.families)
+        name          the domain's name (meta["family_name"] of its tasks; config.tasks.domains)
         multi_turn    demos are lists of turns ({"command", "exit_code", "stdout", "stderr"})
                       played as episodes (rl.agent), not one completion string
         split_label   prefix of draw_split's random seed string (kept per domain so the tasks of

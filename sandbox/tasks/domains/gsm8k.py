@@ -4,7 +4,7 @@ reasoning + "#### 42"), scored by the `math` method (math-verify on the final an
     tasks = load_gsm8k("gsm8k_test.jsonl", split="test", limit=100)   # [Task]
 
 A loaded domain: it draws no tasks (DOMAIN.generated is False), so it cannot be named in
-config.tasks.families; it gives the demonstration (meta["demo"]) and, for SFT, a corruption: the
+config.tasks.domains; it gives the demonstration (meta["demo"]) and, for SFT, a corruption: the
 last \\boxed{} answer changed by +-1, 2 or 10 (or "1" appended when the answer is not an
 integer; a boxed answer appended when the demo has none).
 """
