@@ -88,33 +88,24 @@ def demo() -> ml_collections.ConfigDict:
     c = _base("grpo")
     c.name = "demo"
     c.workdir = "runs/demo"
-    # measured on one SFT checkpoint (100 GRPO steps, sampled pass@1 on 200 held-out tasks per
-    # domain): lr 1e-4 / kl 0.05 gave code +11, terminal +5; lr 3e-4 / kl 0.01 code +23,
-    # terminal +9. 250 RL steps fit the 20-minute budget; on one SFT checkpoint they gave
-    # arithmetic +19.0 (pass@4 +10.0) against +15.5 (+6.0) at 130 steps, code and multistep as
-    # at 130 (docs/results.md)
+    # a higher lr with a weaker KL, for as many RL steps as the 20-minute budget holds: the
+    # sweeps behind these values are in docs/results.md
     c.optim.lr = 3e-4
     c.rl.algo.kl_coef = 0.01
     c.rl.steps = 250
     # the terminal domain as multi-step episodes: 60% of the SFT steps are episode batches
     # (16 x 256 tokens), the rest one-shot (arithmetic and code). The skill episodes need,
-    # copying a name the model read in a tool response, forms abruptly late in SFT, and when
-    # depends on the machine's float rounding. Measured (README): with 400 episode steps the
-    # model does not yet copy the name (greedy episode success 1 of 21 val tasks); 600 of 900
-    # steps gave 66% greedy / 6.9% sampled; 600 of 1000 gave 86.5% / 10.4% on one machine and
-    # 9.4% greedy on val on another (an AVX-512 host: names copied with a character or two
-    # wrong), where 720 of 1200 gave 98.4%
+    # copying a name the model read in a tool response, forms abruptly late in SFT, so SFT
+    # gives episodes 720 of its 1200 steps (docs/results.md has the step counts tried)
     _episodes(c, "arithmetic,code,multistep")
     c.sft.update(dict(steps=1200, episode_share=0.6))
-    # ... and whether it forms at all depended on the seed where SFT attended through the top-k
-    # from the first step (this machine: seed 0 1.6%, seed 1 90.6% greedy on val). SFT attends
-    # densely throughout (RL and sampling through the top-k; the indexer learns the dense
-    # attention by KL over every key, so no separate warm-up): seeds 0 and 1 95.3% (README, "Agents")
+    # ... and whether it forms at all depends on the seed when SFT attends through the top-k from
+    # the first step. SFT attends densely throughout (RL and sampling through the top-k; the
+    # indexer learns the dense attention by KL over every key, so no separate warm-up)
     c.sft.dense_steps = c.sft.get_ref("steps").identity()
     c.sft.indexer_warmup_steps = 0
-    # scoring is partly waiting on sandbox processes: on 2 cores a test evaluation (600 tasks x
-    # 4 samples at T=1) took 90 s with 2 workers, 68 s with 4 and the same with 6 (identical
-    # results: scoring is deterministic)
+    # scoring is partly waiting on sandbox processes: 4 workers keep 2 cores busy (more do not
+    # shorten an evaluation; scoring is deterministic, so the results do not depend on it)
     c.sandbox.workers = 4
     return c
 
@@ -146,10 +137,8 @@ def agent() -> ml_collections.ConfigDict:
     c.workdir = "runs/agent"
     # SFT is the demo's (its three domains, 1200 steps: the same weights, so a copy of
     # runs/demo/sft resumes here); RL and evaluation take the episodes alone. SFT on episodes
-    # alone formed their name copying on one host after 600 steps, but not on another (0 of 64
-    # val episodes after 600 or 900 dense steps), where the demo's mix (720 episode batches
-    # beside 480 one-shot ones, whose completions copy names and numbers from their prompts)
-    # formed it at 95% (docs/results.md)
+    # alone did not form their name copying on every host, where the demo's mix (one-shot
+    # completions copy names and numbers from their prompts too) did (docs/results.md)
     c.sft.domains = c.tasks.domains
     c.tasks.domains = "multistep"
     c.rl.update(dict(steps=80))

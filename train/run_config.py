@@ -169,8 +169,8 @@ class TasksConfig:
     test_per_domain: int = _f(int, 200, lo=0)
     seed: int = _f(int, 1234, lo=0)
     # per-domain difficulty 1..3; 0 cycles through all levels. Arithmetic level 2 (three
-    # numbers) is nearly unsolvable for the demo model (3.5% sampled pass@1 after SFT), which
-    # leaves GRPO no signal in that domain; level 1 is two numbers up to 70.
+    # numbers) is nearly unsolvable for the demo model after SFT, which leaves GRPO no signal in
+    # that domain; level 1 is two numbers up to 70.
     difficulty: ml_collections.FrozenConfigDict = dataclasses.field(
         default=_frozen(dict(arithmetic=1, code=0, terminal=0)),
         metadata={"mapping": (int, 0)})
@@ -282,8 +282,8 @@ class RLConfig:
     # logged and corrected by TIS (rl.algo.tis_cap, required)
     rollout_experts: str = _f(str, "bf16", choices=("bf16", "mxfp4"))
     # the MTP term's weight in the RL step: None keeps model.mtp.loss_weight (the SFT
-    # objective's); 0 skips the MTP forward in the RL step (about 15% of the hybrid's step
-    # time, benchmarks/rl_loop.py), leaving the MTP block as SFT trained it
+    # objective's); 0 skips the MTP forward in the RL step (a share of the step's time:
+    # `python scripts/bench.py rl`), leaving the MTP block as SFT trained it
     mtp_loss_weight: float | None = _f(float, None, lo=0.0, optional=True)
     # the separate old-log-prob forward: "auto" skips it when the batch serves one on-policy
     # update and nothing needs old log-probs before the advantages (old = the step's own
@@ -306,8 +306,8 @@ class RLConfig:
     # RL's prompt order and rollout draws (unset: config.seed); RL reruns from the same SFT
     # weights under other draws (config.seed would start SFT over)
     seed: int | None = _f(int, None, lo=0, optional=True, meaning="None: config.seed")
-    # share_prefix prefills each prompt once for its group (rl.sampler: same tokens, ~2x faster
-    # generation on the demo shapes); rollout_slots R > 0 decodes the batch in R slots (per
+    # share_prefix prefills each prompt once for its group (rl.sampler: same tokens, less
+    # generation time); rollout_slots R > 0 decodes the batch in R slots (per
     # process), a finished row's slot taking the next queued row (row refill; 0 = all at once;
     # the same tokens too: each row draws by its id and positions)
     share_prefix: bool = _f(bool, True)
