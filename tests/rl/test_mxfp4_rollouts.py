@@ -27,6 +27,7 @@ from rl.sampler import SamplingConfig
 from rl.train_step import make_logp_fn
 from sandbox.tasks.schema import Task
 from train.rollouts import rollout_policy
+from train.run_config import RunConfig
 
 
 def _config(**rl):
@@ -44,7 +45,7 @@ def test_rollout_policy_validates():
         rollout_policy(c, model)
     c = _config(rollout_experts="fp8")
     with pytest.raises(ValueError, match="rollout_experts"):
-        rollout_policy(c, model)
+        RunConfig.from_config(c)
     c = _config()
     c.quant.high_precision = ",".join(quant.MODULE_GROUPS)
     with pytest.raises(ValueError, match="keeps the experts"):
