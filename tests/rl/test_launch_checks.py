@@ -93,7 +93,7 @@ def test_memory_over_the_device_is_a_message():
     c = rl_configs.get_config("smoke_8dev")
     shape = shd.mesh_shape(c.sharding.mesh, 8)
     line = _common.memory_check(c, "rl", shape, "tpu-v6e")
-    assert "rl memory on tpu-v6e (planner): training" in line and "rollouts next to" in line
+    assert "rl memory on tpu-v6e (planner" in line and "rollouts next to" in line
     assert "NOT CHECKED" in _common.memory_check(c, "rl", shape, None)
     c.rl.max_new_tokens = 1 << 20  # a million generated tokens per row: nothing fits
     with pytest.raises(ValueError, match=r"rl does not fit on tpu-v6e .* training needs .* GB "
