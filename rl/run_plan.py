@@ -21,6 +21,7 @@ def run_plan_from_config(config) -> RunPlan:
                    reference=bool(algo.needs_ref),
                    rollout_rows=int(r.prompts_per_batch * r.group_size),
                    rollout_len=int(r.max_prompt_len + r.max_new_tokens),
+                   rollout_prompt_len=int(r.max_prompt_len),
                    rollout_experts=str(r.get("rollout_experts", "bf16")))
 
 
