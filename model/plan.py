@@ -792,6 +792,11 @@ def format_per_device(pd: dict) -> str:
                      f"{fmt_bytes(r['sampler_copy'])}, gathered weights "
                      f"{fmt_bytes(r['gathered_weights'])}, decode state "
                      f"{fmt_bytes(r['decode_state'])}, logits {fmt_bytes(r['logits'])}")
+    progs = pd["programs"]
+    lines.append("  per-device programs (compare: python -m rl.aot): train step "
+                 + fmt_bytes(progs["train_step"]) + ", reference forward "
+                 + fmt_bytes(progs["ref_forward"])
+                 + (", rollout " + fmt_bytes(progs["rollout"]) if progs["rollout"] else ""))
     for w in pd["warnings"]:
         lines.append(f"  warning: {w}")
     if pd["not_divisible"]:
