@@ -46,7 +46,9 @@ dimension are dropped, i.e. that dimension is replicated; those dims are listed)
     parameters, or on the packed MXFP4 copy of the experts that rl.rollout_experts=mxfp4
     quantises once per rollout batch, counted with its gathered weights). For the tiny model on
     8 fake devices the training total is within 10% of XLA's memory analysis of the compiled
-    RL train step (tests/rl/test_sharded_rl.py);
+    RL train step (tests/rl/test_sharded_rl.py); for small_8dev on v5p:2x2x2 each program's
+    total ("programs": train step, rollout, reference forward) is within 10% of the TPU
+    compiler's (docs/scaling.md section 4.2, tests/rl/tpu_plan_check.py);
   * usable memory = device HBM x (1 - headroom) (XLA workspace, collectives buffers,
     fragmentation).
 The verdict says what does not fit and by how much.
@@ -134,14 +136,18 @@ ASSUMPTIONS = (
     "mu+nu in f32 (optim.master_dtype / mu_dtype of an RL config; defaults as configs/rl.py), "
     "a second gradient tree with micro-batches, the frozen reference policy when the algorithm "
     "has one; all sharded like the params",
-    "ZeRO-3: weights gathered over the batch axes for compute (all blocks kept for the backward "
-    "without remat, one block with it) plus one block's full-size gradient before its "
-    "reduce-scatter; expert parallelism: send/receive buffers of one layer forward and backward "
-    "and the dispatched rows beyond k per token kept for the backward",
+    "ZeRO-3: weights gathered over the batch axes for compute, cast to the compute dtype first "
+    "(all blocks kept for the backward without remat, one block with it) plus one block's "
+    "full-size gradient before its reduce-scatter; expert parallelism: send/receive buffers of "
+    "one layer forward and backward, and every MoE layer's dispatched rows with their gate/up "
+    "projections kept into the backward (twice with remat: the forward's and the recompute's)",
+    "the step's transients at the larger of the backward's start (residuals, logits, gathers, "
+    "EP rows; no weight gradient yet) and its end (the gradient tree, one block's working set)",
     "rollouts: the sampler next to the train state (params, master, moments, reference; the "
-    "gradients are not live), on the train state's params or, with rl.rollout_experts=mxfp4, "
-    "a packed MXFP4 copy of the experts; the decode state of the rollout batch, the weight "
-    "gathers hoisted out of the decode loop (every block's gathered weights live)",
+    "gradients are not live), on the train state's params (no MTP module) or, with "
+    "rl.rollout_experts=mxfp4, a packed MXFP4 copy of the experts; the decode state of the "
+    "rollout batch, the prefill's f32 logits, the weight gathers hoisted out of the decode loop "
+    "(every block's gathered weights live, in the compute dtype)",
     "activations: under the configured remat policy (model.remat); per block the residuals JAX "
     "saves for the backward (traced from the real block on this device's tensor-parallel slice, "
     "Pallas kernels as on GPU/TPU), plus one block's recompute and cotangents, plus f32 logits "
@@ -318,8 +324,10 @@ def activation_bytes(cfg: ModelConfig, mesh_shape: dict, batch: int, seq: int, r
     out = {"local_batch": b_loc, "tokens_per_device": tok, "logits": logits,
            "dsa_indexer_scores_per_layer": b_loc * seq * seq * 4,
            "block_residuals": {p: int(sum(r)) for p, r in res.items()}}
+    out["saved"], out["working"] = {}, {}
     for p in REMAT_NAMES:
         live = max(2 * n - r for n, r in zip(res["none"], res[p]))
+        out["saved"][p], out["working"][p] = int(sum(res[p])), int(live)
         out[p] = int(sum(res[p]) + live + logits)
     # the names used before the policies were configurable
     out["remat"], out["no_remat"] = out["full"], out["none"]
@@ -398,6 +406,8 @@ class RunPlan:
     reference: RL keeps a frozen reference policy (a sharded copy of the parameters).
     rollout_rows / rollout_len: the sampler's batch (rows, prompt + generated tokens); the
       sampler runs next to the train state.
+    rollout_prompt_len: the prompt width the sampler's prefill computes logits for (0: one
+      position per row).
     rollout_experts: "bf16" = the sampler runs on the train state's parameters; "mxfp4" = on a
       packed MXFP4 copy of the routed experts (rl.rollout_experts, quantised once per batch),
       so its gathered expert weights are MXFP4 (4.25 bits) and the copy is counted.
@@ -409,12 +419,13 @@ class RunPlan:
     reference: bool = False
     rollout_rows: int = 0
     rollout_len: int = 0
+    rollout_prompt_len: int = 0
     rollout_experts: str = "bf16"
 
 
-def _leaf_spec_bytes(abstract, mesh_shape: dict, rules, keep_axes) -> int:
+def _leaf_spec_bytes(abstract, mesh_shape: dict, rules, keep_axes, as_dtype=None) -> int:
     """Per-device bytes of the boxed tree when only the mesh axes in keep_axes(leaf names)
-    split it (the rest gathered)."""
+    split it (the rest gathered); as_dtype: floating leaves wider than it counted in it."""
     total = 0
     for leaf in jax.tree.leaves(abstract, is_leaf=shd._is_box):
         x = leaf.value if shd._is_box(leaf) else leaf
@@ -426,17 +437,23 @@ def _leaf_spec_bytes(abstract, mesh_shape: dict, rules, keep_axes) -> int:
             e = spec[i] if i < len(spec) else None
             axes = () if e is None else (e,) if isinstance(e, str) else e
             n *= d // math.prod(mesh_shape[a] for a in axes if a in keep)
-        total += n * x.dtype.itemsize
+        size = x.dtype.itemsize
+        if as_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            size = min(size, jnp.dtype(as_dtype).itemsize)
+        total += n * size
     return total
 
 
-def fsdp_gathered_bytes(cfg: ModelConfig, mesh_shape: dict, rules=None) -> dict:
+def fsdp_gathered_bytes(cfg: ModelConfig, mesh_shape: dict, rules=None, *,
+                        cast: bool = False) -> dict:
     """Weights all-gathered for compute under ZeRO-3: every dimension split over a batch axis
     (data/fsdp/expert, rules["batch"]) is gathered, except an expert matrix's expert dimension
     under expert parallelism (its experts stay on their shard); tensor splits stay.
     {"all_blocks": bytes of every gathered weight (kept for the backward without remat),
      "one_block": the largest single block's (what remat keeps live)}, minus the shards
-    already held."""
+    already held. cast: the weights are cast to the compute dtype (cfg.dtype) before they are
+    gathered (what the TPU compile of small_8dev does, f32 parameters with bf16 compute, in the
+    train step and the sampler alike): the gathered copy is whole, in the compute dtype."""
     rules = shd.normalize_rules(rules)
     batch_axes = set(rules.get("batch", ()))
     ep = cfg.moe.expert_parallel != "none"
@@ -452,8 +469,16 @@ def fsdp_gathered_bytes(cfg: ModelConfig, mesh_shape: dict, rules=None) -> dict:
 
     per_block, total = [], 0
     for name, sub in tree.items():
-        full = _leaf_spec_bytes(sub, mesh_shape, rules, keep)
-        held = _leaf_spec_bytes(sub, mesh_shape, rules, lambda _: set(mesh_shape))
+        if name == "embed":  # the token lookup reads the table's shards; the head is gathered
+            sub = {k: v for k, v in sub.items() if k != "embedding"}
+        gathered = 0
+        for leaf in jax.tree.leaves(sub, is_leaf=shd._is_box):
+            full = _leaf_spec_bytes(leaf, mesh_shape, rules, keep)
+            held = _leaf_spec_bytes(leaf, mesh_shape, rules, lambda _: set(mesh_shape))
+            narrow = _leaf_spec_bytes(leaf, mesh_shape, rules, keep, as_dtype=cfg.dtype)
+            # a cast leaf's compute copy is new memory; an uncast one adds what is gathered
+            gathered += narrow if (cast and narrow < full) else full - held
+        full, held = gathered, 0
         total += full - held
         if name.startswith(("layer_", "mtp_")):
             per_block.append(full - held)
@@ -466,27 +491,32 @@ def ep_buffer_bytes(cfg: ModelConfig, mesh_shape: dict, tokens_local: int, rules
     all_to_all: [E, C, D] send and receive buffers with C = tokens_local (dropless) or
     ceil(cf * tokens_local * k / E) (capacity); ragged_all_to_all: M receive rows,
     ep * tokens_local * min(k, E/ep) (dropless) or ceil(cf * tokens_local * k) (capacity).
-    {"rows", "transient" (send + receive of one layer), "saved" (the extra rows' dispatched
-    input, gate/up/activation and output, kept for the backward by every MoE layer without
-    remat), "layers"}; zeros without expert parallelism."""
+    {"rows", "transient" (send + receive of one layer), "kept" (one copy of a layer's
+    dispatched rows and their gate/up projections, rows x (D + 2F), with rows = E x C for
+    all_to_all and k x tokens_local for ragged_all_to_all: what XLA keeps of every MoE
+    layer from the forward into the backward whatever the remat policy; the TPU compile of
+    small_8dev holds it twice per layer under remat, the forward's and the recompute's,
+    docs/scaling.md section 4.2), "layers"}; zeros without expert parallelism."""
     m = cfg.moe
-    zero = {"rows": 0, "transient": 0, "saved": 0, "layers": 0}
+    zero = {"rows": 0, "transient": 0, "kept": 0, "layers": 0}
     if not m.num_experts or m.expert_parallel == "none":
         return zero
     ep = mesh_shape.get("expert", 1)
     E, k, n = m.num_experts, m.num_experts_per_tok, tokens_local
     if m.expert_parallel == "all_to_all":
         C = n if m.dispatch == "dropless" else moe_lib.expert_capacity(m, n)
-        rows = E * C
+        rows = kept_rows = E * C  # the padded [E, C] buffers are what each layer holds
     else:
         rows = (ep * n * min(k, E // max(ep, 1)) if m.dispatch == "dropless"
                 else max(1, math.ceil(m.capacity_factor * n * k)))
+        # the M receive rows are a worst-case bound; the layer keeps the rows it routed (k per
+        # token; an estimate: no compile of a ragged program has been read for this)
+        kept_rows = min(rows, n * k)
     b = jnp.dtype(cfg.dtype).itemsize
     D, F = cfg.d_model, _split(m.expert_dim, "mlp", mesh_shape, rules)
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) + cfg.mtp.depth
-    extra = max(rows - k * n, 0)
     return {"rows": int(rows), "transient": int(2 * rows * D * b),
-            "saved": int(extra * (2 * D + 3 * F) * b), "layers": int(layers)}
+            "kept": int(kept_rows * (D + 2 * F) * b), "layers": int(layers)}
 
 
 def _verdict(need: float, usable: float) -> dict:
@@ -523,45 +553,74 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
     reference = params if run.reference else 0  # the frozen reference policy (sharded copy)
     mb = max(batch // max(run.micro_batches, 1), 1)
     act = activation_bytes(tcfg, mesh_shape, mb, seq, rules)
-    gathered = fsdp_gathered_bytes(tcfg, mesh_shape, rules)
+    gathered = fsdp_gathered_bytes(tcfg, mesh_shape, rules, cast=True)
     ep_buf = ep_buffer_bytes(tcfg, mesh_shape, act["tokens_per_device"], rules)
 
-    def transient(p):
-        """ZeRO-3: the gathered weights (every block's without remat, kept for the backward;
-        one block's with it) and one block's full-size weight gradient before its
-        reduce-scatter; EP: the send/receive buffers of one layer's forward and of its
-        backward (the cotangents go back through the same all_to_all), plus the extra
-        dispatched rows every MoE layer keeps for the backward (one layer with remat)."""
-        blocks = p == "none"
-        return (gathered["all_blocks" if blocks else "one_block"] + gathered["one_block"]
-                + 2 * ep_buf["transient"]
-                + ep_buf["saved"] * (ep_buf["layers"] if blocks else 1))
+    def gathered_live(p):
+        """ZeRO-3 gathered weights live at once: every block's without remat (kept for the
+        backward), one block's with it, plus one block's full-size weight gradient before its
+        reduce-scatter."""
+        return gathered["all_blocks" if p == "none" else "one_block"] + gathered["one_block"]
 
-    fixed = params + grads + accum + master + moments + reference
-    total = {p: fixed + act[p] + transient(p) for p in REMAT_NAMES}
+    def ep_live(p):
+        """EP: the send/receive buffers of one layer's forward and of its backward (the
+        cotangents go back through the same all_to_all), plus the dispatched rows every MoE
+        layer keeps into the backward (twice with remat: the forward's and the recompute's)."""
+        copies = 1 if p == "none" else 2
+        return 2 * ep_buf["transient"] + copies * ep_buf["kept"] * ep_buf["layers"]
+
+    def step_peak(p):
+        """The step's transient peak, the larger of two moments: the backward's start (every
+        block's saved residuals, the logits and their gradient, the working set of the first
+        block's backward, the gathered weights and the EP buffers every layer keeps; no weight
+        gradient exists yet) and its end (the full gradient tree, one block's working set and
+        gathered weights, one layer's EP send/receive)."""
+        return max(backward_start(p), backward_end(p))
+
+    def backward_start(p):
+        return act[p] + gathered_live(p) + ep_live(p)
+
+    def backward_end(p):
+        return grads + act["working"][p] + 2 * gathered["one_block"] + 2 * ep_buf["transient"]
+
+    state = params + accum + master + moments + reference
+    total = {p: state + step_peak(p) for p in REMAT_NAMES}
     dec = decode_state_per_device(cfg, mesh_shape, batch, seq, rules)
     baxes = shd.batch_axes(mesh_shape, batch, rules)
     b_loc = batch // math.prod(mesh_shape[x] for x in baxes)
     dec_logits = b_loc * cfg.vocab_size * 4
     infer_total = stored["total"] + dec + dec_logits
+    # the programs without the MTP module (the sampler and the log-prob forward do not run it;
+    # jax.jit drops unused arguments)
+    abstract_t = _abstract(tcfg)
+    forward_params = _shard_bytes(
+        {**abstract_t, "params": {k: v for k, v in abstract_t["params"].items()
+                                  if not k.startswith("mtp_")}}, mesh_shape, rules)["total"]
+    # the separate log-prob forward: one block's gathered weights at a time, and the larger of
+    # one MoE layer's EP send/receive buffers and the f32 logits of the rows
+    ref_forward = forward_params + fsdp_gathered_bytes(tcfg, mesh_shape, rules, cast=True)[
+        "one_block"] + max(ep_buf["transient"], act["logits"] // (2 * (1 + cfg.mtp.depth)))
     rollout = None
     if run.rollout_rows:  # the sampler on the train state's parameters, next to the train state
         r_dec = decode_state_per_device(tcfg, mesh_shape, run.rollout_rows, run.rollout_len,
                                         rules)
         r_loc = run.rollout_rows // math.prod(
             mesh_shape[x] for x in shd.batch_axes(mesh_shape, run.rollout_rows, rules))
-        r_logits = r_loc * tcfg.vocab_size * 4
-        r_copy, r_gathered = 0, gathered["all_blocks"]
-        if run.rollout_experts == "mxfp4":  # the sampler's packed copy (model/quant.py)
-            scfg = quant.mxfp4_config(tcfg)
-            r_copy = _shard_bytes(_abstract(scfg), mesh_shape, rules)["total"]
-            r_gathered = fsdp_gathered_bytes(scfg, mesh_shape, rules)["all_blocks"]
-        r_total = params + master + moments + reference + r_copy + r_gathered + r_dec + \
-            r_logits
+        # the prefill's f32 logits over the whole vocabulary for every prompt position
+        r_logits = r_loc * max(run.rollout_prompt_len, 1) * tcfg.vocab_size * 4
+        # the sampler's weight gathers are hoisted out of the decode loop: every block's
+        # gathered weights live, cast to the compute dtype before the gather
+        scfg = quant.mxfp4_config(tcfg) if run.rollout_experts == "mxfp4" else tcfg
+        r_copy = (_shard_bytes(_abstract(scfg), mesh_shape, rules)["total"]
+                  if run.rollout_experts == "mxfp4" else 0)  # the packed copy (model/quant.py)
+        r_gathered = fsdp_gathered_bytes(scfg, mesh_shape, rules, cast=True)["all_blocks"]
+        r_program = forward_params + r_copy + r_gathered + r_dec + r_logits
+        resident = master + moments + reference  # the train state outside the program
         rollout = {"rows": run.rollout_rows, "len": run.rollout_len,
-                   "experts": run.rollout_experts, "train_state": params + master + moments
-                   + reference, "sampler_copy": r_copy, "gathered_weights": r_gathered,
-                   "decode_state": r_dec, "logits": r_logits, **_verdict(r_total, usable)}
+                   "experts": run.rollout_experts, "train_state": params + resident,
+                   "sampler_copy": r_copy, "gathered_weights": r_gathered,
+                   "decode_state": r_dec, "logits": r_logits, "program": r_program,
+                   **_verdict(r_program + resident, usable)}
     dropped = sorted({f"{p}: {name} ({dim_size}) not divisible by {axis}={size} -> replicated"
                       for p, _, name, axis, size, dim_size in train_report + report})
     summary = sorted({f"{name} ({dim_size}) / {axis}={size}"
@@ -607,10 +666,10 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
             "block_residuals_by_policy": act["block_residuals"],
             "dsa_indexer_scores_per_layer": act["dsa_indexer_scores_per_layer"],
             "logits": act["logits"],
-            "fsdp_gathered": gathered["all_blocks" if cfg.remat == "none" else "one_block"]
-            + gathered["one_block"],
-            "ep_buffers": transient(cfg.remat) - gathered["one_block"] - gathered[
-                "all_blocks" if cfg.remat == "none" else "one_block"],
+            "fsdp_gathered": gathered_live(cfg.remat),
+            "ep_buffers": ep_live(cfg.remat),
+            "state": state, "step_peak": step_peak(cfg.remat),
+            "backward_start": backward_start(cfg.remat), "backward_end": backward_end(cfg.remat),
             "ep_buffer_rows": ep_buf["rows"],
             **_verdict(total[cfg.remat], usable),
             "by_policy": {r: _verdict(total[r], usable) for r in REMAT_NAMES},
@@ -621,6 +680,10 @@ def per_device_plan(cfg: ModelConfig, mesh: str | dict, device: str = "h200", ba
             **_verdict(infer_total, usable),
         },
         "rollout": rollout,
+        # per-device totals of the pod programs train/aot.py compiles (arguments + outputs +
+        # temporaries - aliased in XLA's memory analysis)
+        "programs": {"train_step": total[cfg.remat], "ref_forward": int(ref_forward),
+                     "rollout": rollout and rollout["program"]},
         "not_divisible": summary,
         "replicated_dims": dropped,
         "warnings": warnings,
@@ -729,6 +792,11 @@ def format_per_device(pd: dict) -> str:
                      f"{fmt_bytes(r['sampler_copy'])}, gathered weights "
                      f"{fmt_bytes(r['gathered_weights'])}, decode state "
                      f"{fmt_bytes(r['decode_state'])}, logits {fmt_bytes(r['logits'])}")
+    progs = pd["programs"]
+    lines.append("  per-device programs (compare: python -m train.aot): train step "
+                 + fmt_bytes(progs["train_step"]) + ", reference forward "
+                 + fmt_bytes(progs["ref_forward"])
+                 + (", rollout " + fmt_bytes(progs["rollout"]) if progs["rollout"] else ""))
     for w in pd["warnings"]:
         lines.append(f"  warning: {w}")
     if pd["not_divisible"]:

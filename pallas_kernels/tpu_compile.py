@@ -10,7 +10,10 @@ command line sets it): without it, importing jax with libtpu present probes for 
 (warnings, and a slower start) before falling back to the CPU.
 
 Cases (`cases(preset)`): one kernel entry point at one per-device shape of a model preset
-(configs/models.py), through the same `ops.py` functions and block-config heuristics the model's
+(configs/models.py; its kernel dimensions `PRESET_SHAPES`, plain numbers, which
+tests/pallas_kernels/test_tpu_compile.py holds equal to `model.aot.kernel_shapes` of the preset's
+config; a caller may pass its own `KernelShapes`: this module imports nothing from model/ or
+configs/), through the same `ops.py` functions and block-config heuristics the model's
 layers call (impl="pallas", kernel="tpu", interpret=False: what impl="auto" runs on a TPU):
   kda            ops.kda, [B,T,H,K/V] with the preset's KDA heads over the tensor axis
   dsa_indexer    ops.indexer_scores, the preset's indexer heads over the tensor axis, S = T
@@ -49,8 +52,6 @@ import time
 import traceback
 from collections.abc import Callable
 
-from model.config import ModelConfig
-
 KERNEL_NAMES = ("kda", "dsa_indexer", "dsa_attention", "mxfp4_matmul", "mxfp4_grouped")
 MODES = ("fwd", "bwd")
 # --target -> topology name (get_topology_desc); the check compiles over every device of it
@@ -72,6 +73,41 @@ class PresetSlice:
     batch: int = 1
     seq: int = 512
 
+
+@dataclasses.dataclass(frozen=True)
+class KernelShapes:
+    """The model dimensions the kernels see (whole model, before any device split): compute
+    dtype and d_model; KDA heads, key/value widths and chunk; DSA indexer heads and width,
+    attention heads, MLA kv_lora_rank, rope and q/k head widths, top-k; routed experts, their
+    width and k per token."""
+
+    dtype: str
+    d_model: int
+    kda_heads: int
+    kda_k_dim: int
+    kda_v_dim: int
+    kda_chunk: int
+    index_heads: int
+    index_head_dim: int
+    heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    qk_head_dim: int
+    index_topk: int
+    experts: int
+    expert_dim: int
+    experts_per_tok: int
+
+
+# configs/models.py's presets as the kernels see them (model.aot.kernel_shapes builds the same
+# from a ModelConfig; tests/pallas_kernels/test_tpu_compile.py holds the two equal)
+PRESET_SHAPES = {
+    "tiny": KernelShapes("float32", 128, 2, 64, 64, 64, 2, 32, 2, 64, 16, 48, 64, 8, 128, 2),
+    "small": KernelShapes("bfloat16", 1024, 8, 128, 128, 64, 8, 64, 8, 256, 32, 96, 512, 32, 512,
+                          4),
+    "reference_2p8t": KernelShapes("bfloat16", 7168, 64, 128, 128, 64, 64, 128, 64, 512, 64, 192,
+                                   2048, 1000, 2048, 8),
+}
 
 PRESETS = {
     "tiny": PresetSlice(seq=512),
@@ -173,13 +209,13 @@ def _kda_case(preset, cfg, sl) -> list[Case]:
 
     from pallas_kernels.kda import ops  # noqa: PLC0415
 
-    c = cfg.kda
-    B, T, H, K, V = sl.batch, sl.seq, _split(c.num_heads, sl.tensor), c.k_dim, c.v_dim
+    B, T, H, K, V = (sl.batch, sl.seq, _split(cfg.kda_heads, sl.tensor), cfg.kda_k_dim,
+                     cfg.kda_v_dim)
     dt = jnp.dtype(cfg.dtype)
 
     def f(q, k, v, g, beta, h0):
         return ops.kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                       chunk_size=c.chunk_size, impl="pallas", kernel="tpu", interpret=False)
+                       chunk_size=cfg.kda_chunk, impl="pallas", kernel="tpu", interpret=False)
 
     args = (_sds((B, T, H, K), dt), _sds((B, T, H, K), dt), _sds((B, T, H, V), dt),
             _sds((B, T, H, K), dt), _sds((B, T, H), dt), _sds((B, H, K, V), jnp.float32))
@@ -192,12 +228,12 @@ def _dsa_cases(preset, cfg, sl) -> list[Case]:
 
     from pallas_kernels.dsa import ops  # noqa: PLC0415
 
-    c = cfg.dsa
     B, T = sl.batch, sl.seq
-    HI, Di = _split(c.index_n_heads, sl.tensor), c.index_head_dim
-    H, D, L = _split(c.num_heads, sl.tensor), c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
+    HI, Di = _split(cfg.index_heads, sl.tensor), cfg.index_head_dim
+    H, D, L = _split(cfg.heads, sl.tensor), cfg.kv_lora_rank + cfg.rope_dim, cfg.kv_lora_rank
+    topk = cfg.index_topk
     dt = jnp.dtype(cfg.dtype)
-    scale = float(c.qk_head_dim ** -0.5)
+    scale = float(cfg.qk_head_dim ** -0.5)
 
     def indexer(qi, ki, w):
         return ops.indexer_scores(qi, ki, w, impl="pallas", kernel="tpu", interpret=False)
@@ -210,9 +246,9 @@ def _dsa_cases(preset, cfg, sl) -> list[Case]:
         Case("dsa_indexer", preset, f"B{B}_T{T}_S{T}_HI{HI}_D{Di}_{dt.name}", indexer,
              (_sds((B, T, HI, Di), dt), _sds((B, T, Di), dt), _sds((B, T, HI), jnp.float32)),
              (0, 1, 2)),
-        Case("dsa_attention", preset, f"B{B}_T{T}_S{T}_H{H}_D{D}_v{L}_k{c.index_topk}_{dt.name}",
+        Case("dsa_attention", preset, f"B{B}_T{T}_S{T}_H{H}_D{D}_v{L}_k{topk}_{dt.name}",
              attention, (_sds((B, T, H, D), dt), _sds((B, T, D), dt),
-                         _sds((B, T, c.index_topk), jnp.int32)), (0, 1)),
+                         _sds((B, T, topk), jnp.int32)), (0, 1)),
     ]
 
 
@@ -231,9 +267,8 @@ def _mxfp4_cases(preset, cfg, sl) -> list[Case]:
     from pallas_kernels.mxfp4 import ops  # noqa: PLC0415
     from pallas_kernels.mxfp4.reference import MXFP4  # noqa: PLC0415
 
-    m = cfg.moe
-    E, F, D, k = _split(m.num_experts, sl.expert), _split(m.expert_dim, sl.tensor), cfg.d_model, \
-        m.num_experts_per_tok
+    E, F, D, k = (_split(cfg.experts, sl.expert), _split(cfg.expert_dim, sl.tensor), cfg.d_model,
+                  cfg.experts_per_tok)
     dt = jnp.dtype(cfg.dtype)
 
     def grouped(x, w, gs):
@@ -260,16 +295,15 @@ def _mxfp4_cases(preset, cfg, sl) -> list[Case]:
 _BUILDERS = {"kda": _kda_case, "dsa": _dsa_cases, "mxfp4": _mxfp4_cases}
 
 
-def cases(preset: str, kernels=KERNEL_NAMES) -> list[Case]:
-    """The cases of one model preset (`PRESETS`) for the named kernels, in KERNEL_NAMES order."""
-    from configs import models  # noqa: PLC0415
-
+def cases(preset: str, kernels=KERNEL_NAMES, shapes: KernelShapes | None = None) -> list[Case]:
+    """The cases of one model preset (`PRESETS`: its per-device slice) for the named kernels, in
+    KERNEL_NAMES order; shapes: the model's dimensions (default `PRESET_SHAPES[preset]`)."""
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     unknown = sorted(set(kernels) - set(KERNEL_NAMES))
     if unknown:
         raise ValueError(f"unknown kernels {unknown}; valid: {list(KERNEL_NAMES)}")
-    cfg = ModelConfig.from_dict(models.get_config(preset))
+    cfg = shapes or PRESET_SHAPES[preset]
     sl = PRESETS[preset]
     every = [c for b in _BUILDERS.values() for c in b(preset, cfg, sl)]
     return [c for k in KERNEL_NAMES if k in kernels for c in every if c.kernel == k]

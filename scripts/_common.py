@@ -108,28 +108,13 @@ def host_device_kind() -> str | None:
 
 
 def device_memory(config, phase: str, shape: dict, device: str) -> dict:
-    """Per-device bytes the phase needs on a mesh of `shape` of `device`s, by the planner
-    (model/plan.py: per_device_plan with the config's run, rows and row width) -> {"train",
-    "rollout" (RL; None otherwise), "usable", "source", "plan"}. The one place the launch check
-    reads memory from: where the target topology can be compiled for ahead of time, the
-    compiled train step's and sampler's memory analysis belongs here instead of the planner."""
-    from model import plan
-    from model import sharding as shd
-    from train import run_plan
+    """Per-device bytes the phase needs on a mesh of `shape` of `device`s -> {"train",
+    "rollout" (RL; None otherwise), "usable", "source"}: the one place the launch check reads
+    memory from. train.aot.launch_memory decides: the programs compiled for the TPU slice where
+    libtpu is installed, else the planner; "source" says which."""
+    from train.aot import launch_memory
 
-    rules = shd.rules_from_config(config)
-    cfg = plan.model_cfg(config)
-    if phase == "rl":
-        rows, seq = run_plan.run_batch_from_config(config)
-        run = run_plan.run_plan_from_config(config)
-    else:
-        rows, seq = int(config.sft.batch_size), int(config.sft.seq_len)
-        run = plan.RunPlan(master_dtype=config.optim.master_dtype,
-                           mu_dtype=config.optim.mu_dtype)
-    pd = plan.per_device_plan(cfg, shape, device, rows, seq, rules=rules, run=run)
-    return {"train": pd["train"]["total"],
-            "rollout": pd["rollout"]["total"] if pd.get("rollout") else None,
-            "usable": pd["usable_bytes"], "source": "planner", "plan": pd}
+    return launch_memory(config, phase, shape, device)
 
 
 def memory_check(config, phase: str, shape: dict, device: str | None) -> str:

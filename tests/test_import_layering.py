@@ -3,11 +3,11 @@ package imports a package above it (LAYERS). Read from the source with ast (noth
 an import inside a function body counts like one at module level: a function-level import hides
 a circle from Python's import machinery, not from this graph.
 
-Layers (lowest first), as the code has them: runtime (process set-up before jax) <
-pallas_kernels (kernels, usable without the model) < model < sandbox (which imports neither
-model nor rl) < rl (the engine) < train (the drivers) < configs (run configs, which read rl's
-algorithm presets and model's tokenizer) < scripts < benchmarks (which reuse scripts' and
-each other's pieces).
+Layers (lowest first), as the code has them: runtime (process set-up before jax, the mesh
+context) < pallas_kernels (kernels, usable without the model) < model < sandbox (which imports
+neither model nor rl) < rl (the engine) < train (the drivers and the run-config schema) <
+configs (run configs built on train's schema and model's presets) < scripts < benchmarks (which
+reuse scripts' and each other's pieces).
 
 Not covered: imports built at run time (importlib.import_module, __import__ with a computed
 name) and scripts/' own `import _common` (a path-relative import inside scripts/).
@@ -23,15 +23,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = ("runtime", "pallas_kernels", "model", "sandbox", "rl", "train", "configs", "scripts",
           "benchmarks")
-
-# Files allowed to import a higher layer while their fix lands elsewhere; each entry says why.
-ALLOWED_UPWARD = {
-    # builds the RL run's programs from rl/, train/ and configs/ inside its functions
-    "model/aot.py",
-    # reads model.config and configs.models for its compile targets
-    "pallas_kernels/tpu_compile.py",
-}
-
 
 def project_modules(root: str = ROOT) -> dict[str, str]:
     """{dotted module name: path relative to root} of every .py file under LAYERS' packages."""
@@ -121,13 +112,12 @@ def cycles(edges) -> list[list[str]]:
     return out
 
 
-def upward_imports(edges, mods, allowed=ALLOWED_UPWARD) -> list[str]:
-    """'file:line importer -> imported' for each import of a higher layer's module, except
-    from the files in `allowed`."""
+def upward_imports(edges, mods) -> list[str]:
+    """'file:line importer -> imported' for each import of a higher layer's module."""
     rank = {p: i for i, p in enumerate(LAYERS)}
     out = []
     for (a, b), lines in sorted(edges.items()):
-        if rank[b.split(".")[0]] > rank[a.split(".")[0]] and mods[a] not in allowed:
+        if rank[b.split(".")[0]] > rank[a.split(".")[0]]:
             out += [f"{mods[a]}:{n} {a} -> {b}" for n in lines]
     return out
 
@@ -151,24 +141,3 @@ def test_no_package_imports_a_higher_layer():
     assert not found, (f"imports of a higher layer (layers, lowest first: {LAYERS}); move the "
                        f"piece both need down: {found}")
 
-
-def test_the_allow_list_names_existing_files_that_still_need_it():
-    mods, edges = _repository_graph()
-    for rel in ALLOWED_UPWARD:
-        assert os.path.isfile(os.path.join(ROOT, rel)), rel
-        assert upward_imports(edges, mods, ALLOWED_UPWARD - {rel}), (
-            f"{rel} no longer imports a higher layer: remove it from ALLOWED_UPWARD")
-
-
-def test_the_checks_find_a_circle_and_an_upward_import_hidden_in_functions(tmp_path):
-    for rel, text in {"model/__init__.py": "", "rl/__init__.py": "",
-                      "model/a.py": "def f():\n    from rl import b\n",
-                      "rl/b.py": "import model.a\n",
-                      "rl/c.py": "from . import b\n"}.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
-    mods = project_modules(str(tmp_path))
-    edges = import_edges(mods, str(tmp_path))
-    assert ("rl.c", "rl.b") in edges
-    assert cycles(edges) == [["model.a", "rl.b"]]
-    assert upward_imports(edges, mods) == [f"model{os.sep}a.py:2 model.a -> rl.b"]

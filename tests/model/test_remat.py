@@ -82,10 +82,14 @@ def test_plan_uses_the_configured_policy():
         t = pd["train"]
         assert t["remat"] == p
         assert t["activations"] == t["activations_by_policy"][p]
-        fixed = (t["params_bf16"] + t["grads"] + t["grad_accumulator"] + t["master_f32"]
+        state = (t["params_bf16"] + t["grad_accumulator"] + t["master_f32"]
                  + t["adam_moments_f32"] + t["reference_policy"])
-        transient = t["fsdp_gathered"] + t["ep_buffers"]  # ZeRO-3 gathers, EP send/receive
-        assert t["total"] == fixed + t["activations"] + transient
+        # the transient peak: the backward's start (activations, ZeRO-3 gathers, EP buffers)
+        # or its end (the gradients and one block's working set), whichever is larger
+        start = t["activations"] + t["fsdp_gathered"] + t["ep_buffers"]
+        assert t["state"] == state and t["total"] == state + t["step_peak"]
+        assert t["backward_start"] == start and t["backward_end"] > t["grads"]
+        assert t["step_peak"] == max(start, t["backward_end"])
         assert t["by_policy"][p]["total"] == t["total"]
         text = format_per_device(pd)
         assert f"activations (remat={p})" in text and f"[remat={p}]" in text

@@ -191,22 +191,40 @@ def test_preset_slices_follow_the_model_presets():
         tpu_compile.cases("huge")
 
 
+def test_preset_shapes_are_the_model_presets():
+    """tpu_compile's literal shape table (it imports nothing from model/ or configs/) is what
+    model.aot.kernel_shapes reads from each preset's ModelConfig; passed-in shapes replace it."""
+    import dataclasses
+
+    from configs import models
+    from model import aot
+    from model.config import ModelConfig
+
+    for preset, shapes in tpu_compile.PRESET_SHAPES.items():
+        assert aot.kernel_shapes(ModelConfig.from_dict(models.get_config(preset))) == shapes, \
+            preset
+    wide = dataclasses.replace(tpu_compile.PRESET_SHAPES["tiny"], kda_heads=4)
+    (kda,) = tpu_compile.cases("tiny", ["kda"], shapes=wide)
+    assert kda.args[0].shape[2] == 4
+
+
 def test_pod_compile_overrides_fit_and_report():
-    """model.aot's pieces that need no compile: overrides copy the config (an unknown path
-    raises), the HBM fit, and the report of a failed program (its compiler message)."""
+    """The AOT pieces that need no compile: overrides copy the config (an unknown path raises),
+    the HBM fit, the report of a failed program (its compiler message), slice topologies."""
     from configs import rl as rl_configs
     from model import aot
+    from rl import aot as rl_aot
 
     c = rl_configs.get_config("smoke_8dev")
-    c2 = aot.apply_overrides(c, {"model.moe.qat": True, "optim.master_dtype": ""})
+    c2 = rl_aot.apply_overrides(c, {"model.moe.qat": True, "optim.master_dtype": ""})
     assert c2.model.moe.qat is True and c2.optim.master_dtype == ""
     assert c.model.moe.qat is False and c.optim.master_dtype == "float32"  # original untouched
     with pytest.raises(KeyError, match="model.moe.qatt"):
-        aot.apply_overrides(c, {"model.moe.qatt": True})
+        rl_aot.apply_overrides(c, {"model.moe.qatt": True})
     gib = 2**30
     assert aot.fits(80 * gib, 95 * gib) is True and aot.fits(90 * gib, 95 * gib) is False
     assert aot.fits(1, None) is None
-    text = aot.format_memory({
+    text = rl_aot.format_memory({
         "topology": "v5p:2x2x2", "devices": 8, "device_kind": "TPU v5", "mesh": {"data": 8},
         "hbm_bytes": 95 * gib,
         "train_step": {"ok": False, "error": "NotImplementedError: Mosaic kernels cannot be "
@@ -215,3 +233,7 @@ def test_pod_compile_overrides_fit_and_report():
                     "total_bytes": 3 * gib, "seconds": 2.0, "mosaic_calls": 6}})
     assert "train_step   FAILED" in text and "automatically partitioned" in text
     assert "total     3.00 GiB  fits: True" in text and "ref_forward" not in text
+    assert [aot.slice_topology("tpu-v5p", n) for n in (4, 8, 32, 512, 2048)] == [
+        "v5p:2x2x1", "v5p:2x2x2", "v5p:2x4x4", "v5p:8x8x8", "v5p:8x16x16"]
+    assert aot.slice_topology("tpu-v6e", 256) == "v6e:16x16"
+    assert aot.slice_topology("h200", 8) is None and aot.slice_topology("tpu-v5p", 6) is None

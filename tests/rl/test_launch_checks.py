@@ -93,7 +93,7 @@ def test_memory_over_the_device_is_a_message():
     c = rl_configs.get_config("smoke_8dev")
     shape = shd.mesh_shape(c.sharding.mesh, 8)
     line = _common.memory_check(c, "rl", shape, "tpu-v6e")
-    assert "rl memory on tpu-v6e (planner): training" in line and "rollouts next to" in line
+    assert "rl memory on tpu-v6e (planner" in line and "rollouts next to" in line
     assert "NOT CHECKED" in _common.memory_check(c, "rl", shape, None)
     c.rl.max_new_tokens = 1 << 20  # a million generated tokens per row: nothing fits
     with pytest.raises(ValueError, match=r"rl does not fit on tpu-v6e .* training needs .* GB "
@@ -115,8 +115,8 @@ def test_scaling_doc_memory_tables_are_the_planners():
     table = format_launch_table(plans)
     assert table in docs, "regenerate with python scripts/plan.py --launch_table:\n" + table
     gpu, tpu, small = (p["plan"] for p in plans)
-    for p in (gpu, tpu):  # the documented launches fit, rollouts included
-        assert p["train"]["fits"] and p["rollout"]["fits"], p["mesh"]
+    for p in (gpu, tpu):  # the page's verdicts: the rollouts fit, the training step does not
+        assert p["rollout"]["fits"] and not p["train"]["fits"], p["mesh"]
     assert not small["train"]["fits"] and not small["rollout"]["fits"]
     assert all(p["rows_per_process"] % p["group_size"] == 0 for p in plans)
 
