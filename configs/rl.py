@@ -212,11 +212,14 @@ def reference() -> ml_collections.ConfigDict:
         gathered expert weights are MXFP4 next to the train state;
       * 128 prompts x 4 = 512 rollout rows: 4 rows, one whole group, per process on 128 row
         blocks (the RL pipeline scores and groups per process);
-      * 4 micro-batches: each update trains on 128 rows at a time (one sequence per device).
+      * 4 micro-batches: each update trains on 128 rows at a time (one sequence per device);
+      * rows of 1024 prompt + 2048 generated tokens: the expert-parallel rows every MoE layer
+        keeps into the backward grow with the row, and longer rows do not fit 141 GB (the TPU
+        line, 95 GB chips, generates 1024).
     Check a launch line before renting the pod (add --device h200 for the planner's memory):
         python scripts/train_rl.py --config configs/rl.py:reference --check_devices=1024
         python scripts/plan.py --config configs/rl.py:reference --devices 1024 --device h200 \
-            --batch 512 --seq 4096"""
+            --batch 512 --seq 3072"""
     c = _base("grpo")
     c.name = "reference"
     c.workdir = "runs/reference"
@@ -226,7 +229,7 @@ def reference() -> ml_collections.ConfigDict:
     c.model.moe.expert_parallel = "ragged_all_to_all"  # GPU/TPU (XLA:CPU lacks the collective)
     c.sharding = shd.sharding_config("multihost_slice")
     c.rl.update(dict(prompts_per_batch=128, group_size=4, max_prompt_len=1024,
-                     max_new_tokens=3072, micro_batches=4))
+                     max_new_tokens=2048, micro_batches=4))
     c.rl.rollout_experts = "mxfp4"
     c.sandbox.update(dict(workers=32))  # per host; or remote=<fleet URLs> with fleet_slots
     return c

@@ -45,7 +45,7 @@ from train.run_plan import run_batch_from_config, run_plan_from_config  # noqa: 
 LAUNCHES = (
     ("1024 x H200 (128 nodes of 8)", "fsdp=16,expert=8,tensor=8", "h200", 8, {}),
     ("2048 x TPU v5p (v5p-4096, 512 hosts)", "fsdp=64,expert=8,tensor=4", "tpu-v5p", 4,
-     {"prompts_per_batch": 512}),
+     {"prompts_per_batch": 512, "max_new_tokens": 1024}),
     ("512 x TPU v5p (v5p-1024, 128 hosts)", "fsdp=16,expert=8,tensor=4", "tpu-v5p", 4, {}),
 )
 

@@ -213,18 +213,18 @@ def test_pod_compile_overrides_fit_and_report():
     the HBM fit, the report of a failed program (its compiler message), slice topologies."""
     from configs import rl as rl_configs
     from model import aot
-    from rl import aot as rl_aot
+    from train import aot as train_aot
 
     c = rl_configs.get_config("smoke_8dev")
-    c2 = rl_aot.apply_overrides(c, {"model.moe.qat": True, "optim.master_dtype": ""})
+    c2 = train_aot.apply_overrides(c, {"model.moe.qat": True, "optim.master_dtype": ""})
     assert c2.model.moe.qat is True and c2.optim.master_dtype == ""
     assert c.model.moe.qat is False and c.optim.master_dtype == "float32"  # original untouched
     with pytest.raises(KeyError, match="model.moe.qatt"):
-        rl_aot.apply_overrides(c, {"model.moe.qatt": True})
+        train_aot.apply_overrides(c, {"model.moe.qatt": True})
     gib = 2**30
     assert aot.fits(80 * gib, 95 * gib) is True and aot.fits(90 * gib, 95 * gib) is False
     assert aot.fits(1, None) is None
-    text = rl_aot.format_memory({
+    text = train_aot.format_memory({
         "topology": "v5p:2x2x2", "devices": 8, "device_kind": "TPU v5", "mesh": {"data": 8},
         "hbm_bytes": 95 * gib,
         "train_step": {"ok": False, "error": "NotImplementedError: Mosaic kernels cannot be "

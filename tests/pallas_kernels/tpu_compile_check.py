@@ -56,17 +56,17 @@ def test_pod_programs_compile_for_v5p():
     from configs import models
     from configs import rl as rl_configs
     from model import aot
-    from rl import aot as rl_aot
+    from train import aot as train_aot
 
     tpu_compile.require_libtpu()
     c = rl_configs.get_config("smoke_8dev")
     c.model = models.get_config("test")
     c.model.moe.expert_parallel = "all_to_all"
     c.rl.update(dict(prompts_per_batch=4, group_size=2, max_prompt_len=16, max_new_tokens=8))
-    res = rl_aot.compiled_memory(c, "v5p:2x2x2")
+    res = train_aot.compiled_memory(c, "v5p:2x2x2")
     assert res["devices"] == 8 and res["mesh"] == {"data": 2, "fsdp": 2, "expert": 2,
                                                    "tensor": 1}
-    for p in rl_aot.PROGRAMS:
+    for p in train_aot.PROGRAMS:
         row = res[p]
         assert row["ok"], (p, row["error"])
         assert row["mosaic_calls"] >= 1 and row["total_bytes"] > 0, (p, row)

@@ -115,8 +115,8 @@ def test_scaling_doc_memory_tables_are_the_planners():
     table = format_launch_table(plans)
     assert table in docs, "regenerate with python scripts/plan.py --launch_table:\n" + table
     gpu, tpu, small = (p["plan"] for p in plans)
-    for p in (gpu, tpu):  # the page's verdicts: the rollouts fit, the training step does not
-        assert p["rollout"]["fits"] and not p["train"]["fits"], p["mesh"]
+    for p in (gpu, tpu):  # the page's verdicts: the documented launches fit, training and rollouts
+        assert p["rollout"]["fits"] and p["train"]["fits"], p["mesh"]
     assert not small["train"]["fits"] and not small["rollout"]["fits"]
     assert all(p["rows_per_process"] % p["group_size"] == 0 for p in plans)
 

@@ -79,8 +79,8 @@ def test_check_run_config_catches_what_cannot_run():
 # page by tests/rl/test_launch_checks.py.
 POD_LINES = [
     ("JAX_DISTRIBUTED_AUTO=1 python scripts/train_rl.py --config=configs/rl.py:reference \\\n"
-     "      --config.sharding.mesh=fsdp=64,expert=8,tensor=4 --config.rl.prompts_per_batch=512",
-     2048, 512),
+     "      --config.sharding.mesh=fsdp=64,expert=8,tensor=4 --config.rl.prompts_per_batch=512 \\\n"
+     "      --config.rl.max_new_tokens=1024", 2048, 512),
     ("python scripts/train_rl.py \\\n    --config=configs/rl.py:reference "
      "--config.sharding.mesh=fsdp=16,expert=8,tensor=8", 1024, 128),
 ]

@@ -16,7 +16,7 @@ from configs import rl as rl_configs
 from model import plan
 from model import sharding as shd
 from pallas_kernels import tpu_compile
-from rl import aot, run_plan
+from train import aot, run_plan
 
 
 def test_planner_programs_within_10_percent_of_compiled_small_8dev():
