@@ -19,6 +19,8 @@ import ast
 import functools
 import os
 
+from tests.sandbox.test_sandbox_imports import cycles as graph_cycles
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = ("runtime", "pallas_kernels", "model", "sandbox", "rl", "train", "configs", "scripts",
@@ -70,46 +72,13 @@ def import_edges(mods: dict[str, str], root: str = ROOT) -> dict[tuple[str, str]
 
 
 def cycles(edges) -> list[list[str]]:
-    """The import circles of a graph: its strongly connected components of more than one
-    module (Tarjan's algorithm, iterative), each sorted."""
-    graph: dict[str, list[str]] = {}
+    """The import circles of a graph given by its edges: its strongly connected components of
+    more than one module, each sorted (the sandbox import test's Tarjan)."""
+    graph: dict[str, set[str]] = {}
     for a, b in edges:
-        graph.setdefault(a, []).append(b)
-        graph.setdefault(b, [])
-    index, low, on_stack, stack, out = {}, {}, set(), [], []
-    for start in sorted(graph):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            v, children = work[-1]
-            w = next(children, None)
-            if w is not None:
-                if w not in index:
-                    index[w] = low[w] = len(index)
-                    stack.append(w)
-                    on_stack.add(w)
-                    work.append((w, iter(sorted(graph[w]))))
-                elif w in on_stack:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    x = stack.pop()
-                    on_stack.discard(x)
-                    comp.append(x)
-                    if x == v:
-                        break
-                if len(comp) > 1:
-                    out.append(sorted(comp))
-    return out
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    return graph_cycles(graph)
 
 
 def upward_imports(edges, mods) -> list[str]:

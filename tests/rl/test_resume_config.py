@@ -15,6 +15,9 @@ Not covered: multi-process set-aside (process 0 moves, all wait: the barrier is 
 
 import functools
 import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -35,6 +38,8 @@ from train.workdir import (
     phase_diff,
     record_data,
 )
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _paths(diff):
@@ -200,10 +205,6 @@ def test_sft_resumes_only_its_own_config_and_noresume_keeps_the_old_run(tmp_path
 def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
     """scripts/sft.py on a workdir holding another config's SFT checkpoint: exit code 2, the
     differing field and the ways out on stderr, no traceback, nothing trained or moved."""
-    import os
-    import subprocess
-    import sys
-
     smoke = rl_configs.get_config("smoke")
     smoke.workdir = str(tmp_path)
     MetricsWriter(str(tmp_path / "sft"), tensorboard=False, config=smoke).close()
@@ -211,10 +212,9 @@ def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
     ck.save(30, {"w": np.zeros(3, np.float32)}, rng=None, force=True)
     ck.wait()
     ck.close()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "scripts/sft.py", "--config", "configs/rl.py:smoke",
                         f"--config.workdir={tmp_path}", "--config.sft.lr=0.5"],
-                       cwd=root, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "sft.lr: 0.003 -> 0.5" in r.stderr and "--noresume" in r.stderr
     assert "Traceback" not in r.stderr
@@ -222,44 +222,37 @@ def test_scripts_stop_with_the_message_not_a_traceback(tmp_path):
     assert _steps(tmp_path / "sft") == [30]
 
 
+
+def _dry_run_rejected(script: str, flag: str):
+    """scripts/<script>.py --dry_run with one bad --config flag on the smoke config: exit code 2
+    (the message on stderr is the caller's to check)."""
+    r = subprocess.run([sys.executable, f"scripts/{script}.py", "--config", "configs/rl.py:smoke",
+                        "--dry_run", flag], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    return r
+
+
 def test_scripts_reject_a_bad_config_before_anything_runs(tmp_path):
     """A field the run config's schema rejects (train/run_config.py; here rl.oversample=0; with
     --dry_run rl.template_power=2, and sandbox.reuse_verdicts=-1 for evaluate.py) or does not
     have (rl.nonsense): exit code 2, the message on stderr, no traceback, nothing written to
     the workdir."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
                         f"--config.workdir={tmp_path / 'w'}", "--config.rl.oversample=0"],
-                       cwd=root, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rl.oversample must be an int >= 1" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "w").exists()
     # --dry_run, the command meant to check a launch line, rejects it the same way
-    r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
-                        "--dry_run", "--config.rl.template_power=2"],
-                       cwd=root, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-2000:]
+    r = _dry_run_rejected("train_rl", "--config.rl.template_power=2")
     assert "rl.template_power must be a number in [0, 1]" in r.stderr
     assert "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "scripts/evaluate.py", "--config", "configs/rl.py:smoke",
-                        "--dry_run", "--config.sandbox.reuse_verdicts=-1"],
-                       cwd=root, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-2000:]
+    r = _dry_run_rejected("evaluate", "--config.sandbox.reuse_verdicts=-1")
     assert "sandbox.reuse_verdicts must be an int >= 0" in r.stderr
-    r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
-                        "--dry_run", "--config.rl.nonsense=1"],
-                       cwd=root, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-2000:]
+    r = _dry_run_rejected("train_rl", "--config.rl.nonsense=1")
     assert "rl.nonsense: unknown field (--config.rl.nonsense); valid fields of rl: [" in r.stderr
     assert "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "scripts/train_rl.py", "--config", "configs/rl.py:smoke",
-                        "--dry_run", "--config.tasks.families=code"],
-                       cwd=root, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-2000:]
+    r = _dry_run_rejected("train_rl", "--config.tasks.families=code")
     assert "tasks.families: renamed tasks.domains" in r.stderr and "--config.tasks.domains" in (
         r.stderr)
 
