@@ -1,6 +1,6 @@
 """What every phase of a run shares: starting or resuming a phase (start_phase, resume_state),
 the global batch agreed over processes (next_global_batch, DataExhausted), the primary process
-and its progress bar."""
+and its progress bar, and a phase's end (end_phase)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def progress_bar(total, desc, initial=0):
 class DataExhausted(RuntimeError):
     """A process's data stream ended; raised on every process at the same step
     (next_global_batch), so the job ends everywhere instead of hanging in a collective."""
+
+
+def end_phase(ckpt: Checkpointer, bar=None, writer=None) -> None:
+    """A phase's end: its progress bar closed, its last checkpoint written and the checkpointer
+    closed, its metrics writer closed."""
+    if bar is not None:
+        bar.close()
+    ckpt.wait()
+    ckpt.close()
+    if writer is not None:
+        writer.close()
 
 
 def next_global_batch(it, what: str, step: int):

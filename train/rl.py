@@ -57,6 +57,7 @@ from sandbox.tasks.domains import is_multi_turn_task
 from train.data import balanced, load_task_splits, phase_data
 from train.models import rl_model
 from train.phase import (
+    end_phase,
     is_primary,
     next_global_batch,
     progress_bar,
@@ -356,12 +357,7 @@ def run_rl(config, *, resume: bool = True, progress: bool = True, pool=None,
         if _due(step, r.checkpoint_every, r.steps):
             ckpt.save(step, state, rng=launcher.rng, data_iter=launcher.position(),
                       meta={"phase": "rl"})
-    if bar is not None:
-        bar.close()
-    ckpt.wait()
-    ckpt.close()
-    if writer is not None:
-        writer.close()
+    end_phase(ckpt, bar, writer)
     if own_pool:
         pool.close()
     return state

@@ -50,7 +50,14 @@ from train.models import (
     qat_model,
     warmup_model,
 )
-from train.phase import is_primary, next_global_batch, progress_bar, resume_state, start_phase
+from train.phase import (
+    end_phase,
+    is_primary,
+    next_global_batch,
+    progress_bar,
+    resume_state,
+    start_phase,
+)
 from train.run_config import RunConfig
 from train.state import optim_config, optim_numerics
 from train.weights import checkpoint_variables
@@ -213,12 +220,7 @@ def _supervised_phase(name, model, opt, variables, it, *, steps, objective, work
             ckpt.save(i + 1, state, rng=rng, data_iter=it, meta={"phase": name})
         if bar is not None:
             bar.update(1)
-    if bar is not None:
-        bar.close()
-    ckpt.wait()
-    ckpt.close()
-    if writer is not None:
-        writer.close()
+    end_phase(ckpt, bar, writer)
     return state
 
 
