@@ -396,7 +396,6 @@ class QuantConfig:
         str, "shared_experts,dense_ffn,router,attention,embeddings,lm_head,norms")
 
     def check(self, prefix: str) -> None:
-
         try:
             quant.parse_modules(self.high_precision)
         except ValueError as e:
@@ -596,19 +595,16 @@ def _section(cls, values: Mapping[str, Any], prefix: str):
 
 
 def _check_algo(algo: dict) -> None:
-
     algo_from_config(algo)
 
 
 def _check_sharding(s: dict) -> None:
-
     _unknown(s, ("preset", "mesh", "rules"), "sharding.")
     shd.parse_mesh(s.get("mesh", ""))
     shd.rules_from_config(s)
 
 
 def _check_model(model: dict, tokenizer: str) -> None:
-
     cfg = ModelConfig.from_dict(model)
     n = load_tokenizer(tokenizer).vocab_size
     if n > cfg.vocab_size:
@@ -617,7 +613,6 @@ def _check_model(model: dict, tokenizer: str) -> None:
 
 
 def _check_domains(config: RunConfig) -> None:
-
     task_domains(config)
     sft_domains(config)
 
