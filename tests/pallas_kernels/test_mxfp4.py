@@ -101,6 +101,33 @@ def test_dequantize_exact_every_code_and_scale_byte(path):
         np.testing.assert_array_equal(got[~nan].view(np.uint32), want32[~nan].view(np.uint32))
 
 
+def test_lane_dense_form_matches_bit_decoder_on_every_byte():
+    # TPU form (every intermediate [..., K]) vs the bit-level decoder: all 256 bytes under each
+    # scale byte, bitwise; the table path on the bytes it takes, the bits path and dispatch on all
+    from pallas_kernels import backend
+    from pallas_kernels.mxfp4 import reference as ref
+
+    scales = np.arange(256, dtype=np.uint8)
+    blocks = np.broadcast_to(np.arange(256, dtype=np.uint8).reshape(16, 16), (256, 16, 16))
+    t = MXFP4(blocks=jnp.asarray(blocks), scales=jnp.asarray(np.repeat(scales[:, None], 16, 1)))
+    table = (scales >= 2) & ((scales <= 252) | (scales == 255))
+    u = {jnp.float32: jnp.uint32, jnp.bfloat16: jnp.uint16}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        bits = jax.lax.bitcast_convert_type  # NaN payloads compared too
+        want = bits(ref._bits_to_dtype(ref.decode_bits_f32(ref.unpack_codes(t.blocks),
+                                                           t.scales[..., None]), dtype), u[dtype])
+        want = np.asarray(want).reshape(256, 512)
+        got_bits = ref._dequantize_bits_lane_dense(t, dtype)
+        got_lut = ref._dequantize_lut_lane_dense(t, dtype)
+        assert got_bits.shape == got_lut.shape == (256, 512)  # [..., K], no pair axis
+        np.testing.assert_array_equal(np.asarray(bits(got_bits, u[dtype])).reshape(256, 512), want)
+        np.testing.assert_array_equal(
+            np.asarray(bits(got_lut, u[dtype])).reshape(256, 512)[table], want[table])
+        with backend.target_platform("tpu"):
+            got = dequantize(t, dtype)
+        np.testing.assert_array_equal(np.asarray(bits(got, u[dtype])).reshape(256, 512), want)
+
+
 def test_grid_round_trip_is_exact_and_canonical():
     rng = np.random.default_rng(0)
     nblk = 512
