@@ -13,7 +13,7 @@ running platform: on a CPU host the call then only *lowers* (e.g. under
 ``jax.export.export(..., platforms=["cuda"])`` or ``["tpu"]``; see
 tests/pallas_kernels/test_lowering.py); executing it on the wrong platform fails in Pallas.
 
-Compiling ahead of time for a TPU from a CPU host (``pallas_kernels.tpu_compile``, model/aot.py):
+Compiling ahead of time for a TPU from a CPU host (``pallas_kernels.tpu_compile``, train/aot.py):
 ``with target_platform("tpu"):`` makes ``platform()`` answer "tpu" while a function is traced, so
 ``impl="auto"`` dispatch and the ``kernel`` / ``interpret`` defaults choose what a TPU runs.
 

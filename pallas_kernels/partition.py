@@ -3,7 +3,7 @@
 XLA cannot partition a Mosaic (TPU) kernel itself: a compiled TPU Pallas call in a program
 sharded over several devices fails with "Mosaic kernels cannot be automatically partitioned.
 Please wrap the call in a shard_map" (found by compiling the RL programs for TPU topologies,
-model/aot.py). `per_device(fn, args, in_names, out_names)` runs fn under `jax.shard_map` over the
+train/aot.py). `per_device(fn, args, in_names, out_names)` runs fn under `jax.shard_map` over the
 mesh the model is traced under (runtime.mesh.use_mesh, re-exported by model.sharding), each
 array split by its logical axis names through the same rules and skipping rule as the model's
 activations (runtime.mesh.logical_to_spec: "batch" over the data axes, "act_heads" over
