@@ -149,14 +149,8 @@ def build(name: str = "test", **overrides):
     counterpart of --config.x.y=v: build("test", **{"dsa.index_topk": 8, "d_model": 32}).
     An unknown path raises (ml_collections does not create fields on assignment)."""
     from model.config import ModelConfig
+    from model.config_base import set_dotted
 
     c = get_config(name)
-    for key, v in overrides.items():
-        node = c
-        *path, leaf = key.split(".")
-        for p in path:
-            node = node[p]
-        if leaf not in node:
-            raise KeyError(f"model config {name!r} has no field {key!r}")
-        node[leaf] = v
+    set_dotted(c, overrides, f"model config {name!r}")
     return ModelConfig.from_dict(c)

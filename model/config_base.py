@@ -31,6 +31,20 @@ def require(cond: bool, field: str, msg: str) -> None:
         raise ConfigError(f"{field}: {msg}")
 
 
+def set_dotted(config, overrides, what: str = "config") -> None:
+    """Set dotted-path fields of a ConfigDict in place ({"moe.qat": True}), the Python
+    counterpart of --config.x.y=v; a path the config lacks raises KeyError naming it and `what`
+    (ml_collections would not create the field on assignment)."""
+    for key, v in overrides.items():
+        node = config
+        *path, leaf = key.split(".")
+        for p in path:
+            node = node[p]
+        if leaf not in node:
+            raise KeyError(f"{what} has no field {key!r}")
+        node[leaf] = v
+
+
 def check_kernel(table, impl: str, field: str, hint: str = "", **facts) -> None:
     """Config-time kernel choice: `impl` must be a KERNEL_IMPLS name, and an explicit one must
     be able to take the op's calls as far as the config knows them (`facts`: head dims, dtype;

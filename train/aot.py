@@ -39,6 +39,7 @@ import importlib.util
 from model import aot
 from model import sharding as shd
 from model.config import ModelConfig
+from model.config_base import set_dotted
 from model.transformer import Model
 from rl.algorithms import algo_from_config
 from rl.sampler import Sampler
@@ -57,14 +58,7 @@ def apply_overrides(config, overrides: dict | None):
     """A copy of the run config with dotted-path overrides ({"model.moe.qat": True}); an unknown
     path raises."""
     c = config.copy_and_resolve_references()
-    for key, v in (overrides or {}).items():
-        node = c
-        *path, leaf = key.split(".")
-        for p in path:
-            node = node[p]
-        if leaf not in node:
-            raise KeyError(f"run config has no field {key!r}")
-        node[leaf] = v
+    set_dotted(c, overrides or {}, "run config")
     return c
 
 
