@@ -526,7 +526,7 @@ def build_train_batch(group: ScoredGroup, algo: AlgoConfig, width: int, *, forwa
 
 # --------------------------------------------------------------------------- evaluation
 def task_domain(task) -> str:
-    return task.meta.get("family_name", task.family)
+    return task.meta.get("domain", task.family)
 
 
 def evaluate(worker: RolloutWorker, variables, tasks: list, rng, *, n_samples: int = 1,

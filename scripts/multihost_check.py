@@ -83,7 +83,7 @@ def check_tasks(path: pathlib.Path, n_parity: int = 16) -> pathlib.Path:
     parity = [Task(id=f"parity-{i}", family="answer_check", timeout_s=5.0,
                    prompt=f"Task {i}: answer with any text that starts with an even byte.",
                    check=PARITY_CHECK, check_language="python",
-                   meta={"family_name": "parity"}) for i in range(n_parity)]
+                   meta={"domain": "parity"}) for i in range(n_parity)]
     save_tasks(parity, path)
     return path
 

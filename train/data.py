@@ -130,7 +130,13 @@ def data_digest(items) -> str:
     canonical JSON."""
     def plain(x):
         if dataclasses.is_dataclass(x):
-            return dataclasses.asdict(x)
+            d = dataclasses.asdict(x)
+            meta = d.get("meta")
+            if isinstance(meta, dict) and "domain" in meta:
+                # hashed under the key the recorded digests were written with (the task domain's
+                # meta key was "family_name"), so run directories recorded before still resume
+                d["meta"] = {("family_name" if k == "domain" else k): v for k, v in meta.items()}
+            return d
         if isinstance(x, (set, frozenset)):  # in an order that does not depend on hashing
             return sorted(x, key=repr)
         return repr(x)

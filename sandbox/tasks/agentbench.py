@@ -75,7 +75,7 @@ from ..verifiers import check_task
 from .schema import Task, TaskFormatError
 
 PACKAGE = "inspect_evals"
-DOMAIN = "agentbench-os"  # meta["family_name"]: the domain evaluations report
+DOMAIN = "agentbench-os"  # meta["domain"]: the domain evaluations report
 SPLITS = {"dev": "agent_bench_os.json", "test": "agent_bench_os_test.json"}
 HOME = "/home/agent"
 WORKSPACE = {"cwd": HOME, "dirs": ["/home", "/root", "/tmp", "/var"], "as_root": True,
@@ -241,7 +241,7 @@ def record_to_task(record: dict, split: str) -> Task | str:
         example_code = _script(example["file"])
     labels = [str(x) for x in record.get("labels") or []]
     meta: dict[str, Any] = {"source": "agentbench-os", "split": split, "record_id": record["id"],
-                            "agent": True, "family_name": DOMAIN, "labels": labels,
+                            "agent": True, "domain": DOMAIN, "labels": labels,
                             "template": "/".join(labels) or "unlabelled",
                             "workspace": dict(WORKSPACE), "max_task_runs": 5}
     if start:

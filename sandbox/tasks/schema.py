@@ -5,7 +5,8 @@ One JSON object per line. Common fields (checked when a Task is built):
   id           str, unique within a file (required)
   family       str, the scoring method that judges the task (required): one registered in
                sandbox/verifiers.py, the one list of them ("python_tests", "stdio", "math",
-               "terminal", "answer_check"). Which domain made a task is meta["family_name"].
+               "terminal", "answer_check"). Which domain made a task is meta["domain"] (task
+               files that name it meta["family_name"] load with it renamed).
   prompt       str, what the model sees (default "")
   timeout_s    float, wall-clock limit per sandbox run (default 10)
   memory_mb    int, memory limit per sandbox run (default 512)
@@ -105,6 +106,11 @@ class Task:
             raise TaskFormatError(f"task {d.get('id')!r}: unknown fields {unknown} "
                                   "(put extra data under 'meta')")
         kw = dict(d)
+        meta = kw.get("meta")
+        if isinstance(meta, dict) and "family_name" in meta and "domain" not in meta:
+            meta = dict(meta)  # the key task files written before the rename carry
+            meta["domain"] = meta.pop("family_name")
+            kw["meta"] = meta
         if "id" in kw:
             kw["id"] = str(kw["id"])
         if "answer" in kw:

@@ -8,7 +8,7 @@ imperfect leaves room for RL).
 sft_examples: one-shot (task, demo) pairs, in order; within each domain exactly
 round(imperfect_frac * count) completions are corrupted (chosen with `seed`).
 sft_episodes: multi-turn tasks, in order; exactly round(imperfect_frac * n) get corrupted turns
-(render them with rl.envs.demo_turns). corrupt dispatches on meta["family_name"] through the
+(render them with rl.envs.demo_turns). corrupt dispatches on meta["domain"] through the
 domain registry (sandbox/tasks/domains), so every domain, generated or loaded (gsm8k), has one.
 """
 
@@ -24,10 +24,10 @@ from .schema import Task
 
 def corrupt(rng: random.Random, task: Task, demo: Demo) -> Demo:
     """A well-formed wrong demonstration for a task made (or loaded) by a registered domain."""
-    fam = task.meta.get("family_name")
+    fam = task.meta.get("domain")
     domain = DOMAINS.get(fam)
     if domain is None:
-        raise ValueError(f"task {task.id}: no domain for family_name {fam!r} "
+        raise ValueError(f"task {task.id}: no domain {fam!r} "
                          f"(known: {sorted(DOMAINS)})")
     return domain.corrupt(rng, task, demo)
 
@@ -41,7 +41,7 @@ def sft_examples(pairs: Sequence[tuple[Task, str]], imperfect_frac: float,
     rng = random.Random(f"sft|{seed}")
     by_fam: dict[str, list[int]] = {}
     for i, (t, _) in enumerate(pairs):
-        by_fam.setdefault(t.meta.get("family_name", t.family), []).append(i)
+        by_fam.setdefault(t.meta.get("domain", t.family), []).append(i)
     bad: set[int] = set()
     for fam in sorted(by_fam):
         idx = by_fam[fam]

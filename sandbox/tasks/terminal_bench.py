@@ -289,7 +289,7 @@ def load_tb2_task(path: str | os.PathLike) -> Task:
     dirs = sorted(tops | {"/root", "/tmp", "/logs", "/tests"})
     meta: dict[str, Any] = {
         "source": "terminal-bench-2", "path": os.path.abspath(root), "agent": True,
-        "family_name": "terminal-bench-2", "template": os.path.basename(os.path.normpath(root)),
+        "domain": "terminal-bench-2", "template": os.path.basename(os.path.normpath(root)),
         "metadata": dict(cfg.get("metadata", {})), "base_image": base, "solution": solution,
         "workspace": {"cwd": cwd, "home": "/root", "dirs": dirs, "as_root": True},
         "max_task_runs": 3}

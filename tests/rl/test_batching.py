@@ -207,7 +207,7 @@ def test_template_power_rebalances_rare_templates_and_keeps_domain_shares():
     drawn = [t for b in batches if not is_agent_task(b[0]) for t in b]
     by = {}
     for t in drawn:
-        if t.meta.get("family_name") == "code":
+        if t.meta.get("domain") == "code":
             by[t.meta["template"]] = by.get(t.meta["template"], 0) + 1
     n_code = sum(by.values())
     assert abs(n_code / len(drawn) - 300 / 450) < 0.03  # the domain's share is unchanged

@@ -51,7 +51,7 @@ def digit_eval():
     variables = model.init(jax.random.key(0))
     tasks = [Task(id=f"{dom}{i}", family="answer_check", prompt=f"{dom} {i}: say a digit",
                   check=DIGIT_CHECK, check_language="python", timeout_s=5,
-                  meta={"family_name": dom})  # the domain evaluate() groups by
+                  meta={"domain": dom})  # the domain evaluate() groups by
              for dom in ("left", "right") for i in range(4)]
     with SandboxPool(workers=2) as pool:
         base = SamplingConfig(max_new_tokens=6, temperature=0.0)

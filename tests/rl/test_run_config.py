@@ -93,3 +93,23 @@ def test_flags_override_the_schema_defaults_and_the_links_follow():
     r = RunConfig.from_config(c)
     assert (r.rl_seed(), r.optim.total_steps, r.rl.algo.max_len, r.eval.batch_prompts) == (
         5, 7, 60, r.rl.prompts_per_batch * r.rl.group_size)
+
+
+def test_the_task_domain_meta_key_renamed_loads_and_keeps_recorded_digests():
+    """Task files naming the domain meta["family_name"] load with meta["domain"]; a data record's
+    digest hashes the domain under the key records were written with, so a run directory
+    recorded before the rename still resumes (the digest is that of the old form)."""
+    import hashlib
+
+    from sandbox.tasks.schema import Task
+    from train.data import data_digest
+
+    old = {"id": "a", "family": "stdio", "prompt": "p", "meta": {"family_name": "code", "x": 1}}
+    t = Task.from_dict(old)
+    assert t.meta == {"domain": "code", "x": 1} and old["meta"] == {"family_name": "code", "x": 1}
+    legacy = dataclasses.asdict(t)
+    legacy["meta"] = {"family_name": "code", "x": 1}
+    want = hashlib.sha256(json.dumps([legacy], sort_keys=True).encode()).hexdigest()
+    assert data_digest([t]) == want
+    moved = Task.from_dict({**old, "meta": {"family_name": "math"}})
+    assert data_digest([moved]) != want  # the domain's value is still hashed

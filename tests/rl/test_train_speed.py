@@ -256,7 +256,7 @@ def _scored_group(rows, group_size, prompt_len, gen_len, task, seed=0):
         texts=[""] * rows, rewards=rng.random(rows).astype(np.float32),
         failed=np.zeros(rows, bool), details=[], gen_s=0.0,
         target_mask=(cmask & (rng.random((rows, gen_len)) < 0.7))
-        if task.meta.get("family_name") == "multistep" else None)
+        if task.meta.get("domain") == "multistep" else None)
 
 
 @pytest.mark.parametrize("ref_mode,ahead", [("step", "state"), ("batch", "state"),
@@ -280,8 +280,8 @@ def test_precompiled_updates_compile_nothing_at_the_first_update(small_lm, ref_m
     opt = optax.sgd(1e-2)
     rows, group = 8, 4
     tasks = [Task(id="a", family="math", prompt="1+1", answer="2"),
-             Task(id="b", family="terminal", prompt="ls", meta={"family_name": "multistep"})]
-    width = lambda ts: 40 if ts[0].meta.get("family_name") == "multistep" else 24
+             Task(id="b", family="terminal", prompt="ls", meta={"domain": "multistep"})]
+    width = lambda ts: 40 if ts[0].meta.get("domain") == "multistep" else 24
 
     def updates(compiles: list, precompile: bool) -> tuple[int, int]:
         state = init_train_state_sharded(variables, opt,

@@ -130,7 +130,7 @@ def test_splits_disjoint_deterministic_and_within_limits():
         for (split, _seed), pairs in made.items():
             assert len({t.id for t, _ in pairs}) == len(pairs)
             for t, demo in pairs:
-                assert t.meta["split"] == split and t.meta["family_name"] == fam
+                assert t.meta["split"] == split and t.meta["domain"] == fam
                 assert t.meta["demo"] == demo and t.id.startswith(f"{fam}/{split}/")
                 assert _fits(t.prompt, demo), (t.prompt, demo)
         prompts = {s: {t.prompt for seed in (0, 1) for t, _ in made[(s, seed)]}
@@ -171,12 +171,12 @@ def test_difficulty_changes_the_task():
 def test_mixture_is_balanced_and_sft_fraction_is_exact():
     mix = make_mixture(FAMS, "train", 20, seed=4)
     assert len(mix) == 60
-    assert [t.meta["family_name"] for t, _ in mix[:6]] == FAMS * 2
+    assert [t.meta["domain"] for t, _ in mix[:6]] == FAMS * 2
     ex = sft_examples(mix, imperfect_frac=0.4, seed=9)
     assert ex == sft_examples(mix, imperfect_frac=0.4, seed=9)
     assert len(ex) == len(mix)
     for fam in FAMS:
-        rows = [(e, p) for e, p in zip(ex, mix) if p[0].meta["family_name"] == fam]
+        rows = [(e, p) for e, p in zip(ex, mix) if p[0].meta["domain"] == fam]
         assert sum(not ok for (_, _, ok), _ in rows) == 8
     for (prompt, completion, ok), (t, demo) in zip(ex, mix):
         assert prompt == t.prompt and (completion == demo) == ok

@@ -50,4 +50,4 @@ def is_multi_turn_task(task) -> bool:
     a task of a multi-turn domain (multistep), or a terminal task that asks for it with
     meta["agent"] = True (e.g. a folder task). Every other task is one-shot: one completion."""
     meta = getattr(task, "meta", {}) or {}
-    return is_multi_turn(meta.get("family_name")) or bool(meta.get("agent"))
+    return is_multi_turn(meta.get("domain")) or bool(meta.get("agent"))

@@ -4,10 +4,10 @@ A domain (one file in this folder, one line in the registry, sandbox/tasks/domai
 makes tasks and their demonstrations: data generation, the prompt, the check spec (which scoring
 method of sandbox/verifiers.py judges the task, with the fields it needs) and, for SFT, well-formed
 wrong demonstrations. How a task is scored is not a domain's business: `Task.family` names a
-scoring method, `meta["family_name"]` names the domain that made the task.
+scoring method, `meta["domain"]` names the domain that made the task.
 
     class Domain:
-        name          the domain's name (meta["family_name"] of its tasks; config.tasks.domains)
+        name          the domain's name (meta["domain"] of its tasks; config.tasks.domains)
         multi_turn    demos are lists of turns ({"command", "exit_code", "stdout", "stderr"})
                       played as episodes (rl.agent), not one completion string
         split_label   prefix of draw_split's random seed string (kept per domain so the tasks of
@@ -68,7 +68,7 @@ class OneShotDomain(Domain):
     """A one-shot generated domain: subclasses implement `_draw(rng, difficulty) -> (Task, demo)
     | None` (None when a draw exceeds the byte limits or is degenerate) and `corrupt`. Task ids:
     "<name>/<split>/d<difficulty>/<12 hex digits of a hash of the full task>"; meta: split,
-    difficulty, family_name, template, params (what corrupt() needs), demo."""
+    difficulty, domain, template, params (what corrupt() needs), demo."""
 
     @property
     def split_label(self) -> str:
@@ -90,7 +90,7 @@ class OneShotDomain(Domain):
               params: dict, **fields: Any) -> Task:
         split = split_of(self.name, key)
         tid = f"{self.name}/{split}/d{difficulty}/{task_hash(self.name, key, uniq)[:12]}"
-        meta = {"split": split, "difficulty": difficulty, "family_name": self.name,
+        meta = {"split": split, "difficulty": difficulty, "domain": self.name,
                 "template": template, "params": params, "demo": demo}
         return Task(id=tid, prompt=prompt, timeout_s=TIMEOUT_S, memory_mb=MEMORY_MB, meta=meta,
                     **fields)

@@ -27,7 +27,7 @@ def load_gsm8k(path: str | os.PathLike, *, split: str | None = None,
     """GSM8K-format JSONL (`question`, `answer` = reasoning + "#### 42") as math-scored tasks.
 
     answer: the text after the last "####", thousands separators removed. meta: source "gsm8k",
-    family_name "gsm8k", split (if given), solution (the original reasoning), demo (the reasoning
+    domain "gsm8k", split (if given), solution (the original reasoning), demo (the reasoning
     without <<...>> calculator notes, then "The answer is \\boxed{42}.")."""
     out = []
     for lineno, obj in iter_jsonl(path):
@@ -42,7 +42,7 @@ def load_gsm8k(path: str | os.PathLike, *, split: str | None = None,
         if not final:
             raise TaskFormatError(f"{path}:{lineno}: empty final answer")
         demo = _CALC_RE.sub("", reasoning).strip() + f"\nThe answer is \\boxed{{{final}}}."
-        meta = {"source": "gsm8k", "family_name": "gsm8k", "solution": reasoning.strip(),
+        meta = {"source": "gsm8k", "domain": "gsm8k", "solution": reasoning.strip(),
                 "demo": demo, "line": lineno}
         if split is not None:
             meta["split"] = split

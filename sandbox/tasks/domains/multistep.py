@@ -387,7 +387,7 @@ def sample(rng: random.Random, difficulty: int) -> Task:
         id=f"{FAMILY}/{split}/d{difficulty}/{task_hash(FAMILY, key, files)[:12]}", family="terminal",
         prompt=prompt, files=files, check=lines_check(params["target"], params["want"]),
         check_language="python", timeout_s=_TIMEOUT_S, memory_mb=_MEMORY_MB,
-        meta={"split": split, "difficulty": difficulty, "family_name": FAMILY, "template": name,
+        meta={"split": split, "difficulty": difficulty, "domain": FAMILY, "template": name,
               "params": {**params, "wrong": wrong}, "demo_turns": turns,
               "max_turns": len(demo) + 2})
     if not passes(task, final):
