@@ -244,7 +244,7 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
     num_devices = resolve_devices(config, num_devices)
     algo = algo_from_config(config.rl.algo)
     oversample = config.rl.oversample if "rl" in phases else 1
-    fams, sft_fams = task_domains(config), sft_domains(config)
+    doms, sft_doms = task_domains(config), sft_domains(config)
     lines = [check_run_config(config, num_devices, phase=p, processes=processes)
              for p in phases]
     if "sft" in phases and (dense := sft_dense_steps(config, model_config(config))):
@@ -259,8 +259,8 @@ def validate_run_config(config, phases=("sft", "rl"), num_devices: int | None = 
                      "RL starts from")
     lines.append(f"  algorithm {algo.name}: estimator {algo.estimator}, clip "
                  f"[{algo.clip_low}, {algo.clip_high}], agg {algo.agg}, KL {algo.kl_kind} x "
-                 f"{algo.kl_coef} in the {algo.kl_placement}; tasks {', '.join(fams)}"
-                 + (f" (SFT: {', '.join(sft_fams)})" if sft_fams != fams else "")
+                 f"{algo.kl_coef} in the {algo.kl_placement}; tasks {', '.join(doms)}"
+                 + (f" (SFT: {', '.join(sft_doms)})" if sft_doms != doms else "")
                  + f"; workdir {config.workdir}")
     if oversample > 1:
         lines.append(f"  dynamic sampling: {oversample} batches' prompts drawn per update, one "

@@ -24,10 +24,10 @@ from .schema import Task
 
 def corrupt(rng: random.Random, task: Task, demo: Demo) -> Demo:
     """A well-formed wrong demonstration for a task made (or loaded) by a registered domain."""
-    fam = task.meta.get("domain")
-    domain = DOMAINS.get(fam)
+    dom = task.meta.get("domain")
+    domain = DOMAINS.get(dom)
     if domain is None:
-        raise ValueError(f"task {task.id}: no domain {fam!r} "
+        raise ValueError(f"task {task.id}: no domain {dom!r} "
                          f"(known: {sorted(DOMAINS)})")
     return domain.corrupt(rng, task, demo)
 
@@ -39,12 +39,12 @@ def sft_examples(pairs: Sequence[tuple[Task, str]], imperfect_frac: float,
     if not 0.0 <= imperfect_frac <= 1.0:
         raise ValueError("imperfect_frac must be in [0, 1]")
     rng = random.Random(f"sft|{seed}")
-    by_fam: dict[str, list[int]] = {}
+    by_domain: dict[str, list[int]] = {}
     for i, (t, _) in enumerate(pairs):
-        by_fam.setdefault(t.meta.get("domain", t.family), []).append(i)
+        by_domain.setdefault(t.meta.get("domain", t.family), []).append(i)
     bad: set[int] = set()
-    for fam in sorted(by_fam):
-        idx = by_fam[fam]
+    for dom in sorted(by_domain):
+        idx = by_domain[dom]
         bad.update(rng.sample(idx, round(imperfect_frac * len(idx))))
     out = []
     for i, (t, demo) in enumerate(pairs):
