@@ -7,6 +7,8 @@ Readers: scripts/plan.py, train/aot.py (the launch check's memory: compiled or p
 
 from __future__ import annotations
 
+from model import plan
+from model import sharding as shd
 from model.plan import RunPlan
 from rl.algorithms import algo_from_config
 
@@ -36,9 +38,6 @@ def planned_memory(config, phase: str, shape: dict, device: str) -> dict:
     """Per-device bytes a phase ("rl" or "sft") of a run config needs on a mesh of `shape` of
     `device`s, by the planner (model.plan.per_device_plan with the config's run, rows and row
     width) -> {"train", "rollout" (RL; None otherwise), "usable", "source": "planner", "plan"}."""
-    from model import plan
-    from model import sharding as shd
-
     rules = shd.rules_from_config(config)
     cfg = plan.model_cfg(config)
     if phase == "rl":
@@ -46,8 +45,7 @@ def planned_memory(config, phase: str, shape: dict, device: str) -> dict:
         run = run_plan_from_config(config)
     else:
         rows, seq = int(config.sft.batch_size), int(config.sft.seq_len)
-        run = RunPlan(master_dtype=config.optim.get("master_dtype", "") or "",
-                      mu_dtype=config.optim.get("mu_dtype", "") or "")
+        run = RunPlan(master_dtype=config.optim.master_dtype, mu_dtype=config.optim.mu_dtype)
     pd = plan.per_device_plan(cfg, shape, device, rows, seq, rules=rules, run=run)
     return {"train": pd["train"]["total"],
             "rollout": pd["rollout"]["total"] if pd.get("rollout") else None,
